@@ -1,0 +1,131 @@
+// CPU kernel of Jakiro's MoE feed-forward block (router with N + 2 logits, top-2 of N SwiGLU
+// experts, weighted combination plus residual) in one call.
+//
+// Routing runs in float32 for every input dtype (the router is tiny and near-ties between
+// experts must not depend on bf16 rounding). Tokens are then grouped by expert, and each
+// active expert runs as three GEMMs over just its tokens, with SiLU(gate) * up fused in
+// between; experts run in parallel. Nothing is gathered per token (no [M, 2, I, H] weights).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cpu/vec_utils.h"
+#include "jakiro/topk.h"
+#include "ops.h"
+
+namespace jakiro::cpu {
+namespace {
+
+// dst = silu(gate) * up, element-wise, computed in float32.
+template <typename scalar_t>
+void silu_mul(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t n, std::vector<float>& g,
+              std::vector<float>& u) {
+  g.resize(n);
+  u.resize(n);
+  to_float(gate, g.data(), n);
+  to_float(up, u.data(), n);
+  int64_t i = 0;
+  const Vec one(1.f);
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    Vec x = Vec::loadu(g.data() + i);
+    (x / (one + x.neg().exp()) * Vec::loadu(u.data() + i)).store(g.data() + i);
+  }
+  for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+  from_float(g.data(), dst, n);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_cpu(
+    const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate, const at::Tensor& w_up,
+    const at::Tensor& w_down, bool renormalize) {
+  const auto sh = check_moe_top2(x, router_weight, w_gate, w_up, w_down);
+  c10::InferenceMode guard;
+  const int64_t M = sh.tokens, H = sh.hidden, N = sh.experts;
+  auto x2 = x.reshape({M, H}).contiguous();
+  auto lead = x.sizes().slice(0, x.dim() - 1).vec();
+  auto with_last = [&](std::vector<int64_t> dims) {
+    auto shape = lead;
+    shape.insert(shape.end(), dims.begin(), dims.end());
+    return shape;
+  };
+  auto fopts = x.options().dtype(at::kFloat);
+  auto expert_out = at::empty(with_last({2, H}), x.options());
+  auto expert_idx = at::empty(with_last({2}), x.options().dtype(at::kLong));
+  auto expert_score = at::empty(with_last({2}), fopts);
+  auto contrast_weight = at::empty(with_last({2}), fopts);
+  auto out = at::empty_like(x2);
+
+  // Router: N routing logits + 2 contrastive logits per token, in float32.
+  auto logits = at::mm(x2.to(at::kFloat), router_weight.to(at::kFloat).t()).contiguous();
+  const float* pl = logits.data_ptr<float>();
+  int64_t* pidx = expert_idx.data_ptr<int64_t>();
+  float* pscore = expert_score.data_ptr<float>();
+  float* pcw = contrast_weight.data_ptr<float>();
+  std::vector<std::vector<int64_t>> rows_of(N);  // per expert: token * 2 + slot
+  for (int64_t m = 0; m < M; ++m) {
+    const float* l = pl + m * (N + 2);
+    float mx = l[0];
+    for (int64_t e = 1; e < N; ++e) mx = std::max(mx, l[e]);
+    float probs[8], sum = 0.f;
+    for (int64_t e = 0; e < N; ++e) sum += (probs[e] = std::exp(l[e] - mx));
+    float top_v[2];
+    int64_t top_i[2];
+    TopK top(top_v, top_i, 2);
+    for (int64_t e = 0; e < N; ++e) top.push(probs[e] / sum, e);
+    const float norm = renormalize ? top_v[0] + top_v[1] : 1.f;
+    for (int64_t j = 0; j < 2; ++j) {
+      pidx[m * 2 + j] = top_i[j];
+      pscore[m * 2 + j] = top_v[j] / norm;
+      rows_of[top_i[j]].push_back(m * 2 + j);
+    }
+    // Contrastive weights: softmax of the two extra logits, larger first.
+    const float c0 = l[N], c1 = l[N + 1], cm = std::max(c0, c1);
+    const float e0 = std::exp(c0 - cm), e1 = std::exp(c1 - cm);
+    pcw[m * 2] = std::max(e0, e1) / (e0 + e1);
+    pcw[m * 2 + 1] = std::min(e0, e1) / (e0 + e1);
+  }
+
+  JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "moe_top2_cpu", [&] {
+    auto eo2 = expert_out.view({M * 2, H});
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      c10::InferenceMode worker_guard;
+      std::vector<float> g, u;
+      for (int64_t e = begin; e < end; ++e) {
+        const auto& slots = rows_of[e];
+        if (slots.empty()) continue;
+        auto slot_index = at::from_blob(const_cast<int64_t*>(slots.data()), {(int64_t)slots.size()},
+                                        at::TensorOptions().dtype(at::kLong));
+        auto xs = x2.index_select(0, at::floor_divide(slot_index, 2));
+        auto gate = at::mm(xs, w_gate[e].t());
+        auto up = at::mm(xs, w_up[e].t());
+        silu_mul(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), gate.numel(), g, u);
+        eo2.index_copy_(0, slot_index, at::mm(gate, w_down[e].t()));
+      }
+    });
+    // out = x + score_0 * h_0 + score_1 * h_1, accumulated in float32.
+    const scalar_t* px = x2.data_ptr<scalar_t>();
+    const scalar_t* ph = eo2.data_ptr<scalar_t>();
+    scalar_t* po = out.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(H), h(H);
+      for (int64_t m = begin; m < end; ++m) {
+        to_float(px + m * H, acc.data(), H);
+        for (int64_t j = 0; j < 2; ++j) {
+          to_float(ph + (m * 2 + j) * H, h.data(), H);
+          axpy(acc.data(), h.data(), H, pscore[m * 2 + j]);
+        }
+        from_float(acc.data(), po + m * H, H);
+      }
+    });
+  });
+  return {out.view(x.sizes()), expert_out, expert_idx, expert_score, contrast_weight};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jakiro, CPU, m) { m.impl("moe_top2", &moe_top2_cpu); }
+
+}  // namespace jakiro::cpu

@@ -1,0 +1,238 @@
+// CPU kernels of tree attention over a KV cache (split-KV, FlashDecoding-style) and of the
+// merge of partial attention states.
+//
+// One task = (sequence b, KV head, split). It gathers the G = Hq / Hkv query heads that share
+// the KV head, times the T tree tokens, into one [G*T, D] block, so every K/V row loaded from
+// the cache serves all of them. Keys are consumed in blocks of kBlock: scores by a GEMM,
+// masking of the tree part from the bit-packed ancestor mask, online softmax, then P @ V by
+// a second GEMM. bf16 caches are widened to float32 per block; accumulation is float32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cpu/gemm.h"
+#include "cpu/vec_utils.h"
+#include "jakiro/common.h"
+#include "jakiro/softmax.h"
+#include "ops.h"
+
+namespace jakiro::cpu {
+namespace {
+
+constexpr int64_t kBlock = 256;        // keys per GEMM block: the [G*T, kBlock] scores stay in L2
+constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this many keys long
+
+struct SplitScratch {
+  std::vector<float> q, scores, acc, k, v;
+  std::vector<OnlineSoftmax> state;
+  SplitScratch(int64_t rows, int64_t dim)
+      : q(rows * dim), scores(rows * kBlock), acc(rows * dim), k(kBlock * dim), v(kBlock * dim), state(rows) {}
+};
+
+// The float32 rows [start, start + n) of one head's [S, D] cache: the cache itself when it
+// is float32, else widened into `buffer`.
+inline const float* float_rows(const float* head, int64_t start, int64_t n, int64_t dim, std::vector<float>&) {
+  return head + start * dim;
+}
+inline const float* float_rows(const c10::BFloat16* head, int64_t start, int64_t n, int64_t dim,
+                               std::vector<float>& buffer) {
+  to_float(head + start * dim, buffer.data(), n * dim);
+  return buffer.data();
+}
+
+struct PartialArgs {
+  TreeAttentionShape shape;
+  int64_t num_splits;
+  float scale;
+  const int64_t* prefix_lens;
+  const int64_t* tree_mask;  // [B, T, mask_stride] contiguous
+  int64_t mask_stride;
+  float* out_partial;  // [B, T, Hq, splits, D]
+  float* lse_partial;  // [B, T, Hq, splits]
+};
+
+template <typename scalar_t>
+void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                      int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
+                      SplitScratch& s) {
+  const auto& sh = a.shape;
+  const int64_t T = sh.tree_len, D = sh.head_dim, G = sh.group(), rows = G * T;
+  const int64_t prefix = a.prefix_lens[b], kv_len = prefix + T;
+  const int64_t chunk = (kv_len + a.num_splits - 1) / a.num_splits;
+  const int64_t start = std::min(kv_len, split * chunk), stop = std::min(kv_len, start + chunk);
+
+  auto out_row = [&](int64_t g, int64_t t) {
+    const int64_t h = kvh * G + g;
+    return ((b * T + t) * sh.q_heads + h) * a.num_splits + split;
+  };
+
+  // Gather the query rows r = g * T + t (head kvh * G + g, tree token t), pre-scaled.
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < T; ++t) {
+      float* dst = s.q.data() + (g * T + t) * D;
+      to_float(q + ((b * T + t) * sh.q_heads + kvh * G + g) * D, dst, D);
+      scale_in_place(dst, D, a.scale);
+    }
+  }
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.state.begin(), s.state.end(), OnlineSoftmax{});
+
+  const scalar_t* k_head = k_cache + b * k_batch_stride + kvh * k_head_stride;
+  const scalar_t* v_head = v_cache + b * k_batch_stride + kvh * k_head_stride;
+  for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, stop - j0);
+    const float* kb = float_rows(k_head, j0, n, D, s.k);
+    gemm_nt(s.q.data(), D, kb, D, s.scores.data(), n, rows, n, D, /*accumulate=*/false);
+
+    if (j0 + n > prefix) {  // the block reaches into the tree: apply the ancestor mask
+      const int64_t first = std::max(j0, prefix);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t* mask_row = a.tree_mask + (b * T + r % T) * a.mask_stride;
+        float* srow = s.scores.data() + r * n;
+        for (int64_t j = first; j < j0 + n; ++j) {
+          if (!mask_bit(mask_row, j - prefix)) srow[j - j0] = neg_inf();
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* srow = s.scores.data() + r * n;
+      const float block_max = max_of(srow, n);
+      if (block_max == neg_inf()) {  // fully masked in this block: contributes nothing
+        std::fill(srow, srow + n, 0.f);
+        continue;
+      }
+      const float factor = s.state[r].rescale_for(block_max);
+      if (factor != 1.f) scale_in_place(s.acc.data() + r * D, D, factor);
+      s.state[r].sum += exp_shift_sum_fast(srow, n, s.state[r].max);
+    }
+    const float* vb = float_rows(v_head, j0, n, D, s.v);
+    gemm_nn(s.scores.data(), n, vb, D, s.acc.data(), D, rows, D, n, /*accumulate=*/true);
+  }
+
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t r = g * T + t, o = out_row(g, t);
+      const OnlineSoftmax& st = s.state[r];
+      float* dst = a.out_partial + o * D;
+      from_float(s.acc.data() + r * D, dst, D);
+      scale_in_place(dst, D, st.sum > 0.f ? 1.f / st.sum : 0.f);
+      a.lse_partial[o] = st.lse();
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                              const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                                              const at::Tensor& tree_mask, int64_t num_splits,
+                                                              std::optional<double> scale) {
+  const char* op = "jakiro::tree_attention_partial";
+  const auto sh = check_tree_attention(op, q, k_cache, v_cache, prefix_lens, tree_mask);
+  TORCH_CHECK(num_splits >= 1, op, ": num_splits must be >= 1, got ", num_splits);
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), op, ": v_cache must have the strides of k_cache ",
+              k_cache.strides(), ", got ", v_cache.strides());
+  c10::InferenceMode guard;
+  auto qc = q.contiguous();
+  auto lens = prefix_lens.contiguous();
+  auto mask = tree_mask.contiguous();
+  auto fopts = q.options().dtype(at::kFloat);
+  auto out_partial = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits, sh.head_dim}, fopts);
+  auto lse_partial = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits}, fopts);
+
+  PartialArgs args{sh,
+                   num_splits,
+                   static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(sh.head_dim)))),
+                   lens.data_ptr<int64_t>(),
+                   mask.data_ptr<int64_t>(),
+                   mask.size(2),
+                   out_partial.data_ptr<float>(),
+                   lse_partial.data_ptr<float>()};
+  const int64_t tasks = sh.batch * sh.kv_heads * num_splits;
+  JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_cpu", [&] {
+    const auto* qp = qc.data_ptr<scalar_t>();
+    const auto* kp = k_cache.data_ptr<scalar_t>();
+    const auto* vp = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      c10::InferenceMode worker_guard;
+      SplitScratch scratch(sh.group() * sh.tree_len, sh.head_dim);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t split = task % num_splits, kvh = (task / num_splits) % sh.kv_heads;
+        const int64_t b = task / (num_splits * sh.kv_heads);
+        attend_one_split(args, qp, kp, vp, k_cache.stride(0), k_cache.stride(1), b, kvh, split, scratch);
+      }
+    });
+  });
+  return {out_partial, lse_partial};
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& out_partial,
+                                                              const at::Tensor& lse_partial,
+                                                              std::optional<at::ScalarType> out_dtype) {
+  check_merge_attention_states(out_partial, lse_partial);
+  c10::InferenceMode guard;
+  auto op_c = out_partial.contiguous();
+  auto lse_c = lse_partial.contiguous();
+  const int64_t B = op_c.size(0), T = op_c.size(1), H = op_c.size(2), S = op_c.size(3), D = op_c.size(4);
+  const auto dtype = out_dtype.value_or(at::kFloat);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
+              "jakiro::merge_attention_states: out_dtype must be float32 or bfloat16, got ", dtype);
+  auto out = at::empty({B, T, H, D}, op_c.options().dtype(dtype));
+  auto lse = at::empty({B, T, H}, lse_c.options());
+  const float* po = op_c.data_ptr<float>();
+  const float* pl = lse_c.data_ptr<float>();
+  float* plse = lse.data_ptr<float>();
+  JAKIRO_DISPATCH_FLOAT_BF16(dtype, "merge_attention_states_cpu", [&] {
+    scalar_t* pout = out.data_ptr<scalar_t>();
+    at::parallel_for(0, B * T * H, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(D);
+      for (int64_t row = begin; row < end; ++row) {
+        const float* lses = pl + row * S;
+        float max_lse = neg_inf();
+        for (int64_t s = 0; s < S; ++s) max_lse = lses[s] > max_lse ? lses[s] : max_lse;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float total = 0.f;
+        if (max_lse != neg_inf()) {
+          for (int64_t s = 0; s < S; ++s) {
+            const float w = merge_weight(lses[s], max_lse);
+            if (w == 0.f) continue;
+            total += w;
+            axpy(acc.data(), po + (row * S + s) * D, D, w);
+          }
+          scale_in_place(acc.data(), D, 1.f / total);
+        }
+        from_float(acc.data(), pout + row * D, D);
+        plse[row] = total > 0.f ? max_lse + std::log(total) : neg_inf();
+      }
+    });
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                      const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                                      const at::Tensor& tree_mask, std::optional<double> scale,
+                                                      std::optional<int64_t> num_splits) {
+  int64_t splits;
+  if (num_splits.has_value()) {
+    splits = *num_splits;
+  } else {
+    const auto sh = check_tree_attention("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask);
+    const int64_t max_prefix = prefix_lens.numel() ? prefix_lens.max().item<int64_t>() : 0;
+    splits = default_num_splits(sh.batch, sh.kv_heads, max_prefix + sh.tree_len, at::get_num_threads(), kMinSplitLen);
+  }
+  auto [out_partial, lse_partial] =
+      tree_attention_partial_cpu(q, k_cache, v_cache, prefix_lens, tree_mask, splits, scale);
+  return merge_attention_states_cpu(out_partial, lse_partial, q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jakiro, CPU, m) {
+  m.impl("tree_attention", &tree_attention_cpu);
+  m.impl("tree_attention_partial", &tree_attention_partial_cpu);
+  m.impl("merge_attention_states", &merge_attention_states_cpu);
+}
+
+}  // namespace jakiro::cpu

@@ -1,0 +1,73 @@
+// Small vectorised helpers (ATen's Vectorized<float>) used by the CPU kernels.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+namespace jakiro::cpu {
+
+using Vec = at::vec::Vectorized<float>;
+
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) { at::vec::convert(src, dst, n); }
+inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) { at::vec::convert(src, dst, n); }
+
+inline float max_of(const float* x, int64_t n) {
+  Vec acc(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + i));
+  float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
+  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+}
+
+// x[i] = exp(x[i] - shift) in place; returns the sum. Fast exp (ATen's exp_u20): for
+// attention probabilities, where a few ulp do not matter.
+inline float exp_shift_sum_fast(float* x, int64_t n, float shift) {
+  Vec acc(0.f), s(shift);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    Vec e = (Vec::loadu(x + i) - s).exp_u20();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// sum of exp(x[i] - shift), x unchanged, with the accurate (1 ulp) exp: for log-probabilities.
+inline float exp_shift_sum(const float* x, int64_t n, float shift) {
+  Vec acc(0.f), s(shift);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = acc + (Vec::loadu(x + i) - s).exp();
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum += std::exp(x[i] - shift);
+  return sum;
+}
+
+inline void scale_in_place(float* x, int64_t n, float factor) {
+  Vec f(factor);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) * f).store(x + i);
+  for (; i < n; ++i) x[i] *= factor;
+}
+
+// y[i] += a * x[i]
+inline void axpy(float* y, const float* x, int64_t n, float a) {
+  Vec va(a);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(Vec::loadu(x + i), va, Vec::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+}  // namespace jakiro::cpu

@@ -1,0 +1,178 @@
+// CPU kernel of tree verification: greedy, and lossless sampling by recursive rejection with
+// q = 1 (EAGLE-2 / SpecInfer style) on the filtered target distribution.
+//
+// Sampling at a node: p = filter(softmax(logits / temperature)) (top-k, then top-p). Its
+// children are tried in index order: child c with token x is accepted when
+// uniforms[c] * total < p(x), where total is the mass left; otherwise p(x) is removed
+// (total -= p(x), p(x) = 0) and the next child is tried; a child repeating an earlier
+// sibling's token is skipped. If no child is accepted (or the node is a leaf) the bonus
+// token is drawn from what is left by inverse CDF with uniforms[T]. Each node is tested at
+// most once per step, which is why T + 1 draws suffice.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+#include "jakiro/tree.h"
+#include "ops.h"
+
+namespace jakiro::cpu {
+namespace {
+
+struct SamplingParams {
+  double temperature, top_p;
+  int64_t top_k;
+};
+
+// Writes the filtered target distribution (unnormalised weights) to `w`, returns its total
+// mass. Top-k keeps every token whose logit reaches the k-th largest (ties kept); top-p keeps
+// tokens, most probable first (ties: lower id first), while the mass before them is < top_p.
+template <typename scalar_t>
+double filtered_distribution(const scalar_t* logits, int64_t V, const SamplingParams& sp, std::vector<double>& w,
+                             std::vector<int64_t>& order) {
+  w.resize(V);
+  for (int64_t i = 0; i < V; ++i) w[i] = static_cast<double>(static_cast<float>(logits[i])) / sp.temperature;
+  double threshold = -std::numeric_limits<double>::infinity();
+  if (sp.top_k > 0 && sp.top_k < V) {
+    std::vector<double> copy(w);
+    std::nth_element(copy.begin(), copy.begin() + (sp.top_k - 1), copy.end(), std::greater<double>());
+    threshold = copy[sp.top_k - 1];
+  }
+  const double mx = *std::max_element(w.begin(), w.end());
+  double sum = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    w[i] = w[i] >= threshold ? std::exp(w[i] - mx) : 0.0;
+    sum += w[i];
+  }
+  for (int64_t i = 0; i < V; ++i) w[i] /= sum;
+  if (sp.top_p < 1.0) {
+    order.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (w[i] > 0.0) order.push_back(i);
+    auto before = [&](int64_t a, int64_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
+    // Sort a growing prefix only: top-p usually keeps a small head of the vocabulary.
+    int64_t sorted = 0, keep = static_cast<int64_t>(order.size());
+    double mass = 0.0;
+    for (int64_t want = std::min<int64_t>(64, order.size());; want = std::min<int64_t>(2 * want, order.size())) {
+      std::partial_sort(order.begin() + sorted, order.begin() + want, order.end(), before);
+      for (; sorted < want; ++sorted) {
+        if (mass >= sp.top_p) break;
+        mass += w[order[sorted]];
+      }
+      if (sorted < want || mass >= sp.top_p || want == static_cast<int64_t>(order.size())) {
+        keep = sorted;
+        break;
+      }
+    }
+    for (int64_t j = keep; j < static_cast<int64_t>(order.size()); ++j) w[order[j]] = 0.0;
+  }
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) total += w[i];
+  return total;
+}
+
+// Inverse CDF in token order: first token whose cumulative mass exceeds u * total.
+int64_t sample_from(const std::vector<double>& w, double total, double u) {
+  const double target = u * total;
+  double cum = 0.0;
+  int64_t last = -1;
+  for (int64_t i = 0; i < static_cast<int64_t>(w.size()); ++i) {
+    if (w[i] <= 0.0) continue;
+    cum += w[i];
+    last = i;
+    if (cum > target) return i;
+  }
+  return last;  // rounding left the target at the very end
+}
+
+template <typename scalar_t>
+int64_t sampling_walk(const int64_t* parents, const int64_t* tokens, int64_t T, const scalar_t* logits, int64_t V,
+                      const double* u, const SamplingParams& sp, int64_t* path, int64_t* bonus) {
+  std::vector<double> w;
+  std::vector<int64_t> order;
+  int64_t node = 0, length = 0;
+  path[length++] = 0;
+  while (true) {
+    double total = filtered_distribution(logits + node * V, V, sp, w, order);
+    int64_t accepted = -1;
+    for (int64_t c = next_child(parents, T, node, node); c >= 0; c = next_child(parents, T, node, c)) {
+      if (is_duplicate_sibling(parents, tokens, node, c)) continue;
+      const int64_t x = tokens[c];
+      if (u[c] * total < w[x]) {
+        accepted = c;
+        break;
+      }
+      total -= w[x];
+      w[x] = 0.0;
+    }
+    if (accepted < 0) {
+      *bonus = sample_from(w, total, u[T]);
+      return length;
+    }
+    path[length++] = accepted;
+    node = accepted;
+  }
+}
+
+template <typename scalar_t>
+int64_t argmax_at(const scalar_t* row, int64_t V) {
+  int64_t best = 0;
+  float best_v = static_cast<float>(row[0]);
+  for (int64_t i = 1; i < V; ++i) {
+    const float v = static_cast<float>(row[i]);
+    if (v > best_v) {
+      best_v = v;
+      best = i;
+    }
+  }
+  return best;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(const at::Tensor& parents,
+                                                               const at::Tensor& draft_tokens,
+                                                               const at::Tensor& target_logits,
+                                                               const std::optional<at::Tensor>& uniforms,
+                                                               double temperature, double top_p, int64_t top_k) {
+  check_verify_tree(parents, draft_tokens, target_logits, uniforms, temperature, top_p, top_k);
+  c10::InferenceMode guard;
+  const int64_t B = parents.size(0), T = parents.size(1), V = target_logits.size(2);
+  auto par = parents.contiguous(), tok = draft_tokens.contiguous(), logits = target_logits.contiguous();
+  auto path = at::full({B, T}, -1, parents.options());
+  auto accept_len = at::empty({B}, parents.options());
+  auto bonus = at::empty({B}, parents.options());
+  at::Tensor u = temperature > 0.0 ? uniforms->contiguous() : at::Tensor();
+  const SamplingParams sp{temperature, top_p, top_k};
+  JAKIRO_DISPATCH_FLOAT_BF16(logits.scalar_type(), "verify_tree_cpu", [&] {
+    const scalar_t* pl = logits.data_ptr<scalar_t>();
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const int64_t* pp = par.data_ptr<int64_t>() + b * T;
+        const int64_t* pt = tok.data_ptr<int64_t>() + b * T;
+        const scalar_t* lb = pl + b * T * V;
+        int64_t* out_path = path.data_ptr<int64_t>() + b * T;
+        int64_t* out_bonus = bonus.data_ptr<int64_t>() + b;
+        int64_t length;
+        if (temperature > 0.0) {
+          length = sampling_walk(pp, pt, T, lb, V, u.data_ptr<double>() + b * (T + 1), sp, out_path, out_bonus);
+        } else {
+          auto choice = [&](int64_t node) { return argmax_at(lb + node * V, V); };
+          length = greedy_walk(pp, pt, T, choice, out_path, out_bonus);
+        }
+        accept_len.data_ptr<int64_t>()[b] = length - 1;
+      }
+    });
+  });
+  return {path, accept_len, bonus};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jakiro, CPU, m) { m.impl("verify_tree", &verify_tree_cpu); }
+
+}  // namespace jakiro::cpu

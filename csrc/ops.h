@@ -1,0 +1,58 @@
+// Device-agnostic argument validation of every jakiro op. Each backend's kernel calls the
+// matching check first, so CPU and GPU accept and reject exactly the same inputs.
+// The schemas live in torch_bindings.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+#include <optional>
+
+namespace jakiro {
+
+struct TreeAttentionShape {
+  int64_t batch, tree_len, q_heads, kv_heads, head_dim, capacity;
+  int64_t group() const { return q_heads / kv_heads; }
+};
+
+// q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; prefix_lens [B] int64;
+// tree_mask [B, T, ceil(T/64)] int64. Also checks prefix_lens[b] + T <= S (reads prefix_lens).
+TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                        const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                        const at::Tensor& tree_mask);
+
+// out_partial [B, T, H, splits, D] float32, lse_partial [B, T, H, splits] float32.
+void check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial);
+
+struct MoeShape {
+  int64_t tokens, hidden, experts, intermediate;
+};
+// x [..., H]; router_weight [N + 2, H]; w_gate, w_up [N, I, H]; w_down [N, H, I]; 2 <= N <= 8.
+MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate,
+                        const at::Tensor& w_up, const at::Tensor& w_down);
+
+// h_a [..., H]; h_b like h_a or absent; contrast_weight [..., 2] (present iff h_b is);
+// lm_head [V, H]; 1 <= k <= V.
+void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
+                            const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k);
+
+// parents, draft_tokens [B, T] int64 (parents[b, 0] == -1, 0 <= parents[b, i] < i: read on the
+// host); target_logits [B, T, V]; uniforms [B, T + 1] float64 when temperature > 0.
+void check_verify_tree(const at::Tensor& parents, const at::Tensor& draft_tokens, const at::Tensor& target_logits,
+                       const std::optional<at::Tensor>& uniforms, double temperature, double top_p, int64_t top_k);
+
+// cache [..., B, H, S, D] contiguous; prefix_lens, path_len [B] int64; path [B, P] int64 with
+// strictly increasing tree indices, path_len[b] <= P and prefix_lens[b] + path[b, -1] < S.
+void check_compact_kv(const at::Tensor& cache, const at::Tensor& prefix_lens, const at::Tensor& path,
+                      const at::Tensor& path_len);
+
+// Chosen number of KV splits when the caller gives none: enough (batch x KV head x split)
+// tasks to keep every thread busy, and splits no shorter than `min_split_len` keys.
+int64_t default_num_splits(int64_t batch, int64_t kv_heads, int64_t max_kv_len, int64_t workers,
+                           int64_t min_split_len);
+
+}  // namespace jakiro
+
+// Dispatch over the two dtypes every floating-point op supports.
+#define JAKIRO_DISPATCH_FLOAT_BF16(TYPE, NAME, ...) \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))

@@ -1,0 +1,228 @@
+#include "ops.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "checks.h"
+#include "jakiro/common.h"
+
+namespace jakiro {
+
+namespace {
+
+// Value checks need the data on the host. On the GPU they would cost a device-to-host copy
+// and a sync per call, so there the kernels guard their indices instead.
+bool host_readable(const at::Tensor& t) { return t.device().is_cpu(); }
+
+void check_lengths(const char* op, const char* name, const at::Tensor& t, int64_t batch) {
+  check_dim(op, name, t, 1, "[B]");
+  check_dtype(op, name, t, {at::kLong});
+  check_size(op, name, t, 0, batch, "batch");
+}
+
+}  // namespace
+
+TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                        const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                        const at::Tensor& tree_mask) {
+  check_dim(op, "q", q, 4, "[B, T, Hq, D]");
+  check_dim(op, "k_cache", k_cache, 4, "[B, Hkv, S, D]");
+  check_dim(op, "v_cache", v_cache, 4, "[B, Hkv, S, D]");
+  check_dtype(op, "q", q, {at::kFloat, at::kBFloat16});
+  check_same_dtype(op, "k_cache", k_cache, "q", q);
+  check_same_dtype(op, "v_cache", v_cache, "q", q);
+  for (auto* t : {&k_cache, &v_cache, &prefix_lens, &tree_mask}) check_same_device(op, "every tensor", *t, q);
+
+  TreeAttentionShape s{q.size(0), q.size(1), q.size(2), k_cache.size(1), q.size(3), k_cache.size(2)};
+  TORCH_CHECK(s.tree_len >= 1, op, ": q must hold at least one tree token (q.shape[1] >= 1), got shape ", q.sizes());
+  TORCH_CHECK(s.head_dim >= 1, op, ": head dim must be >= 1, got q.shape ", q.sizes());
+  check_size(op, "k_cache", k_cache, 0, s.batch, "batch, as q.shape[0]");
+  check_size(op, "k_cache", k_cache, 3, s.head_dim, "head dim, as q.shape[3]");
+  TORCH_CHECK(s.kv_heads >= 1 && s.q_heads % s.kv_heads == 0, op,
+              ": query heads must be a multiple of KV heads (GQA), got q heads ", s.q_heads, " (q.shape[2]) and KV heads ",
+              s.kv_heads, " (k_cache.shape[1])");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  for (auto [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
+    TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == s.head_dim, op, ": ", name,
+                " must have contiguous [S, D] rows per (batch, head) (strides [..., ..., D, 1] = [..., ..., ", s.head_dim,
+                ", 1]), got strides ", t->strides());
+  }
+  check_lengths(op, "prefix_lens", prefix_lens, s.batch);
+  check_dim(op, "tree_mask", tree_mask, 3, "[B, T, ceil(T/64)]");
+  check_dtype(op, "tree_mask", tree_mask, {at::kLong});
+  check_size(op, "tree_mask", tree_mask, 0, s.batch, "batch");
+  check_size(op, "tree_mask", tree_mask, 1, s.tree_len, "tree tokens, as q.shape[1]");
+  TORCH_CHECK(tree_mask.size(2) >= mask_words(s.tree_len), op, ": tree_mask is too short: ", s.tree_len,
+              " tree tokens need ", mask_words(s.tree_len), " int64 words per row (tree_mask.shape[2]), got ",
+              tree_mask.size(2));
+  if (host_readable(prefix_lens)) {
+    auto lens = prefix_lens.contiguous();
+    const int64_t* p = lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < s.batch; ++b) {
+      TORCH_CHECK(p[b] >= 0 && p[b] + s.tree_len <= s.capacity, op, ": prefix_lens[", b, "] + tree tokens = ", p[b],
+                  " + ", s.tree_len, " must be within [0, cache capacity ", s.capacity, " (k_cache.shape[2])]");
+    }
+  }
+  return s;
+}
+
+void check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial) {
+  const char* op = "jakiro::merge_attention_states";
+  check_dim(op, "out_partial", out_partial, 5, "[B, T, H, splits, D]");
+  check_dim(op, "lse_partial", lse_partial, 4, "[B, T, H, splits]");
+  check_dtype(op, "out_partial", out_partial, {at::kFloat});
+  check_dtype(op, "lse_partial", lse_partial, {at::kFloat});
+  check_same_device(op, "lse_partial", lse_partial, out_partial);
+  TORCH_CHECK(lse_partial.sizes() == out_partial.sizes().slice(0, 4), op,
+              ": lse_partial must have shape out_partial.shape[:4] = ", out_partial.sizes().slice(0, 4), ", got ",
+              lse_partial.sizes());
+  TORCH_CHECK(out_partial.size(3) >= 1, op, ": there must be at least one split, got out_partial shape ",
+              out_partial.sizes());
+}
+
+MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate,
+                        const at::Tensor& w_up, const at::Tensor& w_down) {
+  const char* op = "jakiro::moe_top2";
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., H], got a scalar");
+  check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
+  check_dim(op, "router_weight", router_weight, 2, "[N + 2, H]");
+  check_dim(op, "w_gate", w_gate, 3, "[N, I, H]");
+  check_dim(op, "w_up", w_up, 3, "[N, I, H]");
+  check_dim(op, "w_down", w_down, 3, "[N, H, I]");
+  for (auto [name, t] : {std::pair{"router_weight", &router_weight}, std::pair{"w_gate", &w_gate},
+                         std::pair{"w_up", &w_up}, std::pair{"w_down", &w_down}}) {
+    check_same_dtype(op, name, *t, "x", x);
+    check_same_device(op, name, *t, x);
+  }
+  MoeShape s{x.numel() / std::max<int64_t>(1, x.size(-1)), x.size(-1), w_gate.size(0), w_gate.size(1)};
+  TORCH_CHECK(s.experts >= 2 && s.experts <= 8, op, ": the number of experts N (w_gate.shape[0]) must be in [2, 8], got ",
+              s.experts);
+  check_size(op, "w_gate", w_gate, 2, s.hidden, "hidden size, as x.shape[-1]");
+  TORCH_CHECK(w_up.sizes() == w_gate.sizes(), op, ": w_up must have the shape of w_gate ", w_gate.sizes(), ", got ",
+              w_up.sizes());
+  TORCH_CHECK(w_down.size(0) == s.experts && w_down.size(1) == s.hidden && w_down.size(2) == s.intermediate, op,
+              ": w_down must have shape [N, H, I] = [", s.experts, ", ", s.hidden, ", ", s.intermediate, "], got ",
+              w_down.sizes());
+  TORCH_CHECK(router_weight.size(0) == s.experts + 2 && router_weight.size(1) == s.hidden, op,
+              ": router_weight must have shape [N + 2, H] = [", s.experts + 2, ", ", s.hidden,
+              "] (N routing logits plus 2 contrastive logits), got ", router_weight.sizes());
+  return s;
+}
+
+void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
+                            const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k) {
+  const char* op = "jakiro::contrastive_topk";
+  TORCH_CHECK(h_a.dim() >= 1, op, ": h_a must have shape [..., H], got a scalar");
+  check_dtype(op, "h_a", h_a, {at::kFloat, at::kBFloat16});
+  check_dim(op, "lm_head", lm_head, 2, "[V, H]");
+  check_same_dtype(op, "lm_head", lm_head, "h_a", h_a);
+  check_same_device(op, "lm_head", lm_head, h_a);
+  check_size(op, "lm_head", lm_head, 1, h_a.size(-1), "hidden size, as h_a.shape[-1]");
+  TORCH_CHECK(h_b.has_value() == contrast_weight.has_value(), op,
+              ": h_b and contrast_weight go together (both for the contrastive feature, neither for the plain one), got ",
+              h_b.has_value() ? "h_b" : "no h_b", " and ", contrast_weight.has_value() ? "contrast_weight" : "no contrast_weight");
+  if (h_b.has_value()) {
+    TORCH_CHECK(h_b->sizes() == h_a.sizes(), op, ": h_b must have the shape of h_a ", h_a.sizes(), ", got ", h_b->sizes());
+    check_same_dtype(op, "h_b", *h_b, "h_a", h_a);
+    check_same_device(op, "h_b", *h_b, h_a);
+    auto expected = h_a.sizes().vec();
+    expected.back() = 2;
+    TORCH_CHECK(contrast_weight->sizes() == at::IntArrayRef(expected), op,
+                ": contrast_weight must have shape h_a.shape[:-1] + (2,) = ", at::IntArrayRef(expected), ", got ",
+                contrast_weight->sizes());
+    check_dtype(op, "contrast_weight", *contrast_weight, {at::kFloat, at::kBFloat16});
+    check_same_device(op, "contrast_weight", *contrast_weight, h_a);
+  }
+  TORCH_CHECK(k >= 1 && k <= lm_head.size(0), op, ": k must be in [1, vocab size ", lm_head.size(0), "], got ", k);
+}
+
+void check_verify_tree(const at::Tensor& parents, const at::Tensor& draft_tokens, const at::Tensor& target_logits,
+                       const std::optional<at::Tensor>& uniforms, double temperature, double top_p, int64_t top_k) {
+  const char* op = "jakiro::verify_tree";
+  check_dim(op, "parents", parents, 2, "[B, T]");
+  check_dtype(op, "parents", parents, {at::kLong});
+  check_dim(op, "draft_tokens", draft_tokens, 2, "[B, T]");
+  check_dtype(op, "draft_tokens", draft_tokens, {at::kLong});
+  check_dim(op, "target_logits", target_logits, 3, "[B, T, V]");
+  check_dtype(op, "target_logits", target_logits, {at::kFloat, at::kBFloat16});
+  for (auto* t : {&draft_tokens, &target_logits}) check_same_device(op, "every tensor", *t, parents);
+  const int64_t batch = parents.size(0), nodes = parents.size(1), vocab = target_logits.size(2);
+  TORCH_CHECK(nodes >= 1, op, ": the tree must have at least its root (parents.shape[1] >= 1), got ", parents.sizes());
+  TORCH_CHECK(draft_tokens.sizes() == parents.sizes(), op, ": draft_tokens must have the shape of parents ",
+              parents.sizes(), ", got ", draft_tokens.sizes());
+  TORCH_CHECK(target_logits.size(0) == batch && target_logits.size(1) == nodes, op,
+              ": target_logits must have shape [B, T, V] with [B, T] = ", parents.sizes(), ", got ", target_logits.sizes());
+  TORCH_CHECK(vocab >= 1, op, ": target_logits must have a vocabulary dimension >= 1, got ", target_logits.sizes());
+  TORCH_CHECK(temperature >= 0.0 && std::isfinite(temperature), op, ": temperature must be finite and >= 0, got ",
+              temperature);
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, op, ": top_p must be in (0, 1], got ", top_p);
+  TORCH_CHECK(top_k >= 0, op, ": top_k must be >= 0 (0 disables it), got ", top_k);
+  if (temperature > 0.0) {
+    TORCH_CHECK(uniforms.has_value(), op, ": sampling (temperature ", temperature,
+                " > 0) needs uniforms [B, T + 1] float64 random draws in [0, 1), got none");
+    check_dim(op, "uniforms", *uniforms, 2, "[B, T + 1]");
+    check_dtype(op, "uniforms", *uniforms, {at::kDouble});
+    check_same_device(op, "uniforms", *uniforms, parents);
+    TORCH_CHECK(uniforms->size(0) == batch && uniforms->size(1) == nodes + 1, op, ": uniforms must have shape [B, T + 1] = [",
+                batch, ", ", nodes + 1, "], got ", uniforms->sizes());
+  }
+  if (host_readable(parents)) {
+    auto par = parents.contiguous();
+    auto tok = draft_tokens.contiguous();
+    const int64_t* p = par.data_ptr<int64_t>();
+    const int64_t* t = tok.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(p[b * nodes] == -1, op, ": parents[", b, ", 0] must be -1 (node 0 is the root), got ", p[b * nodes]);
+      for (int64_t i = 1; i < nodes; ++i) {
+        const int64_t pi = p[b * nodes + i];
+        TORCH_CHECK(pi >= 0 && pi < i, op, ": parents[", b, ", ", i, "] must be in [0, ", i,
+                    ") (nodes in topological order), got ", pi);
+        const int64_t ti = t[b * nodes + i];
+        TORCH_CHECK(ti >= 0 && ti < vocab, op, ": draft_tokens[", b, ", ", i, "] must be a token id in [0, ", vocab,
+                    "), got ", ti);
+      }
+    }
+  }
+}
+
+void check_compact_kv(const at::Tensor& cache, const at::Tensor& prefix_lens, const at::Tensor& path,
+                      const at::Tensor& path_len) {
+  const char* op = "jakiro::compact_kv";
+  TORCH_CHECK(cache.dim() >= 4, op, ": cache must have shape [..., B, H, S, D], got ", cache.sizes());
+  TORCH_CHECK(cache.is_contiguous(), op, ": cache must be contiguous, got strides ", cache.strides());
+  const int64_t batch = cache.size(-4), capacity = cache.size(-2);
+  check_lengths(op, "prefix_lens", prefix_lens, batch);
+  check_lengths(op, "path_len", path_len, batch);
+  check_dim(op, "path", path, 2, "[B, P]");
+  check_dtype(op, "path", path, {at::kLong});
+  check_size(op, "path", path, 0, batch, "batch, as cache.shape[-4]");
+  for (auto* t : {&prefix_lens, &path, &path_len}) check_same_device(op, "every index tensor", *t, cache);
+  if (host_readable(path)) {
+    auto pa = path.contiguous(), pl = prefix_lens.contiguous(), n = path_len.contiguous();
+    const int64_t* pp = pa.data_ptr<int64_t>();
+    const int64_t width = path.size(1);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t len = n.data_ptr<int64_t>()[b], prefix = pl.data_ptr<int64_t>()[b];
+      TORCH_CHECK(len >= 0 && len <= width, op, ": path_len[", b, "] must be in [0, path.shape[1] = ", width, "], got ", len);
+      TORCH_CHECK(prefix >= 0, op, ": prefix_lens[", b, "] must be >= 0, got ", prefix);
+      for (int64_t j = 0; j < len; ++j) {
+        const int64_t src = pp[b * width + j];
+        TORCH_CHECK(src >= (j == 0 ? 0 : pp[b * width + j - 1] + 1), op, ": path[", b, "] must hold strictly increasing ",
+                    "tree indices >= 0 (a root-to-node path), got ", src, " at position ", j);
+        TORCH_CHECK(prefix + src < capacity, op, ": prefix_lens[", b, "] + path[", b, ", ", j, "] = ", prefix + src,
+                    " is beyond the cache capacity ", capacity, " (cache.shape[-2])");
+      }
+    }
+  }
+}
+
+int64_t default_num_splits(int64_t batch, int64_t kv_heads, int64_t max_kv_len, int64_t workers,
+                           int64_t min_split_len) {
+  const int64_t tasks = std::max<int64_t>(1, batch * kv_heads);
+  const int64_t wanted = (2 * workers + tasks - 1) / tasks;  // two tasks per worker: balance
+  const int64_t by_length = std::max<int64_t>(1, max_kv_len / std::max<int64_t>(1, min_split_len));
+  return std::max<int64_t>(1, std::min(wanted, by_length));
+}
+
+}  // namespace jakiro

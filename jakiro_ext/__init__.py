@@ -1,0 +1,32 @@
+"""jakiro_ext: tree-based speculative decoding with Mixture-of-Experts draft heads (Jakiro).
+
+The fused kernels are torch ops in the ``torch.ops.jakiro`` namespace; ``jakiro_ext.ops``
+wraps them with shapes documented, ``jakiro_ext.reference`` holds their pure-PyTorch
+specifications.
+"""
+from jakiro_ext import ops, reference
+from jakiro_ext.ops import (
+    build_tree_mask,
+    compact_kv,
+    contrastive_topk,
+    merge_attention_states,
+    moe_top2,
+    tree_attention,
+    tree_attention_partial,
+    verify_tree,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ops",
+    "reference",
+    "build_tree_mask",
+    "compact_kv",
+    "contrastive_topk",
+    "merge_attention_states",
+    "moe_top2",
+    "tree_attention",
+    "tree_attention_partial",
+    "verify_tree",
+]

@@ -1,0 +1,211 @@
+"""The fused ops of ``torch.ops.jakiro``: loading, fake (meta) implementations, and thin
+Python entry points with their shapes documented.
+
+Every op's pure-PyTorch specification is in :mod:`jakiro_ext.reference` under the same name.
+If the compiled library cannot be loaded, importing still works (so ``python -m jakiro_ext
+show-config`` can say why), but calling an op raises, unless ``JAKIRO_USE_REFERENCE=1``
+explicitly selects the (slower) reference implementations.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from jakiro_ext import reference
+
+LOAD_ERROR: Optional[str] = None
+try:
+    from jakiro_ext import _C  # noqa: F401  (registers torch.ops.jakiro.*)
+
+    if _C.torch_version.split("+")[0] != torch.__version__.split("+")[0]:
+        LOAD_ERROR = (f"jakiro_ext was built against torch {_C.torch_version} but torch {torch.__version__} "
+                      "is running; reinstall it: pip install --no-build-isolation .")
+except ImportError as exc:  # pragma: no cover - exercised only on broken installs
+    _C = None
+    LOAD_ERROR = f"the compiled library jakiro_ext._C could not be loaded: {exc}"
+
+USE_REFERENCE = os.environ.get("JAKIRO_USE_REFERENCE", "") == "1"
+if LOAD_ERROR and USE_REFERENCE:
+    warnings.warn(f"{LOAD_ERROR}. JAKIRO_USE_REFERENCE=1: using the pure-PyTorch reference ops (slow).")
+
+OP_NAMES = (
+    "tree_attention",
+    "tree_attention_partial",
+    "merge_attention_states",
+    "moe_top2",
+    "contrastive_topk",
+    "verify_tree",
+    "compact_kv",
+)
+
+
+def compiled_available() -> bool:
+    return LOAD_ERROR is None
+
+
+def _kernel(name: str):
+    if LOAD_ERROR is None:
+        return getattr(torch.ops.jakiro, name)
+    if USE_REFERENCE:
+        return getattr(reference, name)
+    raise RuntimeError(f"{LOAD_ERROR}. Set JAKIRO_USE_REFERENCE=1 to run the pure-PyTorch reference ops instead.")
+
+
+# ----------------------------------------------------------------------------- fakes
+if LOAD_ERROR is None:
+
+    @torch.library.register_fake("jakiro::tree_attention_partial")
+    def _tree_attention_partial_fake(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale=None):
+        B, T, H, D = q.shape
+        return (q.new_empty((B, T, H, num_splits, D), dtype=torch.float32),
+                q.new_empty((B, T, H, num_splits), dtype=torch.float32))
+
+    @torch.library.register_fake("jakiro::merge_attention_states")
+    def _merge_attention_states_fake(out_partial, lse_partial, out_dtype=None):
+        B, T, H, _, D = out_partial.shape
+        return (out_partial.new_empty((B, T, H, D), dtype=out_dtype or torch.float32),
+                out_partial.new_empty((B, T, H), dtype=torch.float32))
+
+    @torch.library.register_fake("jakiro::tree_attention")
+    def _tree_attention_fake(q, k_cache, v_cache, prefix_lens, tree_mask, scale=None, num_splits=None):
+        B, T, H, _ = q.shape
+        return torch.empty_like(q), q.new_empty((B, T, H), dtype=torch.float32)
+
+    @torch.library.register_fake("jakiro::moe_top2")
+    def _moe_top2_fake(x, router_weight, w_gate, w_up, w_down, renormalize=False):
+        lead = x.shape[:-1]
+        return (torch.empty_like(x), x.new_empty((*lead, 2, x.shape[-1])),
+                x.new_empty((*lead, 2), dtype=torch.int64), x.new_empty((*lead, 2), dtype=torch.float32),
+                x.new_empty((*lead, 2), dtype=torch.float32))
+
+    @torch.library.register_fake("jakiro::contrastive_topk")
+    def _contrastive_topk_fake(h_a, h_b, contrast_weight, lm_head, k):
+        lead = h_a.shape[:-1]
+        return h_a.new_empty((*lead, k), dtype=torch.float32), h_a.new_empty((*lead, k), dtype=torch.int64)
+
+    @torch.library.register_fake("jakiro::verify_tree")
+    def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
+        B = parents.shape[0]
+        return torch.empty_like(parents), parents.new_empty((B,)), parents.new_empty((B,))
+
+    @torch.library.register_fake("jakiro::compact_kv")
+    def _compact_kv_fake(cache, prefix_lens, path, path_len):
+        return None
+
+
+# ----------------------------------------------------------------------------- entry points
+def tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale: Optional[float] = None,
+                   num_splits: Optional[int] = None):
+    """Attention of the T tree tokens of each sequence over its cached prefix and the tree.
+
+    Parameters
+    ----------
+    q : [B, T, Hq, D] float32 or bfloat16
+    k_cache, v_cache : [B, Hkv, S, D], q's dtype; Hq a multiple of Hkv (GQA). Sequence b's
+        prefix is at positions [0, prefix_lens[b]), its tree tokens' keys/values at
+        [prefix_lens[b], prefix_lens[b] + T).
+    prefix_lens : [B] int64
+    tree_mask : [B, T, ceil(T / 64)] int64, bit j of row i set when tree node i sees node j
+        (itself and its ancestors); see :func:`build_tree_mask`.
+    scale : softmax scale, default 1 / sqrt(D).
+    num_splits : number of KV splits (FlashDecoding); default chosen from the shape and threads.
+
+    Returns
+    -------
+    out : [B, T, Hq, D] in q's dtype; lse : [B, T, Hq] float32 (log-sum-exp of the scores).
+    """
+    return _kernel("tree_attention")(q, k_cache, v_cache, prefix_lens, tree_mask, scale, num_splits)
+
+
+def tree_attention_partial(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits: int,
+                           scale: Optional[float] = None):
+    """The split half of :func:`tree_attention`. Sequence b's KV (length prefix_lens[b] + T) is cut
+    into ``num_splits`` chunks of ceil(len / num_splits) keys; returns per chunk the normalised
+    output ``out_partial`` [B, T, Hq, splits, D] and its log-sum-exp ``lse_partial`` [B, T, Hq, splits]
+    (float32; an empty chunk gives 0 and -inf)."""
+    return _kernel("tree_attention_partial")(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale)
+
+
+def merge_attention_states(out_partial, lse_partial, out_dtype: Optional[torch.dtype] = None):
+    """Merge partial attention states [B, T, H, S, D] / [B, T, H, S] over S by their log-sum-exp.
+    Returns out [B, T, H, D] (``out_dtype``, default float32) and lse [B, T, H] float32."""
+    return _kernel("merge_attention_states")(out_partial, lse_partial, out_dtype)
+
+
+def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
+    """Jakiro's MoE block. x [..., H]; router_weight [N + 2, H]; w_gate, w_up [N, I, H];
+    w_down [N, H, I]; all one dtype. Routing: softmax over the first N router logits, top-2
+    (scores renormalised to sum 1 if ``renormalize``); the last 2 logits give the contrastive
+    weights (their softmax, larger first).
+
+    Returns out [..., H] = x + s_0 * h_0 + s_1 * h_1, expert_out [..., 2, H] = (h_0, h_1) the
+    selected experts' SwiGLU outputs (higher score first), expert_idx [..., 2] int64,
+    expert_score [..., 2] float32 and contrast_weight [..., 2] float32 = (w_hi, w_lo)."""
+    return _kernel("moe_top2")(x, router_weight, w_gate, w_up, w_down, renormalize)
+
+
+def contrastive_topk(h_a, lm_head, k: int, h_b=None, contrast_weight=None):
+    """Top-k tokens of log_softmax(f @ lm_head.T) with f = h_a, or f = w_hi * h_a - w_lo * h_b
+    when ``h_b`` and ``contrast_weight`` [..., 2] = (w_hi, w_lo) are given. h_a, h_b [..., H];
+    lm_head [V, H]. Returns logprobs [..., k] float32 (descending) and token_ids [..., k] int64.
+    The [.., V] logits are never materialised."""
+    return _kernel("contrastive_topk")(h_a, h_b, contrast_weight, lm_head, k)
+
+
+def verify_tree(parents, draft_tokens, target_logits, uniforms=None, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0):
+    """Accept the longest valid path of each draft tree.
+
+    Parameters
+    ----------
+    parents : [B, T] int64, parents[b, 0] = -1 (root), 0 <= parents[b, i] < i.
+    draft_tokens : [B, T] int64, the token of each node (that of the root is not tested).
+    target_logits : [B, T, V], the target's logits at each node (predicting its children).
+    uniforms : [B, T + 1] float64 draws in [0, 1), needed when temperature > 0: uniforms[b, i]
+        decides node i's acceptance test, uniforms[b, T] the bonus token.
+    temperature, top_p, top_k : 0 temperature is greedy; otherwise lossless rejection sampling
+        against the target distribution filtered by temperature, top-k then top-p.
+
+    Returns
+    -------
+    path : [B, T] int64, accepted node indices from the root (path[b, 0] = 0), -1 padded.
+    accept_len : [B] int64, accepted draft tokens (path length - 1).
+    bonus : [B] int64, the token the target adds after the accepted path.
+    """
+    return _kernel("verify_tree")(parents, draft_tokens, target_logits, uniforms, temperature, top_p, top_k)
+
+
+def compact_kv(cache, prefix_lens, path, path_len) -> None:
+    """In place: for every sequence b, copy cache entries prefix_lens[b] + path[b, j] to
+    prefix_lens[b] + j for j < path_len[b]. cache [..., B, H, S, D] contiguous (e.g. all
+    layers' K and V in one buffer); path [B, P] int64 increasing tree indices."""
+    _kernel("compact_kv")(cache, prefix_lens, path, path_len)
+
+
+def build_tree_mask(parents: torch.Tensor) -> torch.Tensor:
+    """Bit-packed ancestor mask [B, T, ceil(T / 64)] int64 of trees given by parents [B, T]:
+    bit j of row i is set when node j is node i itself or one of its ancestors."""
+    B, T = parents.shape
+    seen = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
+    idx = torch.arange(B, device=parents.device)
+    for i in range(T):  # parents precede children, so each row extends its parent's
+        p = parents[:, i]
+        has_parent = p >= 0
+        if has_parent.any():
+            seen[idx[has_parent], i] = seen[idx[has_parent], p[has_parent]]
+        seen[:, i, i] = True
+    return pack_bits(seen)
+
+
+def pack_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Pack a bool tensor [..., N] into int64 words [..., ceil(N / 64)] (bit j of word w = bits[64 w + j])."""
+    *lead, n = bits.shape
+    words = (n + 63) // 64
+    padded = torch.zeros(*lead, words * 64, dtype=torch.int64, device=bits.device)
+    padded[..., :n] = bits.to(torch.int64)
+    shifts = torch.arange(64, device=bits.device, dtype=torch.int64)
+    # Summing distinct powers of two is an OR; 1 << 63 wraps to int64's minimum, as intended.
+    return (padded.view(*lead, words, 64) << shifts).sum(-1)

@@ -1,0 +1,176 @@
+"""Pure-PyTorch specifications of every ``torch.ops.jakiro`` op, under the same names and
+signatures. They are the executable spec and the test oracle: clear before fast. Floating
+point work is done in float32 (float64 for sampling) whatever the input dtype, except the
+MoE experts, which run in the input dtype like an eager model would.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------- attention
+def unpack_tree_mask(tree_mask: torch.Tensor, tree_len: int) -> torch.Tensor:
+    """[B, T, W] int64 bit-packed rows -> [B, T, T] bool (entry [b, i, j]: node i sees node j)."""
+    j = torch.arange(tree_len, device=tree_mask.device)
+    words = tree_mask[..., j // 64]
+    return ((words >> (j % 64)) & 1).bool()
+
+
+def tree_attention_partial(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits: int,
+                           scale: Optional[float] = None):
+    B, T, Hq, D = q.shape
+    G = Hq // k_cache.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    out = q.new_zeros((B, T, Hq, num_splits, D), dtype=torch.float32)
+    lse = q.new_full((B, T, Hq, num_splits), -math.inf, dtype=torch.float32)
+    sees = unpack_tree_mask(tree_mask, T)
+    for b in range(B):
+        prefix = int(prefix_lens[b])
+        length = prefix + T
+        k = k_cache[b, :, :length].float().repeat_interleave(G, dim=0)  # [Hq, L, D]
+        v = v_cache[b, :, :length].float().repeat_interleave(G, dim=0)
+        scores = torch.einsum("thd,hld->htl", q[b].float(), k) * scale  # [Hq, T, L]
+        allowed = torch.cat([sees.new_ones(T, prefix), sees[b]], dim=1)  # [T, L]
+        scores = scores.masked_fill(~allowed, -math.inf)
+        chunk = -(-length // num_splits)
+        for s in range(num_splits):
+            lo, hi = min(length, s * chunk), min(length, (s + 1) * chunk)
+            if lo >= hi:
+                continue
+            part = scores[..., lo:hi]
+            part_lse = torch.logsumexp(part, dim=-1)  # [Hq, T]
+            probs = torch.exp(part - part_lse.unsqueeze(-1)).nan_to_num(0.0)  # fully masked rows -> 0
+            out[b, :, :, s] = (probs @ v[:, lo:hi]).transpose(0, 1)
+            lse[b, :, :, s] = part_lse.transpose(0, 1)
+    return out, lse
+
+
+def merge_attention_states(out_partial, lse_partial, out_dtype: Optional[torch.dtype] = None):
+    max_lse = lse_partial.amax(dim=-1, keepdim=True)
+    weights = torch.exp(lse_partial - max_lse.nan_to_num(0.0, neginf=0.0))  # exp(-inf) = 0 for empty splits
+    total = weights.sum(dim=-1)
+    out = (weights.unsqueeze(-1) * out_partial).sum(dim=-2) / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    lse = torch.where(total > 0, max_lse.squeeze(-1) + torch.log(total), -math.inf)
+    return out.to(out_dtype or torch.float32), lse
+
+
+def tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale: Optional[float] = None,
+                   num_splits: Optional[int] = None):
+    out, lse = tree_attention_partial(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits or 1, scale)
+    return merge_attention_states(out, lse, q.dtype)
+
+
+# ----------------------------------------------------------------------------- MoE block
+def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
+    """Loop over the experts (the Mixtral / Hugging Face formulation)."""
+    H = x.shape[-1]
+    N = w_gate.shape[0]
+    x2 = x.reshape(-1, H)
+    logits = x2.float() @ router_weight.float().T  # [M, N + 2]
+    probs = torch.softmax(logits[:, :N], dim=-1)
+    score, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
+    score, idx = score[:, :2], idx[:, :2]
+    if renormalize:
+        score = score / score.sum(dim=-1, keepdim=True)
+    contrast = torch.softmax(logits[:, N:], dim=-1).sort(dim=-1, descending=True).values
+    expert_out = x2.new_zeros(x2.shape[0], 2, H)
+    for e in range(N):
+        token, slot = torch.where(idx == e)
+        if token.numel() == 0:
+            continue
+        xs = x2[token]
+        expert_out[token, slot] = F.linear(F.silu(F.linear(xs, w_gate[e])) * F.linear(xs, w_up[e]), w_down[e])
+    out = (x2.float() + (score.unsqueeze(-1) * expert_out.float()).sum(dim=1)).to(x.dtype)
+    lead = x.shape[:-1]
+    return (out.view(x.shape), expert_out.view(*lead, 2, H), idx.view(*lead, 2), score.view(*lead, 2),
+            contrast.view(*lead, 2))
+
+
+# ----------------------------------------------------------------------------- LM head
+def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
+    f = h_a.float()
+    if h_b is not None:
+        w = contrast_weight.float()
+        f = w[..., 0:1] * f - w[..., 1:2] * h_b.float()
+    logprobs = torch.log_softmax(f @ lm_head.float().T, dim=-1)
+    values, ids = torch.topk(logprobs, k, dim=-1)
+    return values, ids
+
+
+# ----------------------------------------------------------------------------- verification
+def filtered_distribution(logits_row, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
+    """Target distribution at one node (float64): softmax(logits / temperature), then top-k
+    (tokens reaching the k-th largest logit, ties kept), then top-p (most probable first, ties
+    by lower id, while the mass before the token is < top_p)."""
+    z = logits_row.float().double() / temperature
+    V = z.shape[0]
+    if 0 < top_k < V:
+        z = z.masked_fill(z < torch.topk(z, top_k).values[-1], -math.inf)
+    p = torch.softmax(z, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(p, descending=True, stable=True)
+        mass_before = torch.cat([sorted_p.new_zeros(1), torch.cumsum(sorted_p, 0)[:-1]])
+        p[order[mass_before >= top_p]] = 0.0
+    return p
+
+
+def _sample_from(w: torch.Tensor, total: float, u: float) -> int:
+    cum = torch.cumsum(w, 0)
+    i = int(torch.searchsorted(cum, torch.tensor([u * total], dtype=cum.dtype), right=True))
+    if i >= w.shape[0]:
+        i = int(torch.nonzero(w > 0).max())
+    return i
+
+
+def verify_tree(parents, draft_tokens, target_logits, uniforms=None, temperature: float = 0.0,
+                top_p: float = 1.0, top_k: int = 0):
+    B, T = parents.shape
+    path = parents.new_full((B, T), -1)
+    accept_len = parents.new_zeros(B)
+    bonus = parents.new_zeros(B)
+    for b in range(B):
+        par, tok = parents[b].tolist(), draft_tokens[b].tolist()
+        node, walk = 0, [0]
+        while True:
+            children = [c for c in range(T) if par[c] == node]
+            if temperature == 0.0:
+                want = int(torch.argmax(target_logits[b, node].float()))
+                nxt = next((c for c in children if tok[c] == want), None)
+                if nxt is None:
+                    bonus[b] = want
+                    break
+            else:
+                w = filtered_distribution(target_logits[b, node], temperature, top_p, top_k)
+                total = float(w.sum())
+                nxt, tried = None, set()
+                for c in children:
+                    x = tok[c]
+                    if x in tried:  # a sibling already tested this token
+                        continue
+                    tried.add(x)
+                    if float(uniforms[b, c]) * total < float(w[x]):
+                        nxt = c
+                        break
+                    total -= float(w[x])
+                    w[x] = 0.0
+                if nxt is None:
+                    bonus[b] = _sample_from(w, total, float(uniforms[b, T]))
+                    break
+            walk.append(nxt)
+            node = nxt
+        path[b, : len(walk)] = torch.tensor(walk)
+        accept_len[b] = len(walk) - 1
+    return path, accept_len, bonus
+
+
+# ----------------------------------------------------------------------------- KV compaction
+def compact_kv(cache, prefix_lens, path, path_len) -> None:
+    B = cache.shape[-4]
+    for b in range(B):
+        prefix = int(prefix_lens[b])
+        for j in range(int(path_len[b])):
+            cache[..., b, :, prefix + j, :] = cache[..., b, :, prefix + int(path[b, j]), :]

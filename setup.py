@@ -1,0 +1,129 @@
+"""Build definition of the jakiro_ext Python package (torch cpp_extension + ninja).
+
+The C++ CPU kernels are always built. The CUDA sources are built when torch is a CUDA
+build and a CUDA toolkit is found; ``JAKIRO_CUDA=1`` forces them (and fails loudly if
+impossible), ``JAKIRO_CUDA=0`` disables them. Other switches:
+
+* ``JAKIRO_CPU_ARCH``: ``native`` (default, ``-march=native``) or ``generic``.
+* ``JAKIRO_DEBUG=1``: ``-O0 -g``.
+* ``TORCH_CUDA_ARCH_LIST``: defaults to ``8.0;9.0`` when no GPU is there to detect.
+* ``MAX_JOBS``: defaults to what memory allows (2 GiB per job), at most the core count.
+"""
+import glob
+import os
+import sys
+
+from setuptools import find_packages, setup
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _env_flag(name):
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    sys.exit(f"setup.py: {name} must be 1/0/auto, got {value!r}")
+
+
+def _cpu_has_avx2():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        return " avx2" in flags and " fma" in flags
+    except OSError:
+        return False
+
+
+def _find_cuda_home():
+    # The toolkit's nvcc shim can mislead torch's guess: prefer an explicit CUDA_HOME,
+    # then /usr/local/cuda, then torch's own guess.
+    for candidate in (os.environ.get("CUDA_HOME"), "/usr/local/cuda", cpp_extension.CUDA_HOME):
+        if candidate and os.path.exists(os.path.join(candidate, "bin", "nvcc")):
+            return candidate
+    return None
+
+
+def _default_max_jobs():
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = 4
+    return str(max(1, min(os.cpu_count() or 1, int(mem_gib // 2))))
+
+
+os.environ.setdefault("MAX_JOBS", _default_max_jobs())
+
+want_cuda = _env_flag("JAKIRO_CUDA")
+cuda_home = _find_cuda_home()
+torch_has_cuda = torch.version.cuda is not None
+if want_cuda is None:
+    build_cuda = torch_has_cuda and cuda_home is not None
+elif want_cuda:
+    if not torch_has_cuda:
+        sys.exit(f"setup.py: JAKIRO_CUDA=1 but torch {torch.__version__} is a CPU-only build")
+    if cuda_home is None:
+        sys.exit("setup.py: JAKIRO_CUDA=1 but no CUDA toolkit (bin/nvcc) was found; set CUDA_HOME")
+    build_cuda = True
+else:
+    build_cuda = False
+
+debug = _env_flag("JAKIRO_DEBUG") is True
+cpu_arch = os.environ.get("JAKIRO_CPU_ARCH", "native")
+if cpu_arch not in ("native", "generic"):
+    sys.exit(f"setup.py: JAKIRO_CPU_ARCH must be native or generic, got {cpu_arch!r}")
+
+cxx_flags = ["-std=c++20", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"]
+cxx_flags += ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
+if cpu_arch == "native":
+    cxx_flags.append("-march=native")
+    if _cpu_has_avx2():
+        # Selects ATen's AVX2 Vectorized<T> specialisations (and their Sleef math).
+        cxx_flags += ["-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+
+sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+include_dirs = [os.path.join(ROOT, "csrc"), os.path.join(ROOT, "csrc", "include")]
+define_macros = [("TORCH_BUILD_VERSION", f'"{torch.__version__}"')]
+extra_compile_args = {"cxx": cxx_flags}
+
+if build_cuda:
+    os.environ["CUDA_HOME"] = cuda_home
+    cpp_extension.CUDA_HOME = cuda_home
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    define_macros.append(("JAKIRO_WITH_CUDA", "1"))
+    extra_compile_args["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr"] + (["-g", "-G"] if debug else [])
+    extension_cls = cpp_extension.CUDAExtension
+else:
+    extension_cls = cpp_extension.CppExtension
+
+print(f"setup.py: torch {torch.__version__}, CUDA kernels: {'yes (' + cuda_home + ')' if build_cuda else 'no'}, "
+      f"cpu arch: {cpu_arch}, debug: {debug}, MAX_JOBS={os.environ['MAX_JOBS']}")
+
+setup(
+    name="jakiro_ext",
+    version="0.1.0",
+    description="Tree-based speculative decoding with Mixture-of-Experts draft heads (Jakiro): fused torch ops",
+    packages=find_packages(include=["jakiro_ext", "jakiro_ext.*"]),
+    ext_modules=[
+        extension_cls(
+            name="jakiro_ext._C",
+            sources=sources,
+            include_dirs=include_dirs,
+            define_macros=define_macros,
+            extra_compile_args=extra_compile_args,
+            extra_link_args=["-fopenmp"],
+            py_limited_api=False,
+        )
+    ],
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["numpy"],
+)

@@ -1,0 +1,34 @@
+"""Shared helpers of the op tests: deterministic generators, random trees, tolerances."""
+import pytest
+import torch
+
+import jakiro_ext  # noqa: F401  (loads torch.ops.jakiro)
+from jakiro_ext import ops
+
+# Tolerances of a kernel against its float32 reference, by the kernel's input dtype.
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _compiled_ops_loaded():
+    # The tests are about the compiled kernels: never let them silently run the references.
+    assert ops.compiled_available(), ops.LOAD_ERROR
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(*shape, seed: int, dtype=torch.float32, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(dtype)
+
+
+def random_parents(batch: int, nodes: int, seed: int, max_children: int = 0) -> torch.Tensor:
+    """Random trees in topological order: node i's parent is uniform in [0, i)
+    (or among the last few nodes when max_children > 0, which gives deeper trees)."""
+    g = gen(seed)
+    parents = torch.full((batch, nodes), -1, dtype=torch.int64)
+    for i in range(1, nodes):
+        lo = max(0, i - max_children) if max_children else 0
+        parents[:, i] = torch.randint(lo, i, (batch,), generator=g)
+    return parents

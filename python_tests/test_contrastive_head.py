@@ -1,0 +1,69 @@
+"""contrastive_topk against its reference (full logits, log_softmax, topk)."""
+import pytest
+import torch
+
+from conftest import TOL, randn
+from jakiro_ext import ops, reference
+
+
+def contrast_weights(lead, seed):
+    return torch.softmax(randn(*lead, 2, seed=seed), -1).sort(-1, descending=True).values
+
+
+# (leading dims, hidden, vocab, k)
+SHAPES = [((1,), 64, 1, 1), ((3, 5), 54, 1000, 10), ((20,), 128, 4099, 7), ((2, 10), 576, 49152, 10), ((4,), 32, 97, 97)]
+
+
+@pytest.mark.parametrize("contrastive", [False, True], ids=["plain", "contrastive"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-V{s[2]}-k{s[3]}")
+def test_contrastive_topk_matches_reference(shape, dtype, contrastive):
+    lead, H, V, k = shape
+    h_a = randn(*lead, H, seed=1, dtype=dtype)
+    lm_head = randn(V, H, seed=2, dtype=dtype, scale=H**-0.5)
+    h_b = randn(*lead, H, seed=3, dtype=dtype) if contrastive else None
+    w = contrast_weights(lead, seed=4) if contrastive else None
+    logprobs, ids = ops.contrastive_topk(h_a, lm_head, k, h_b=h_b, contrast_weight=w)
+    ref_logprobs, ref_ids = reference.contrastive_topk(h_a, h_b, w, lm_head, k)
+    assert logprobs.shape == (*lead, k) and ids.dtype == torch.int64
+    assert torch.equal(ids, ref_ids)
+    # Logits are computed in float32 from the given (possibly bf16) inputs on both sides.
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-5)
+    assert torch.all(logprobs[..., :-1] >= logprobs[..., 1:])
+
+
+def test_contrastive_feature_is_w_hi_h_a_minus_w_lo_h_b():
+    h_a, h_b = randn(6, 40, seed=5), randn(6, 40, seed=6)
+    w = contrast_weights((6,), seed=7)
+    lm_head = randn(300, 40, seed=8)
+    f = w[:, :1] * h_a - w[:, 1:] * h_b
+    got = ops.contrastive_topk(h_a, lm_head, 5, h_b=h_b, contrast_weight=w)
+    plain = ops.contrastive_topk(f, lm_head, 5)
+    assert torch.equal(got[1], plain[1])
+    torch.testing.assert_close(got[0], plain[0], **TOL[torch.float32])
+
+
+def test_contrastive_topk_opcheck():
+    h_a, h_b = randn(2, 3, 32, seed=9), randn(2, 3, 32, seed=10)
+    w = contrast_weights((2, 3), seed=11)
+    lm_head = randn(200, 32, seed=12)
+    torch.library.opcheck(torch.ops.jakiro.contrastive_topk.default, (h_a, h_b, w, lm_head, 4))
+    torch.library.opcheck(torch.ops.jakiro.contrastive_topk.default, (h_a, None, None, lm_head, 4))
+
+
+def test_contrastive_topk_bad_input_errors():
+    h_a, h_b = randn(3, 32, seed=13), randn(3, 32, seed=14)
+    w = contrast_weights((3,), seed=15)
+    lm_head = randn(100, 32, seed=16)
+    cases = [
+        (dict(h_a=h_a, lm_head=lm_head, k=0), r"k must be in \[1, vocab size 100\], got 0"),
+        (dict(h_a=h_a, lm_head=lm_head, k=101), r"k must be in \[1, vocab size 100\], got 101"),
+        (dict(h_a=h_a, lm_head=lm_head[:, :31], k=3), r"lm_head.shape\[1\] \(hidden size, as h_a.shape\[-1\]\) must be 32"),
+        (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b), r"h_b and contrast_weight go together"),
+        (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b[:2], contrast_weight=w), r"h_b must have the shape of h_a"),
+        (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b, contrast_weight=w[:, :1]), r"contrast_weight must have shape"),
+        (dict(h_a=h_a, lm_head=lm_head.bfloat16(), k=3), r"lm_head must have the dtype of h_a"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.contrastive_topk(**kwargs)

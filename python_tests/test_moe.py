@@ -1,0 +1,86 @@
+"""moe_top2 against its reference (the loop over experts)."""
+import pytest
+import torch
+
+from conftest import TOL, randn
+from jakiro_ext import ops, reference
+
+
+def make_moe(lead, H, I, N, dtype, seed):
+    x = randn(*lead, H, seed=seed, dtype=dtype)
+    router = randn(N + 2, H, seed=seed + 1, dtype=dtype, scale=H**-0.5)
+    w_gate = randn(N, I, H, seed=seed + 2, dtype=dtype, scale=H**-0.5)
+    w_up = randn(N, I, H, seed=seed + 3, dtype=dtype, scale=H**-0.5)
+    w_down = randn(N, H, I, seed=seed + 4, dtype=dtype, scale=I**-0.5)
+    return x, router, w_gate, w_up, w_down
+
+
+def assert_moe_close(got, want, dtype):
+    out, expert_out, idx, score, contrast = got
+    r_out, r_expert_out, r_idx, r_score, r_contrast = want
+    assert torch.equal(idx, r_idx)  # integer outputs: exact
+    assert out.dtype == dtype and expert_out.dtype == dtype and idx.dtype == torch.int64
+    torch.testing.assert_close(score, r_score, **TOL[torch.float32])
+    torch.testing.assert_close(contrast, r_contrast, **TOL[torch.float32])
+    torch.testing.assert_close(expert_out.float(), r_expert_out.float(), **TOL[dtype])
+    torch.testing.assert_close(out.float(), r_out.float(), **TOL[dtype])
+
+
+# (leading dims of x, hidden, expert width, experts)
+SHAPES = [((1,), 64, 64, 2), ((2, 13), 54, 97, 5), ((60,), 128, 111, 8), ((3, 1, 7), 96, 17, 3), ((4,), 576, 576, 8)]
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-I{s[2]}-N{s[3]}")
+def test_moe_top2_matches_reference(shape, dtype, renormalize):
+    args = make_moe(*shape, dtype=dtype, seed=100)
+    assert_moe_close(ops.moe_top2(*args, renormalize=renormalize),
+                     reference.moe_top2(*args, renormalize=renormalize), dtype)
+
+
+def test_moe_top2_semantics():
+    x, router, w_gate, w_up, w_down = make_moe((40,), 32, 24, 6, torch.float32, seed=7)
+    out, expert_out, idx, score, contrast = ops.moe_top2(x, router, w_gate, w_up, w_down)
+    logits = x @ router.T
+    probs = torch.softmax(logits[:, :6], -1)
+    assert torch.all(idx[:, 0] != idx[:, 1])
+    torch.testing.assert_close(score, probs.gather(1, idx))
+    assert torch.all(score[:, 0] >= score[:, 1]) and torch.all(contrast[:, 0] >= contrast[:, 1])
+    torch.testing.assert_close(contrast.sum(-1), torch.ones(40))
+    e = int(idx[3, 1])
+    h = torch.nn.functional.silu(x[3] @ w_gate[e].T) * (x[3] @ w_up[e].T) @ w_down[e].T
+    torch.testing.assert_close(expert_out[3, 1], h, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, x + (score.unsqueeze(-1) * expert_out).sum(1), atol=1e-5, rtol=1e-5)
+
+
+def test_moe_top2_ties_pick_the_lower_expert_first():
+    x, router, w_gate, w_up, w_down = make_moe((9,), 32, 16, 4, torch.float32, seed=8)
+    router[2] = router[1]  # experts 1 and 2 always tie
+    router[3] = router[1]
+    router[0] = -router[1]
+    _, _, idx, score, _ = ops.moe_top2(x, router, w_gate, w_up, w_down)
+    _, _, r_idx, _, _ = reference.moe_top2(x, router, w_gate, w_up, w_down)
+    assert torch.equal(idx, r_idx)
+    positive = (x @ router[1]) > 0
+    assert torch.equal(idx[positive], torch.tensor([[1, 2]]).expand(int(positive.sum()), 2))
+
+
+def test_moe_top2_opcheck():
+    args = make_moe((2, 5), 32, 24, 4, torch.float32, seed=9)
+    torch.library.opcheck(torch.ops.jakiro.moe_top2.default, args + (True,))
+
+
+def test_moe_top2_bad_input_errors():
+    x, router, w_gate, w_up, w_down = make_moe((5,), 32, 24, 4, torch.float32, seed=10)
+    cases = [
+        ((x, router, w_gate[:1], w_up[:1], w_down[:1]), r"number of experts N \(w_gate.shape\[0\]\) must be in \[2, 8\], got 1"),
+        ((x, router[:5], w_gate, w_up, w_down), r"router_weight must have shape \[N \+ 2, H\] = \[6, 32\]"),
+        ((x[:, :31], router, w_gate, w_up, w_down), r"w_gate.shape\[2\] \(hidden size, as x.shape\[-1\]\) must be 31"),
+        ((x, router, w_gate, w_up, w_down.transpose(1, 2)), r"w_down must have shape \[N, H, I\] = \[4, 32, 24\]"),
+        ((x, router, w_gate, w_up.bfloat16(), w_down), r"w_up must have the dtype of x"),
+        ((x, router, w_gate[0], w_up, w_down), r"w_gate must have 3 dimensions \[N, I, H\]"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.moe_top2(*args)

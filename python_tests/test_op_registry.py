@@ -1,0 +1,35 @@
+"""Every op of torch.ops.jakiro has a reference, a fake (meta) implementation, a Python entry
+point, and tests; this fails as soon as an op is added without them."""
+import importlib
+import pathlib
+
+import torch
+
+from jakiro_ext import ops, reference
+
+TEST_DIR = pathlib.Path(__file__).parent
+
+
+def registered_ops():
+    return sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("jakiro::"))
+
+
+def test_the_registered_ops_are_the_documented_ones():
+    assert registered_ops() == sorted(ops.OP_NAMES)
+
+
+def test_every_op_has_reference_fake_entry_point_and_tests():
+    test_functions = []
+    for path in TEST_DIR.glob("test_*.py"):
+        module = importlib.import_module(path.stem)
+        test_functions += [name for name in dir(module) if name.startswith("test_")]
+    for name in registered_ops():
+        assert callable(getattr(reference, name, None)), f"jakiro::{name} has no reference in jakiro_ext.reference"
+        assert callable(getattr(ops, name, None)), f"jakiro::{name} has no entry point in jakiro_ext.ops"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"jakiro::{name}", "Meta") or \
+            torch._library.simple_registry.singleton.find(f"jakiro::{name}").fake_impl.kernel is not None, \
+            f"jakiro::{name} has no fake implementation"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"jakiro::{name}", "CPU"), f"jakiro::{name} has no CPU kernel"
+        for kind in ("matches_reference", "opcheck", "bad_input_errors"):
+            assert any(f.startswith(f"test_{name}_{kind}") for f in test_functions), \
+                f"jakiro::{name} has no test_{name}_{kind}* test"

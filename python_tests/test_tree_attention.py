@@ -1,0 +1,179 @@
+"""tree_attention, tree_attention_partial and merge_attention_states against their references."""
+import math
+
+import pytest
+import torch
+
+from conftest import TOL, gen, randn, random_parents
+from jakiro_ext import ops, reference
+
+# (batch, tree tokens, q heads, kv heads, head dim, prefix lengths, cache capacity)
+SHAPES = [
+    (1, 1, 1, 1, 64, [0], 1),  # smallest: one token, no prefix
+    (2, 17, 9, 3, 64, [0, 97], 128),  # SmolLM2-like heads, odd tree, empty prefix in the batch
+    (3, 60, 24, 3, 128, [1000, 5, 511], 1100),  # GQA 8, EAGLE-sized tree, per-sequence lengths
+    (1, 5, 8, 8, 128, [4000], 4096),  # GQA 1, long prefix with a short tree
+    (2, 111, 6, 2, 64, [54, 300], 420),  # tree over one 64-bit mask word, crosses key blocks
+    (1, 130, 4, 4, 54, [257], 400),  # three mask words, odd head dim
+]
+
+
+def make_inputs(B, T, Hq, Hkv, D, prefix, S, dtype, seed):
+    q = randn(B, T, Hq, D, seed=seed, dtype=dtype)
+    k = randn(B, Hkv, S, D, seed=seed + 1, dtype=dtype)
+    v = randn(B, Hkv, S, D, seed=seed + 2, dtype=dtype)
+    mask = ops.build_tree_mask(random_parents(B, T, seed=seed + 3, max_children=4))
+    return q, k, v, torch.tensor(prefix, dtype=torch.int64), mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
+def test_tree_attention_matches_reference(shape, dtype):
+    q, k, v, lens, mask = make_inputs(*shape, dtype=dtype, seed=10)
+    out, lse = ops.tree_attention(q, k, v, lens, mask)
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == q.shape[:3]
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 13, 150])  # 150: more splits than some sequences have keys
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], SHAPES[3]], ids=["9-3", "24-3", "8-8-long"])
+def test_tree_attention_partial_matches_reference_on_splits(shape, num_splits):
+    q, k, v, lens, mask = make_inputs(*shape, dtype=torch.float32, seed=20)
+    out_p, lse_p = ops.tree_attention_partial(q, k, v, lens, mask, num_splits)
+    ref_p, ref_lse_p = reference.tree_attention_partial(q, k, v, lens, mask, num_splits)
+    assert out_p.shape == (*q.shape[:3], num_splits, q.shape[3])
+    torch.testing.assert_close(out_p, ref_p, **TOL[torch.float32])
+    torch.testing.assert_close(lse_p, ref_lse_p, **TOL[torch.float32])  # -inf for empty splits on both
+    # Whatever the split count, the merged result is the same attention.
+    out, lse = ops.merge_attention_states(out_p, lse_p, q.dtype)
+    full_out, full_lse = reference.tree_attention(q, k, v, lens, mask)
+    torch.testing.assert_close(out, full_out, **TOL[torch.float32])
+    torch.testing.assert_close(lse, full_lse, **TOL[torch.float32])
+    explicit_out, _ = ops.tree_attention(q, k, v, lens, mask, num_splits=num_splits)
+    torch.testing.assert_close(explicit_out, full_out, **TOL[torch.float32])
+
+
+def test_tree_attention_arbitrary_masks_and_fully_masked_rows():
+    # Not just ancestor masks: any bit pattern, including rows that see nothing (no prefix):
+    # those give zeros and lse = -inf, never NaN.
+    B, T, Hq, Hkv, D = 2, 70, 6, 3, 64
+    q = randn(B, T, Hq, D, seed=1)
+    k = randn(B, Hkv, 100, D, seed=2)
+    v = randn(B, Hkv, 100, D, seed=3)
+    bits = torch.rand(B, T, T, generator=gen(4)) < 0.3
+    bits[0, 5] = False
+    mask = ops.pack_bits(bits)
+    lens = torch.tensor([0, 30])
+    for splits in (1, 3):
+        out, lse = ops.tree_attention(q, k, v, lens, mask, num_splits=splits)
+        ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+        torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+        torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+        assert torch.all(out[0, 5] == 0) and torch.all(lse[0, 5] == -math.inf)
+        assert not torch.isnan(out).any()
+
+
+def test_tree_attention_reads_layer_slices_of_one_cache_buffer():
+    # The engine keeps every layer's K and V in one [L, 2, B, H, S, D] buffer and passes slices.
+    L, B, T, Hq, Hkv, D, S = 3, 2, 9, 6, 2, 64, 80
+    buf = randn(L, 2, B, Hkv, S, D, seed=5)
+    q = randn(B, T, Hq, D, seed=6)
+    mask = ops.build_tree_mask(random_parents(B, T, seed=7))
+    lens = torch.tensor([40, 71])
+    out, _ = ops.tree_attention(q, buf[1, 0], buf[1, 1], lens, mask, num_splits=2)
+    ref, _ = reference.tree_attention(q, buf[1, 0].clone(), buf[1, 1].clone(), lens, mask)
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+def test_tree_attention_scale_argument():
+    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=30)
+    out, lse = ops.tree_attention(q, k, v, lens, mask, scale=0.3)
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask, scale=0.3)
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+
+
+def test_build_tree_mask_is_ancestor_closure():
+    parents = random_parents(3, 150, seed=8)
+    sees = reference.unpack_tree_mask(ops.build_tree_mask(parents), 150)
+    for b in range(3):
+        for i in range(150):
+            expected, node = set(), i
+            while node >= 0:
+                expected.add(node)
+                node = int(parents[b, node])
+            assert set(torch.nonzero(sees[b, i]).flatten().tolist()) == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_attention_states_matches_reference(dtype):
+    out_p = randn(2, 7, 5, 4, 64, seed=9)
+    lse_p = randn(2, 7, 5, 4, seed=10, scale=3.0)
+    lse_p[0, 0, 0] = -math.inf  # every split empty
+    lse_p[1, 2, :, 1] = -math.inf  # one split empty
+    out, lse = ops.merge_attention_states(out_p, lse_p, dtype)
+    ref_out, ref_lse = reference.merge_attention_states(out_p, lse_p, dtype)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+    assert torch.all(out[0, 0, 0] == 0) and lse[0, 0, 0] == -math.inf
+
+
+def test_tree_attention_opcheck():
+    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=40)
+    torch.library.opcheck(torch.ops.jakiro.tree_attention.default, (q, k, v, lens, mask, None, 2))
+    torch.library.opcheck(torch.ops.jakiro.tree_attention.default, (q.bfloat16(), k.bfloat16(), v.bfloat16(), lens, mask))
+
+
+def test_tree_attention_partial_opcheck():
+    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=41)
+    torch.library.opcheck(torch.ops.jakiro.tree_attention_partial.default, (q, k, v, lens, mask, 3, None))
+
+
+def test_merge_attention_states_opcheck():
+    out_p, lse_p = randn(2, 3, 4, 3, 64, seed=42), randn(2, 3, 4, 3, seed=43)
+    torch.library.opcheck(torch.ops.jakiro.merge_attention_states.default, (out_p, lse_p, torch.bfloat16))
+
+
+def test_tree_attention_bad_input_errors():
+    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=50)
+    cases = [
+        (dict(q=q[0]), r"q must have 4 dimensions \[B, T, Hq, D\]"),
+        (dict(k_cache=k[:, :2]), r"multiple of KV heads"),
+        (dict(v_cache=v[:, :, :100]), r"v_cache must have the shape of k_cache"),
+        (dict(k_cache=k.double(), v_cache=v.double()), r"k_cache must have the dtype of q"),
+        (dict(q=q.half(), k_cache=k.half(), v_cache=v.half()), r"q must have dtype Float or BFloat16"),
+        (dict(tree_mask=mask[..., :0]), r"tree_mask is too short: 17 tree tokens need 1 int64 words"),
+        (dict(tree_mask=mask.int()), r"tree_mask must have dtype Long"),
+        (dict(prefix_lens=torch.tensor([0, 112])), r"prefix_lens\[1\] \+ tree tokens = 112 \+ 17 .* capacity 128"),
+        (dict(prefix_lens=torch.tensor([0, -1])), r"prefix_lens\[1\]"),
+        (dict(prefix_lens=lens.int()), r"prefix_lens must have dtype Long"),
+        (dict(prefix_lens=lens[:1]), r"prefix_lens.shape\[0\] \(batch\) must be 2"),
+        (dict(k_cache=k.transpose(2, 3).contiguous().transpose(2, 3)), r"contiguous \[S, D\] rows"),
+    ]
+    for change, message in cases:
+        args = dict(q=q, k_cache=k, v_cache=v, prefix_lens=lens, tree_mask=mask)
+        args.update(change)
+        with pytest.raises(RuntimeError, match=message):
+            ops.tree_attention(**args)
+
+
+def test_tree_attention_partial_bad_input_errors():
+    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=51)
+    with pytest.raises(RuntimeError, match="num_splits must be >= 1, got 0"):
+        ops.tree_attention_partial(q, k, v, lens, mask, 0)
+    with pytest.raises(RuntimeError, match=r"jakiro::tree_attention_partial: q must have 4 dimensions"):
+        ops.tree_attention_partial(q[0], k, v, lens, mask, 2)
+
+
+def test_merge_attention_states_bad_input_errors():
+    with pytest.raises(RuntimeError, match=r"lse_partial must have shape out_partial.shape\[:4\]"):
+        ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 8), torch.zeros(1, 2, 3, 5))
+    with pytest.raises(RuntimeError, match=r"out_partial must have dtype Float, got BFloat16"):
+        ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 4))
+    with pytest.raises(RuntimeError, match=r"there must be at least one split"):
+        ops.merge_attention_states(torch.zeros(1, 2, 3, 0, 8), torch.zeros(1, 2, 3, 0))
+    with pytest.raises(RuntimeError, match=r"out_dtype must be float32 or bfloat16, got Half"):
+        ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 8), torch.zeros(1, 2, 3, 4), torch.float16)

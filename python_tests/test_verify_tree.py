@@ -1,0 +1,177 @@
+"""verify_tree: greedy and sampling against the reference (exact), and a statistical test that
+sampling verification emits exactly the target's filtered distribution."""
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import gen, randn, random_parents
+from jakiro_ext import ops, reference
+
+
+def plant_acceptable_paths(parents, tokens, logits, seed, p_plant=0.7):
+    """Make the target agree with some drafted children: at each node, with probability
+    p_plant, the target's argmax becomes the token of one of its children."""
+    g = gen(seed)
+    B, T = parents.shape
+    for b in range(B):
+        for node in range(T):
+            children = [c for c in range(T) if int(parents[b, c]) == node]
+            if children and float(torch.rand(1, generator=g)) < p_plant:
+                c = children[int(torch.randint(len(children), (1,), generator=g))]
+                logits[b, node, tokens[b, c]] = logits[b, node].max() + 3.0
+    return logits
+
+
+def make_tree(B, T, V, seed, dtype=torch.float32, duplicates=True):
+    parents = random_parents(B, T, seed=seed, max_children=6)
+    tokens = torch.randint(0, V, (B, T), generator=gen(seed + 1))
+    if duplicates:  # siblings proposing the same token (two experts agreeing)
+        for b in range(B):
+            for c in range(2, T):
+                if int(parents[b, c]) == int(parents[b, c - 1]) and c % 3 == 0:
+                    tokens[b, c] = tokens[b, c - 1]
+    logits = randn(B, T, V, seed=seed + 2, scale=2.0)
+    logits = plant_acceptable_paths(parents, tokens, logits, seed + 3).to(dtype)
+    uniforms = torch.rand(B, T + 1, generator=gen(seed + 4), dtype=torch.float64)
+    return parents, tokens, logits, uniforms
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want):
+        assert g.dtype == torch.int64
+        assert torch.equal(g, w), (g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,V", [(1, 1, 5), (3, 60, 97), (2, 26, 1000), (1, 130, 49152)])
+def test_verify_tree_matches_reference_greedy(B, T, V, dtype):
+    parents, tokens, logits, _ = make_tree(B, T, V, seed=T + V, dtype=dtype)
+    got = ops.verify_tree(parents, tokens, logits)
+    assert_same(got, reference.verify_tree(parents, tokens, logits))
+    path, accept_len, bonus = got
+    for b in range(B):  # the invariant itself: each accepted token is the target's argmax at its parent
+        n = int(accept_len[b])
+        nodes = path[b, : n + 1].tolist()
+        assert nodes[0] == 0 and torch.all(path[b, n + 1 :] == -1)
+        for parent, child in zip(nodes, nodes[1:]):
+            assert int(parents[b, child]) == parent
+            assert int(tokens[b, child]) == int(logits[b, parent].float().argmax())
+        assert int(bonus[b]) == int(logits[b, nodes[-1]].float().argmax())
+    if T >= 26:
+        assert int(accept_len.max()) >= 1  # the planted paths are found
+
+
+SAMPLING = [(1.0, 1.0, 0), (0.6, 1.0, 0), (1.5, 0.9, 0), (0.8, 0.5, 0), (1.0, 1.0, 5), (0.7, 0.8, 20), (1.0, 0.05, 0)]
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", SAMPLING)
+@pytest.mark.parametrize("B,T,V", [(4, 1, 7), (6, 60, 97), (2, 26, 5000)])
+def test_verify_tree_matches_reference_sampling(B, T, V, temperature, top_p, top_k):
+    parents, tokens, logits, uniforms = make_tree(B, T, V, seed=3 * T + V)
+    got = ops.verify_tree(parents, tokens, logits, uniforms, temperature, top_p, top_k)
+    assert_same(got, reference.verify_tree(parents, tokens, logits, uniforms, temperature, top_p, top_k))
+
+
+# --------------------------------------------------------------------------- statistics
+# One fixed tree over a 6-token vocabulary, verified for many independent draws at once.
+# Root's children propose tokens 2, 2 (a duplicate), 4, 1; node 1 (token 2) has children
+# proposing 0 and 3. The target's logits at both token-2 nodes are the same (same context).
+PARENTS = [-1, 0, 0, 0, 0, 1, 1]
+TOKENS = [5, 2, 2, 4, 1, 0, 3]
+ROOT_LOGITS = [0.3, 1.0, 2.0, -0.5, 1.4, 0.1]
+TOKEN2_LOGITS = [1.2, -1.0, 0.2, 0.9, 0.0, 0.5]
+FILTERS = [(1.0, 1.0, 0), (0.7, 0.85, 0), (1.3, 1.0, 3)]
+
+
+def tree_batch(draws):
+    logits = torch.randn(1, 7, 6, generator=gen(0)).repeat(draws, 1, 1)
+    logits[:, 0] = torch.tensor(ROOT_LOGITS)
+    logits[:, 1] = torch.tensor(TOKEN2_LOGITS)
+    logits[:, 2] = torch.tensor(TOKEN2_LOGITS)
+    parents = torch.tensor(PARENTS).repeat(draws, 1)
+    tokens = torch.tensor(TOKENS).repeat(draws, 1)
+    return parents, tokens, logits
+
+
+def emitted(path, accept_len, bonus, tokens):
+    """First two emitted tokens per draw (second = -1 when the step emitted only one)."""
+    n = accept_len.numpy()
+    seq = np.full((len(n), 2), -1)
+    accepted = tokens.gather(1, path.clamp_min(0)).numpy()
+    for i in range(len(n)):
+        out = list(accepted[i, 1 : n[i] + 1]) + [int(bonus[i])]
+        seq[i, : min(2, len(out))] = out[:2]
+    return seq
+
+
+def chi_square_pvalue(samples, probs):
+    support = probs > 0
+    counts = np.bincount(samples, minlength=len(probs))
+    assert counts[~support].sum() == 0, f"tokens outside the filtered support were emitted: {counts}"
+    expected = probs[support] / probs[support].sum() * counts.sum()
+    return chisquare(counts[support], expected).pvalue
+
+
+def lossy_first_tokens(root_probs, uniforms):
+    """A known-lossy verifier (no residual: a rejected token keeps its mass, the bonus is drawn from
+    the unmodified distribution), to show the test below can fail."""
+    children = [2, 2, 4, 1]
+    out = []
+    cdf = np.cumsum(root_probs)
+    for u in uniforms:
+        tok = next((x for x, uc in zip(children, u[1:5]) if uc < root_probs[x]), None)
+        out.append(tok if tok is not None else int(np.searchsorted(cdf, u[7] * cdf[-1], side="right")))
+    return np.array(out)
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", FILTERS)
+def test_sampling_verification_emits_the_target_distribution(temperature, top_p, top_k):
+    draws = 40000
+    parents, tokens, logits = tree_batch(draws)
+    uniforms = torch.rand(draws, 8, generator=gen(11), dtype=torch.float64)
+    path, accept_len, bonus = ops.verify_tree(parents, tokens, logits, uniforms, temperature, top_p, top_k)
+    seq = emitted(path, accept_len, bonus, tokens)
+
+    root_p = reference.filtered_distribution(torch.tensor(ROOT_LOGITS), temperature, top_p, top_k).numpy()
+    assert chi_square_pvalue(seq[:, 0], root_p) > 1e-3
+    # After an accepted token 2, the next token must follow the target at token 2's node.
+    token2_p = reference.filtered_distribution(torch.tensor(TOKEN2_LOGITS), temperature, top_p, top_k).numpy()
+    after2 = seq[seq[:, 0] == 2, 1]
+    assert len(after2) > 1000 and np.all(after2 >= 0)
+    assert chi_square_pvalue(after2, token2_p) > 1e-3
+    # The same statistic flags a lossy verifier on the same draws: the test has power.
+    assert chi_square_pvalue(lossy_first_tokens(root_p, uniforms.numpy()), root_p) < 1e-6
+
+
+def test_verify_tree_opcheck():
+    parents, tokens, logits, uniforms = make_tree(2, 12, 50, seed=5)
+    torch.library.opcheck(torch.ops.jakiro.verify_tree.default, (parents, tokens, logits, None, 0.0, 1.0, 0))
+    torch.library.opcheck(torch.ops.jakiro.verify_tree.default, (parents, tokens, logits, uniforms, 0.8, 0.9, 10))
+
+
+def test_verify_tree_bad_input_errors():
+    parents, tokens, logits, uniforms = make_tree(2, 6, 20, seed=6)
+    bad_parents = parents.clone()
+    bad_parents[1, 4] = 4
+    bad_root = parents.clone()
+    bad_root[0, 0] = 0
+    bad_tokens = tokens.clone()
+    bad_tokens[0, 3] = 20
+    cases = [
+        ((bad_parents, tokens, logits), {}, r"parents\[1, 4\] must be in \[0, 4\) \(nodes in topological order\), got 4"),
+        ((bad_root, tokens, logits), {}, r"parents\[0, 0\] must be -1"),
+        ((parents, bad_tokens, logits), {}, r"draft_tokens\[0, 3\] must be a token id in \[0, 20\), got 20"),
+        ((parents, tokens[:, :5], logits), {}, r"draft_tokens must have the shape of parents"),
+        ((parents, tokens, logits[:, :5]), {}, r"target_logits must have shape \[B, T, V\]"),
+        ((parents, tokens, logits), dict(temperature=0.5), r"needs uniforms \[B, T \+ 1\] float64"),
+        ((parents, tokens, logits, uniforms.float()), dict(temperature=0.5), r"uniforms must have dtype Double"),
+        ((parents, tokens, logits, uniforms[:, :6]), dict(temperature=0.5), r"uniforms must have shape \[B, T \+ 1\] = \[2, 7\]"),
+        ((parents, tokens, logits, uniforms), dict(temperature=0.5, top_p=0.0), r"top_p must be in \(0, 1\], got 0"),
+        ((parents, tokens, logits, uniforms), dict(temperature=-1.0), r"temperature must be finite and >= 0"),
+        ((parents, tokens, logits, uniforms), dict(temperature=1.0, top_k=-2), r"top_k must be >= 0"),
+        ((parents.int(), tokens, logits), {}, r"parents must have dtype Long"),
+    ]
+    for args, kwargs, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.verify_tree(*args, **kwargs)

@@ -22,7 +22,7 @@
 namespace jakiro::cpu {
 namespace {
 
-constexpr int64_t kBlock = 256;        // keys per GEMM block: the [G*T, kBlock] scores stay in L2
+constexpr int64_t kBlock = 512;        // keys per GEMM block: the [G*T, kBlock] scores stay in L2
 constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this many keys long
 
 struct SplitScratch {

@@ -1,0 +1,103 @@
+"""Command line: ``python -m jakiro_ext {demo,show-config}``."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+def show_config() -> int:
+    from jakiro_ext import ops
+
+    print(f"jakiro_ext {__import__('jakiro_ext').__version__}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), threads {torch.get_num_threads()}")
+    if ops.compiled_available():
+        print(f"compiled ops: loaded, built against torch {ops._C.torch_version}, "
+              f"CUDA kernels {'built' if ops._C.with_cuda else 'not built'}")
+        for name in ops.OP_NAMES:
+            keys = [k for k in ("CPU", "CUDA") if torch._C._dispatch_has_kernel_for_dispatch_key(f"jakiro::{name}", k)]
+            print(f"  jakiro::{name}: {', '.join(keys)}")
+    else:
+        print(f"compiled ops: NOT loaded: {ops.LOAD_ERROR}")
+        return 1
+    return 0
+
+
+def _time(fn, reps=10):
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def demo() -> int:
+    """One draft-verify step's worth of ops on SmolLM2-135M shapes, each checked against its
+    reference and timed. (The speculative generation demo replaces this with the engine.)"""
+    from jakiro_ext import ops, reference
+
+    if show_config():
+        return 1
+    g = torch.Generator().manual_seed(0)
+    H, V, Hq, Hkv, D, T, prefix = 576, 49152, 9, 3, 64, 60, 2048
+    print(f"\nSmolLM2-135M shapes: hidden {H}, vocab {V}, heads {Hq}/{Hkv}x{D}; tree of {T} nodes over a {prefix}-token prefix")
+
+    parents = torch.tensor([[-1] + [max(0, i - 1 - (i % 7)) for i in range(1, T)]])
+    mask = ops.build_tree_mask(parents)
+    q = torch.randn(1, T, Hq, D, generator=g)
+    k = torch.randn(1, Hkv, prefix + T, D, generator=g)
+    v = torch.randn(1, Hkv, prefix + T, D, generator=g)
+    lens = torch.tensor([prefix])
+    x = torch.randn(10, H, generator=g)
+    moe_w = (torch.randn(10, H, generator=g) * H**-0.5, torch.randn(8, H, H, generator=g) * H**-0.5,
+             torch.randn(8, H, H, generator=g) * H**-0.5, torch.randn(8, H, H, generator=g) * H**-0.5)
+    lm_head = torch.randn(V, H, generator=g) * H**-0.5
+    logits = torch.randn(1, T, V, generator=g)
+    tokens = logits.argmax(-1).gather(1, parents.clamp_min(0))  # the target agrees everywhere
+    cache = torch.randn(30, 2, 1, Hkv, prefix + T, D, generator=g)
+    path, n = torch.tensor([[0, 1, 2, 3]]), torch.tensor([4])
+
+    moe_out = ops.moe_top2(x, *moe_w)
+    cases = [
+        ("tree_attention", lambda: ops.tree_attention(q, k, v, lens, mask),
+         lambda: reference.tree_attention(q, k, v, lens, mask)),
+        ("moe_top2 (10 tokens, 8 experts)", lambda: ops.moe_top2(x, *moe_w), lambda: reference.moe_top2(x, *moe_w)),
+        ("contrastive_topk (10 rows, k=10)",
+         lambda: ops.contrastive_topk(moe_out[1][:, 0], lm_head, 10, h_b=moe_out[1][:, 1], contrast_weight=moe_out[4]),
+         lambda: reference.contrastive_topk(moe_out[1][:, 0], moe_out[1][:, 1], moe_out[4], lm_head, 10)),
+        ("verify_tree (greedy)", lambda: ops.verify_tree(parents, tokens, logits),
+         lambda: reference.verify_tree(parents, tokens, logits)),
+        ("compact_kv (30 layers)", lambda: ops.compact_kv(cache, lens, path, n),
+         lambda: reference.compact_kv(cache, lens, path, n)),
+    ]
+    print(f"\n{'op':36s} {'max |diff|':>11s} {'kernel ms':>10s} {'reference ms':>13s} {'speedup':>8s}")
+    for name, ours, ref in cases:
+        a, b = ours(), ref()
+        diff = 0.0
+        if a is not None:
+            diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+        t_ours, t_ref = _time(ours), _time(ref, reps=3)
+        print(f"{name:36s} {diff:11.2e} {t_ours:10.3f} {t_ref:13.3f} {t_ref / t_ours:7.1f}x")
+    path_out, accept, bonus = ops.verify_tree(parents, tokens, logits)
+    print(f"\nverify_tree accepted {int(accept[0])} draft tokens along nodes {path_out[0, :int(accept[0]) + 1].tolist()}, "
+          f"bonus token {int(bonus[0])}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jakiro_ext", description=__doc__)
+    sub = parser.add_subparsers(dest="command")
+    sub.add_parser("demo", help="run every fused op on SmolLM2-135M shapes against its reference (default)")
+    sub.add_parser("show-config", help="what was built and what is loaded")
+    args = parser.parse_args(argv)
+    if args.command == "show-config":
+        return show_config()
+    return demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,7 +4,8 @@
 // The LM head is cut into chunks of kVocabChunk rows; each worker takes a contiguous range of
 // chunks and keeps, per feature row, an online log-sum-exp and a top-k list. Only one
 // [rows, kVocabChunk] block of logits exists per worker at a time; the workers' states are
-// merged at the end. The op is bound by reading the LM head once.
+// merged at the end. The op is bound by reading the LM head once (skinny_gemm.h), in its own
+// dtype: a bf16 head is widened in registers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -12,7 +13,7 @@
 
 #include <vector>
 
-#include "cpu/gemm.h"
+#include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/softmax.h"
 #include "jakiro/topk.h"
@@ -47,18 +48,10 @@ at::Tensor feature_rows(const at::Tensor& h_a, const std::optional<at::Tensor>& 
 template <typename scalar_t>
 void scan_vocab(const float* f, int64_t rows, int64_t H, const scalar_t* lm_head, int64_t v_begin, int64_t v_end,
                 RowState& st) {
-  std::vector<float> logits(rows * kVocabChunk), w;
-  if (!std::is_same_v<scalar_t, float>) w.resize(kVocabChunk * H);
+  std::vector<float> logits(rows * kVocabChunk);
   for (int64_t v0 = v_begin; v0 < v_end; v0 += kVocabChunk) {
     const int64_t n = std::min(kVocabChunk, v_end - v0);
-    const float* wc;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      wc = lm_head + v0 * H;
-    } else {
-      to_float(lm_head + v0 * H, w.data(), n * H);
-      wc = w.data();
-    }
-    gemm_nt(f, H, wc, H, logits.data(), n, rows, n, H, /*accumulate=*/false);
+    skinny_gemm_nt(f, rows, H, lm_head, H, H, v0, v0 + n, logits.data(), n);
     for (int64_t r = 0; r < rows; ++r) {
       const float* l = logits.data() + r * n;
       st.softmax[r].rescale_for(max_of(l, n));

@@ -3,8 +3,9 @@
 //
 // Routing runs in float32 for every input dtype (the router is tiny and near-ties between
 // experts must not depend on bf16 rounding). Tokens are then grouped by expert, and each
-// active expert runs as three GEMMs over just its tokens, with SiLU(gate) * up fused in
-// between; experts run in parallel. Nothing is gathered per token (no [M, 2, I, H] weights).
+// active expert runs over just its tokens as three weight-streaming products (skinny_gemm.h)
+// with SiLU(gate) * up fused in between, in float32 whatever the weights' dtype; experts run
+// in parallel. Each active expert's weights are read once; nothing is gathered per token.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/topk.h"
 #include "ops.h"
@@ -20,22 +22,29 @@
 namespace jakiro::cpu {
 namespace {
 
-// dst = silu(gate) * up, element-wise, computed in float32.
-template <typename scalar_t>
-void silu_mul(const scalar_t* gate, const scalar_t* up, scalar_t* dst, int64_t n, std::vector<float>& g,
-              std::vector<float>& u) {
-  g.resize(n);
-  u.resize(n);
-  to_float(gate, g.data(), n);
-  to_float(up, u.data(), n);
+// g = silu(g) * u, element-wise.
+void silu_mul_in_place(float* g, const float* u, int64_t n) {
   int64_t i = 0;
   const Vec one(1.f);
   for (; i + Vec::size() <= n; i += Vec::size()) {
-    Vec x = Vec::loadu(g.data() + i);
-    (x / (one + x.neg().exp()) * Vec::loadu(u.data() + i)).store(g.data() + i);
+    Vec x = Vec::loadu(g + i);
+    (x / (one + x.neg().exp()) * Vec::loadu(u + i)).store(g + i);
   }
   for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-  from_float(g.data(), dst, n);
+}
+
+// One expert over its tokens: rows = (token * 2 + slot) of expert_out, SwiGLU in float32.
+template <typename scalar_t>
+void run_expert(const scalar_t* x, const scalar_t* w_gate, const scalar_t* w_up, const scalar_t* w_down,
+                const std::vector<int64_t>& rows, int64_t H, int64_t I, scalar_t* expert_out) {
+  const int64_t m = static_cast<int64_t>(rows.size());
+  std::vector<float> xs(m * H), gate(m * I), up(m * I), y(m * H);
+  for (int64_t r = 0; r < m; ++r) to_float(x + (rows[r] / 2) * H, xs.data() + r * H, H);
+  skinny_gemm_nt(xs.data(), m, H, w_gate, H, H, 0, I, gate.data(), I);
+  skinny_gemm_nt(xs.data(), m, H, w_up, H, H, 0, I, up.data(), I);
+  silu_mul_in_place(gate.data(), up.data(), m * I);
+  skinny_gemm_nt(gate.data(), m, I, w_down, I, I, 0, H, y.data(), H);
+  for (int64_t r = 0; r < m; ++r) from_float(y.data() + r * H, expert_out + rows[r] * H, H);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_cpu(
@@ -88,26 +97,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
     pcw[m * 2 + 1] = std::min(e0, e1) / (e0 + e1);
   }
 
+  auto wg = w_gate.contiguous(), wu = w_up.contiguous(), wd = w_down.contiguous();
+  const int64_t I = sh.intermediate;
   JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "moe_top2_cpu", [&] {
-    auto eo2 = expert_out.view({M * 2, H});
+    scalar_t* peo = expert_out.data_ptr<scalar_t>();
     at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-      c10::InferenceMode worker_guard;
-      std::vector<float> g, u;
       for (int64_t e = begin; e < end; ++e) {
-        const auto& slots = rows_of[e];
-        if (slots.empty()) continue;
-        auto slot_index = at::from_blob(const_cast<int64_t*>(slots.data()), {(int64_t)slots.size()},
-                                        at::TensorOptions().dtype(at::kLong));
-        auto xs = x2.index_select(0, at::floor_divide(slot_index, 2));
-        auto gate = at::mm(xs, w_gate[e].t());
-        auto up = at::mm(xs, w_up[e].t());
-        silu_mul(gate.data_ptr<scalar_t>(), up.data_ptr<scalar_t>(), gate.data_ptr<scalar_t>(), gate.numel(), g, u);
-        eo2.index_copy_(0, slot_index, at::mm(gate, w_down[e].t()));
+        if (rows_of[e].empty()) continue;
+        run_expert(x2.data_ptr<scalar_t>(), wg.data_ptr<scalar_t>() + e * I * H, wu.data_ptr<scalar_t>() + e * I * H,
+                   wd.data_ptr<scalar_t>() + e * H * I, rows_of[e], H, I, peo);
       }
     });
     // out = x + score_0 * h_0 + score_1 * h_1, accumulated in float32.
     const scalar_t* px = x2.data_ptr<scalar_t>();
-    const scalar_t* ph = eo2.data_ptr<scalar_t>();
+    const scalar_t* ph = peo;
     scalar_t* po = out.data_ptr<scalar_t>();
     at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(H), h(H);

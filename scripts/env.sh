@@ -1,0 +1,17 @@
+# Sourced by the other scripts: create (once) the project's virtual environment .venv with the
+# CPU build of torch and the build tools, then build and install jakiro_ext into it.
+# JAKIRO_VENV overrides the location.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${JAKIRO_VENV:-$ROOT/.venv}"
+TORCH_CPU_VERSION="2.13.0"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "== creating $VENV"
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+echo "== installing torch $TORCH_CPU_VERSION (CPU) and the build/test tools"
+"$PY" -m pip install -q --disable-pip-version-check "torch==$TORCH_CPU_VERSION" ninja numpy setuptools wheel "$@"
+echo "== building and installing jakiro_ext"
+(cd "$ROOT" && "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation .)

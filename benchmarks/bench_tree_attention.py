@@ -32,10 +32,12 @@ def main():
     bw = memory_bandwidth_gbs(args.threads)
     models = {"smollm2-9/3x64": (9, 3, 64), "llama-32/8x128": (32, 8, 128)}
     prefixes = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192]
-    T = 60
+    # The EAGLE-2 tree (60 tokens) on every prefix; then plain decoding (1 token) and a small
+    # tree, where the kernel is bound by reading the cache rather than by arithmetic.
+    cases = [(60, p) for p in prefixes] + [(1, 4096), (1, 8192), (4, 8192)]
     for model, (Hq, Hkv, D) in models.items():
         for dtype in (torch.float32, torch.bfloat16):
-            for prefix in prefixes:
+            for T, prefix in cases:
                 g = torch.Generator().manual_seed(0)
                 q = torch.randn(1, T, Hq, D, generator=g).to(dtype)
                 k = torch.randn(1, Hkv, prefix + T, D, generator=g).to(dtype)

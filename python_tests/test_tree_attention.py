@@ -15,6 +15,7 @@ SHAPES = [
     (1, 5, 8, 8, 128, [4000], 4096),  # GQA 1, long prefix with a short tree
     (2, 111, 6, 2, 64, [54, 300], 420),  # tree over one 64-bit mask word, crosses key blocks
     (1, 130, 4, 4, 54, [257], 400),  # three mask words, odd head dim
+    (2, 3, 6, 2, 54, [700, 33], 800),  # few query rows (streaming path), odd head dim
 ]
 
 

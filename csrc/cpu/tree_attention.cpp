@@ -5,7 +5,9 @@
 // the KV head, times the T tree tokens, into one [G*T, D] block, so every K/V row loaded from
 // the cache serves all of them. Keys are consumed in blocks of kBlock: scores by a GEMM,
 // masking of the tree part from the bit-packed ancestor mask, online softmax, then P @ V by
-// a second GEMM. bf16 caches are widened to float32 per block; accumulation is float32.
+// a second GEMM. A large tree makes this compute-bound (G*T rows per K/V row); with few rows
+// (small trees, plain decoding) it is bound by reading K/V, and both products stream the
+// cache instead. bf16 caches are widened to float32 per block; accumulation is float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -14,6 +16,7 @@
 #include <vector>
 
 #include "cpu/gemm.h"
+#include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/common.h"
 #include "jakiro/softmax.h"
@@ -24,6 +27,10 @@ namespace {
 
 constexpr int64_t kBlock = 512;        // keys per GEMM block: the [G*T, kBlock] scores stay in L2
 constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this many keys long
+// Up to this many query rows (G * T) per task the products are bound by reading K/V: they
+// stream it (skinny_gemm.h) instead of calling a BLAS GEMM, which is for the many-row
+// (compute-bound) case of a large tree.
+constexpr int64_t kStreamingRows = 16;
 
 struct SplitScratch {
   std::vector<float> q, scores, acc, k, v;
@@ -41,6 +48,37 @@ inline const float* float_rows(const c10::BFloat16* head, int64_t start, int64_t
                                std::vector<float>& buffer) {
   to_float(head + start * dim, buffer.data(), n * dim);
   return buffer.data();
+}
+
+// acc[r, :] += sum_j p[r, j] * v[j, :] for few rows r: every V row is read once per row of P,
+// from L2, with four independent accumulator vectors along D.
+void accumulate_pv_streaming(const float* p, int64_t rows, int64_t n, const float* v, int64_t D, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* pr = p + r * n;
+    float* o = acc + r * D;
+    int64_t d = 0;
+    for (; d + 4 * Vec::size() <= D; d += 4 * Vec::size()) {
+      Vec a0 = Vec::loadu(o + d), a1 = Vec::loadu(o + d + Vec::size());
+      Vec a2 = Vec::loadu(o + d + 2 * Vec::size()), a3 = Vec::loadu(o + d + 3 * Vec::size());
+      for (int64_t j = 0; j < n; ++j) {
+        const Vec pj(pr[j]);
+        const float* vj = v + j * D + d;
+        a0 = at::vec::fmadd(pj, Vec::loadu(vj), a0);
+        a1 = at::vec::fmadd(pj, Vec::loadu(vj + Vec::size()), a1);
+        a2 = at::vec::fmadd(pj, Vec::loadu(vj + 2 * Vec::size()), a2);
+        a3 = at::vec::fmadd(pj, Vec::loadu(vj + 3 * Vec::size()), a3);
+      }
+      a0.store(o + d);
+      a1.store(o + d + Vec::size());
+      a2.store(o + d + 2 * Vec::size());
+      a3.store(o + d + 3 * Vec::size());
+    }
+    for (; d < D; ++d) {
+      float a = o[d];
+      for (int64_t j = 0; j < n; ++j) a += pr[j] * v[j * D + d];
+      o[d] = a;
+    }
+  }
 }
 
 struct PartialArgs {
@@ -84,8 +122,12 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   const scalar_t* v_head = v_cache + b * k_batch_stride + kvh * k_head_stride;
   for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
     const int64_t n = std::min(kBlock, stop - j0);
-    const float* kb = float_rows(k_head, j0, n, D, s.k);
-    gemm_nt(s.q.data(), D, kb, D, s.scores.data(), n, rows, n, D, /*accumulate=*/false);
+    const bool streaming = rows <= kStreamingRows;
+    if (streaming) {
+      skinny_gemm_nt(s.q.data(), rows, D, k_head, D, D, j0, j0 + n, s.scores.data(), n);
+    } else {
+      gemm_nt(s.q.data(), D, float_rows(k_head, j0, n, D, s.k), D, s.scores.data(), n, rows, n, D, /*accumulate=*/false);
+    }
 
     if (j0 + n > prefix) {  // the block reaches into the tree: apply the ancestor mask
       const int64_t first = std::max(j0, prefix);
@@ -109,7 +151,11 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
       s.state[r].sum += exp_shift_sum_fast(srow, n, s.state[r].max);
     }
     const float* vb = float_rows(v_head, j0, n, D, s.v);
-    gemm_nn(s.scores.data(), n, vb, D, s.acc.data(), D, rows, D, n, /*accumulate=*/true);
+    if (streaming) {
+      accumulate_pv_streaming(s.scores.data(), rows, n, vb, D, s.acc.data());
+    } else {
+      gemm_nn(s.scores.data(), n, vb, D, s.acc.data(), D, rows, D, n, /*accumulate=*/true);
+    }
   }
 
   for (int64_t g = 0; g < G; ++g) {

@@ -14,7 +14,16 @@ namespace jakiro::cpu {
 using Vec = at::vec::Vectorized<float>;
 
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) { at::vec::convert(src, dst, n); }
+inline void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+  using VecB = at::vec::Vectorized<c10::BFloat16>;  // holds 2 * Vec::size() elements
+  int64_t i = 0;
+  for (; i + VecB::size() <= n; i += VecB::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<c10::BFloat16>(VecB::loadu(src + i));
+    lo.store(dst + i);
+    hi.store(dst + i + Vec::size());
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
 inline void from_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void from_float(const float* src, c10::BFloat16* dst, int64_t n) { at::vec::convert(src, dst, n); }
 

@@ -43,6 +43,8 @@ TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, con
               s.kv_heads, " (k_cache.shape[1])");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ", k_cache.sizes(),
               ", got ", v_cache.sizes());
+  TORCH_CHECK(k_cache.strides() == v_cache.strides(), op, ": v_cache must have the strides of k_cache ",
+              k_cache.strides(), ", got ", v_cache.strides());
   for (auto [name, t] : {std::pair{"k_cache", &k_cache}, std::pair{"v_cache", &v_cache}}) {
     TORCH_CHECK(t->stride(3) == 1 && t->stride(2) == s.head_dim, op, ": ", name,
                 " must have contiguous [S, D] rows per (batch, head) (strides [..., ..., D, 1] = [..., ..., ", s.head_dim,
@@ -60,7 +62,7 @@ TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, con
     auto lens = prefix_lens.contiguous();
     const int64_t* p = lens.data_ptr<int64_t>();
     for (int64_t b = 0; b < s.batch; ++b) {
-      TORCH_CHECK(p[b] >= 0 && p[b] + s.tree_len <= s.capacity, op, ": prefix_lens[", b, "] + tree tokens = ", p[b],
+      TORCH_CHECK(p[b] >= 0 && p[b] <= s.capacity - s.tree_len, op, ": prefix_lens[", b, "] + tree tokens = ", p[b],
                   " + ", s.tree_len, " must be within [0, cache capacity ", s.capacity, " (k_cache.shape[2])]");
     }
   }
@@ -79,12 +81,14 @@ void check_merge_attention_states(const at::Tensor& out_partial, const at::Tenso
               lse_partial.sizes());
   TORCH_CHECK(out_partial.size(3) >= 1, op, ": there must be at least one split, got out_partial shape ",
               out_partial.sizes());
+  TORCH_CHECK(out_partial.size(4) >= 1, op, ": the head dim (out_partial.shape[4]) must be >= 1, got shape ",
+              out_partial.sizes());
 }
 
 MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate,
                         const at::Tensor& w_up, const at::Tensor& w_down) {
   const char* op = "jakiro::moe_top2";
-  TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., H], got a scalar");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must have shape [..., H] with H >= 1, got ", x.sizes());
   check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
   check_dim(op, "router_weight", router_weight, 2, "[N + 2, H]");
   check_dim(op, "w_gate", w_gate, 3, "[N, I, H]");
@@ -113,7 +117,8 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
                             const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k) {
   const char* op = "jakiro::contrastive_topk";
-  TORCH_CHECK(h_a.dim() >= 1, op, ": h_a must have shape [..., H], got a scalar");
+  TORCH_CHECK(h_a.dim() >= 1 && h_a.size(-1) >= 1, op, ": h_a must have shape [..., H] with H >= 1, got ",
+              h_a.sizes());
   check_dtype(op, "h_a", h_a, {at::kFloat, at::kBFloat16});
   check_dim(op, "lm_head", lm_head, 2, "[V, H]");
   check_same_dtype(op, "lm_head", lm_head, "h_a", h_a);
@@ -166,6 +171,13 @@ void check_verify_tree(const at::Tensor& parents, const at::Tensor& draft_tokens
     check_same_device(op, "uniforms", *uniforms, parents);
     TORCH_CHECK(uniforms->size(0) == batch && uniforms->size(1) == nodes + 1, op, ": uniforms must have shape [B, T + 1] = [",
                 batch, ", ", nodes + 1, "], got ", uniforms->sizes());
+    if (host_readable(*uniforms)) {
+      auto u = uniforms->contiguous();
+      const double* pu = u.data_ptr<double>();
+      for (int64_t i = 0; i < u.numel(); ++i) {
+        TORCH_CHECK(pu[i] >= 0.0 && pu[i] < 1.0, op, ": uniforms must be in [0, 1), got ", pu[i], " at flat index ", i);
+      }
+    }
   }
   if (host_readable(parents)) {
     auto par = parents.contiguous();
@@ -210,7 +222,7 @@ void check_compact_kv(const at::Tensor& cache, const at::Tensor& prefix_lens, co
         const int64_t src = pp[b * width + j];
         TORCH_CHECK(src >= (j == 0 ? 0 : pp[b * width + j - 1] + 1), op, ": path[", b, "] must hold strictly increasing ",
                     "tree indices >= 0 (a root-to-node path), got ", src, " at position ", j);
-        TORCH_CHECK(prefix + src < capacity, op, ": prefix_lens[", b, "] + path[", b, ", ", j, "] = ", prefix + src,
+        TORCH_CHECK(src < capacity - prefix, op, ": prefix_lens[", b, "] + path[", b, ", ", j, "] = ", prefix + src,
                     " is beyond the cache capacity ", capacity, " (cache.shape[-2])");
       }
     }

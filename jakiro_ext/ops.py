@@ -72,12 +72,12 @@ if LOAD_ERROR is None:
     @torch.library.register_fake("jakiro::tree_attention")
     def _tree_attention_fake(q, k_cache, v_cache, prefix_lens, tree_mask, scale=None, num_splits=None):
         B, T, H, _ = q.shape
-        return torch.empty_like(q), q.new_empty((B, T, H), dtype=torch.float32)
+        return q.new_empty(q.shape), q.new_empty((B, T, H), dtype=torch.float32)
 
     @torch.library.register_fake("jakiro::moe_top2")
     def _moe_top2_fake(x, router_weight, w_gate, w_up, w_down, renormalize=False):
         lead = x.shape[:-1]
-        return (torch.empty_like(x), x.new_empty((*lead, 2, x.shape[-1])),
+        return (x.new_empty(x.shape), x.new_empty((*lead, 2, x.shape[-1])),
                 x.new_empty((*lead, 2), dtype=torch.int64), x.new_empty((*lead, 2), dtype=torch.float32),
                 x.new_empty((*lead, 2), dtype=torch.float32))
 
@@ -89,7 +89,7 @@ if LOAD_ERROR is None:
     @torch.library.register_fake("jakiro::verify_tree")
     def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
         B = parents.shape[0]
-        return torch.empty_like(parents), parents.new_empty((B,)), parents.new_empty((B,))
+        return parents.new_empty(parents.shape), parents.new_empty((B,)), parents.new_empty((B,))
 
     @torch.library.register_fake("jakiro::compact_kv")
     def _compact_kv_fake(cache, prefix_lens, path, path_len):

@@ -119,6 +119,9 @@ def filtered_distribution(logits_row, temperature: float, top_p: float, top_k: i
 
 
 def _sample_from(w: torch.Tensor, total: float, u: float) -> int:
+    """Inverse CDF in token order; -1 if no token has mass left."""
+    if not bool((w > 0).any()):
+        return -1
     cum = torch.cumsum(w, 0)
     i = int(torch.searchsorted(cum, torch.tensor([u * total], dtype=cum.dtype), right=True))
     if i >= w.shape[0]:
@@ -146,20 +149,23 @@ def verify_tree(parents, draft_tokens, target_logits, uniforms=None, temperature
             else:
                 w = filtered_distribution(target_logits[b, node], temperature, top_p, top_k)
                 total = float(w.sum())
-                nxt, tried = None, set()
+                nxt, tried = None, {}
                 for c in children:
                     x = tok[c]
-                    if x in tried:  # a sibling already tested this token
+                    if x in tried.values():  # a sibling already tested this token
                         continue
-                    tried.add(x)
+                    tried[c] = x
                     if float(uniforms[b, c]) * total < float(w[x]):
                         nxt = c
                         break
                     total -= float(w[x])
                     w[x] = 0.0
                 if nxt is None:
-                    bonus[b] = _sample_from(w, total, float(uniforms[b, T]))
-                    break
+                    token = _sample_from(w, total, float(uniforms[b, T]))
+                    if token >= 0 or not tried:
+                        bonus[b] = token
+                        break
+                    nxt = list(tried)[-1]  # no mass left: only rounding rejected the last child
             walk.append(nxt)
             node = nxt
         path[b, : len(walk)] = torch.tensor(walk)

@@ -32,6 +32,17 @@ def test_contrastive_topk_matches_reference(shape, dtype, contrastive):
     assert torch.all(logprobs[..., :-1] >= logprobs[..., 1:])
 
 
+def test_contrastive_topk_noncontiguous_features():
+    h_a = randn(40, 6, seed=17).t()  # [6, 40] with transposed strides
+    h_b = randn(40, 6, seed=18).t()
+    w = contrast_weights((6,), seed=19)
+    lm_head = randn(300, 40, seed=20)
+    got = ops.contrastive_topk(h_a, lm_head, 5, h_b=h_b, contrast_weight=w)
+    want = reference.contrastive_topk(h_a, h_b, w, lm_head, 5)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-5)
+
+
 def test_contrastive_feature_is_w_hi_h_a_minus_w_lo_h_b():
     h_a, h_b = randn(6, 40, seed=5), randn(6, 40, seed=6)
     w = contrast_weights((6,), seed=7)
@@ -63,6 +74,7 @@ def test_contrastive_topk_bad_input_errors():
         (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b[:2], contrast_weight=w), r"h_b must have the shape of h_a"),
         (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b, contrast_weight=w[:, :1]), r"contrast_weight must have shape"),
         (dict(h_a=h_a, lm_head=lm_head.bfloat16(), k=3), r"lm_head must have the dtype of h_a"),
+        (dict(h_a=h_a[:, :0], lm_head=lm_head[:, :0], k=3), r"h_a must have shape \[..., H\] with H >= 1"),
     ]
     for kwargs, message in cases:
         with pytest.raises(RuntimeError, match=message):

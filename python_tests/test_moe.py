@@ -39,6 +39,14 @@ def test_moe_top2_matches_reference(shape, dtype, renormalize):
                      reference.moe_top2(*args, renormalize=renormalize), dtype)
 
 
+def test_moe_top2_noncontiguous_input():
+    _, router, w_gate, w_up, w_down = make_moe((1,), 32, 24, 4, torch.float32, seed=11)
+    for x in (randn(32, 5, 3, seed=12).transpose(0, 2), randn(6, 64, seed=13)[:, ::2]):
+        assert not x.is_contiguous()
+        assert_moe_close(ops.moe_top2(x, router, w_gate, w_up, w_down),
+                         reference.moe_top2(x, router, w_gate, w_up, w_down), torch.float32)
+
+
 def test_moe_top2_semantics():
     x, router, w_gate, w_up, w_down = make_moe((40,), 32, 24, 6, torch.float32, seed=7)
     out, expert_out, idx, score, contrast = ops.moe_top2(x, router, w_gate, w_up, w_down)
@@ -80,6 +88,7 @@ def test_moe_top2_bad_input_errors():
         ((x, router, w_gate, w_up, w_down.transpose(1, 2)), r"w_down must have shape \[N, H, I\] = \[4, 32, 24\]"),
         ((x, router, w_gate, w_up.bfloat16(), w_down), r"w_up must have the dtype of x"),
         ((x, router, w_gate[0], w_up, w_down), r"w_gate must have 3 dimensions \[N, I, H\]"),
+        ((x[:, :0], router[:, :0], w_gate[:, :, :0], w_up[:, :, :0], w_down[:, :0]), r"x must have shape \[..., H\] with H >= 1"),
     ]
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):

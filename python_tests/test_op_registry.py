@@ -33,3 +33,25 @@ def test_every_op_has_reference_fake_entry_point_and_tests():
         for kind in ("matches_reference", "opcheck", "bad_input_errors"):
             assert any(f.startswith(f"test_{name}_{kind}") for f in test_functions), \
                 f"jakiro::{name} has no test_{name}_{kind}* test"
+
+
+def test_outputs_are_ordinary_tensors():
+    # Callers update results in place and use them under autograd: no inference tensors.
+    parents = torch.tensor([[-1, 0, 0, 1]])
+    mask = ops.build_tree_mask(parents)
+    q, k = torch.randn(1, 4, 4, 16), torch.randn(1, 2, 32, 16)
+    outputs = [
+        *ops.tree_attention(q, k, k, torch.tensor([10]), mask),
+        *ops.tree_attention_partial(q, k, k, torch.tensor([10]), mask, 2),
+        *ops.merge_attention_states(torch.randn(1, 2, 3, 2, 8), torch.randn(1, 2, 3, 2)),
+        *ops.moe_top2(torch.randn(3, 16), torch.randn(6, 16), torch.randn(4, 8, 16), torch.randn(4, 8, 16),
+                      torch.randn(4, 16, 8)),
+        *ops.contrastive_topk(torch.randn(3, 16), torch.randn(50, 16), 4),
+        *ops.verify_tree(parents, torch.tensor([[1, 2, 3, 4]]), torch.randn(1, 4, 10)),
+    ]
+    for t in outputs:
+        assert not t.is_inference()
+        t.add_(1)
+    w = torch.randn(16, 16, requires_grad=True)
+    (outputs[0].flatten(0, 2) @ w).sum().backward()  # usable as an autograd input
+    assert w.grad is not None

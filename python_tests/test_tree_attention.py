@@ -56,6 +56,27 @@ def test_tree_attention_partial_matches_reference_on_splits(shape, num_splits):
     torch.testing.assert_close(explicit_out, full_out, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3, 40])
+def test_tree_attention_few_rows_streaming_path_with_splits(num_splits, dtype):
+    # G * T <= 16 query rows per task: the kernel streams K/V instead of calling a GEMM.
+    q, k, v, lens, mask = make_inputs(2, 5, 6, 2, 64, [900, 41], 1000, dtype=dtype, seed=60)
+    out, lse = ops.tree_attention(q, k, v, lens, mask, num_splits=num_splits)
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+
+
+def test_tree_attention_noncontiguous_q_and_padded_mask():
+    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=61)
+    q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
+    padded = torch.cat([mask, torch.full_like(mask, -1)], dim=2)  # extra words are ignored
+    out, lse = ops.tree_attention(q_strided, k, v, lens, padded, num_splits=2)
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+
+
 def test_tree_attention_arbitrary_masks_and_fully_masked_rows():
     # Not just ancestor masks: any bit pattern, including rows that see nothing (no prefix):
     # those give zeros and lse = -inf, never NaN.
@@ -152,7 +173,9 @@ def test_tree_attention_bad_input_errors():
         (dict(prefix_lens=torch.tensor([0, -1])), r"prefix_lens\[1\]"),
         (dict(prefix_lens=lens.int()), r"prefix_lens must have dtype Long"),
         (dict(prefix_lens=lens[:1]), r"prefix_lens.shape\[0\] \(batch\) must be 2"),
-        (dict(k_cache=k.transpose(2, 3).contiguous().transpose(2, 3)), r"contiguous \[S, D\] rows"),
+        (dict(k_cache=k.transpose(2, 3).contiguous().transpose(2, 3)), r"v_cache must have the strides of k_cache"),
+        (dict(k_cache=k.transpose(2, 3).contiguous().transpose(2, 3), v_cache=v.transpose(2, 3).contiguous().transpose(2, 3)),
+         r"contiguous \[S, D\] rows"),
     ]
     for change, message in cases:
         args = dict(q=q, k_cache=k, v_cache=v, prefix_lens=lens, tree_mask=mask)
@@ -176,5 +199,7 @@ def test_merge_attention_states_bad_input_errors():
         ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 8, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 4))
     with pytest.raises(RuntimeError, match=r"there must be at least one split"):
         ops.merge_attention_states(torch.zeros(1, 2, 3, 0, 8), torch.zeros(1, 2, 3, 0))
+    with pytest.raises(RuntimeError, match=r"the head dim \(out_partial.shape\[4\]\) must be >= 1"):
+        ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 0), torch.zeros(1, 2, 3, 4))
     with pytest.raises(RuntimeError, match=r"out_dtype must be float32 or bfloat16, got Half"):
         ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 8), torch.zeros(1, 2, 3, 4), torch.float16)

@@ -65,10 +65,11 @@ def test_verify_tree_matches_reference_greedy(B, T, V, dtype):
 SAMPLING = [(1.0, 1.0, 0), (0.6, 1.0, 0), (1.5, 0.9, 0), (0.8, 0.5, 0), (1.0, 1.0, 5), (0.7, 0.8, 20), (1.0, 0.05, 0)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("temperature,top_p,top_k", SAMPLING)
 @pytest.mark.parametrize("B,T,V", [(4, 1, 7), (6, 60, 97), (2, 26, 5000)])
-def test_verify_tree_matches_reference_sampling(B, T, V, temperature, top_p, top_k):
-    parents, tokens, logits, uniforms = make_tree(B, T, V, seed=3 * T + V)
+def test_verify_tree_matches_reference_sampling(B, T, V, temperature, top_p, top_k, dtype):
+    parents, tokens, logits, uniforms = make_tree(B, T, V, seed=3 * T + V, dtype=dtype)
     got = ops.verify_tree(parents, tokens, logits, uniforms, temperature, top_p, top_k)
     assert_same(got, reference.verify_tree(parents, tokens, logits, uniforms, temperature, top_p, top_k))
 
@@ -144,6 +145,18 @@ def test_sampling_verification_emits_the_target_distribution(temperature, top_p,
     assert chi_square_pvalue(lossy_first_tokens(root_p, uniforms.numpy()), root_p) < 1e-6
 
 
+def test_verify_tree_all_mass_on_the_children():
+    # Top-k keeps only the two drafted tokens: rejecting the first must accept the second, even
+    # when the draw is as close to 1 as float64 allows (rounding must not leave an empty residual).
+    parents = torch.tensor([[-1, 0, 0]])
+    tokens = torch.tensor([[0, 3, 1]])
+    logits = torch.tensor([[[0.0, 1.0, -5.0, 1.2], [0.0] * 4, [0.0] * 4]])
+    uniforms = torch.tensor([[0.5, 1.0 - 2**-53, 1.0 - 2**-53, 0.5]], dtype=torch.float64)
+    got = ops.verify_tree(parents, tokens, logits, uniforms, temperature=0.7, top_k=2)
+    assert_same(got, reference.verify_tree(parents, tokens, logits, uniforms, temperature=0.7, top_k=2))
+    assert got[0][0, :2].tolist() == [0, 2] and int(got[1][0]) == 1
+
+
 def test_verify_tree_opcheck():
     parents, tokens, logits, uniforms = make_tree(2, 12, 50, seed=5)
     torch.library.opcheck(torch.ops.jakiro.verify_tree.default, (parents, tokens, logits, None, 0.0, 1.0, 0))
@@ -171,6 +184,7 @@ def test_verify_tree_bad_input_errors():
         ((parents, tokens, logits, uniforms), dict(temperature=-1.0), r"temperature must be finite and >= 0"),
         ((parents, tokens, logits, uniforms), dict(temperature=1.0, top_k=-2), r"top_k must be >= 0"),
         ((parents.int(), tokens, logits), {}, r"parents must have dtype Long"),
+        ((parents, tokens, logits, uniforms + 1.0), dict(temperature=1.0), r"uniforms must be in \[0, 1\), got"),
     ]
     for args, kwargs, message in cases:
         with pytest.raises(RuntimeError, match=message):

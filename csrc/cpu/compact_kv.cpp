@@ -4,7 +4,6 @@
 // increasing j is safe.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cstring>
@@ -17,7 +16,6 @@ namespace {
 void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& prefix_lens, const at::Tensor& path,
                     const at::Tensor& path_len) {
   check_compact_kv(cache, prefix_lens, path, path_len);
-  c10::InferenceMode guard;
   const int64_t B = cache.size(-4), H = cache.size(-3), S = cache.size(-2), D = cache.size(-1);
   const int64_t outer = cache.numel() / std::max<int64_t>(1, B * H * S * D);
   const int64_t row_bytes = D * cache.element_size();

@@ -8,7 +8,6 @@
 // dtype: a bf16 head is widened in registers.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -68,7 +67,6 @@ std::tuple<at::Tensor, at::Tensor> contrastive_topk_cpu(const at::Tensor& h_a, c
                                                         const std::optional<at::Tensor>& contrast_weight,
                                                         const at::Tensor& lm_head, int64_t k) {
   check_contrastive_topk(h_a, h_b, contrast_weight, lm_head, k);
-  c10::InferenceMode guard;
   const int64_t H = h_a.size(-1), V = lm_head.size(0);
   auto f = feature_rows(h_a, h_b, contrast_weight);
   const int64_t rows = f.size(0);
@@ -83,7 +81,6 @@ std::tuple<at::Tensor, at::Tensor> contrastive_topk_cpu(const at::Tensor& h_a, c
   JAKIRO_DISPATCH_FLOAT_BF16(lm_head.scalar_type(), "contrastive_topk_cpu", [&] {
     const scalar_t* pw = w.data_ptr<scalar_t>();
     at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
-      c10::InferenceMode worker_guard;
       for (int64_t p = begin; p < end; ++p) {
         const int64_t c0 = chunks * p / parts, c1 = chunks * (p + 1) / parts;
         scan_vocab(f.data_ptr<float>(), rows, H, pw, c0 * kVocabChunk, std::min(V, c1 * kVocabChunk), states[p]);

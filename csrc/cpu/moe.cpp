@@ -8,7 +8,6 @@
 // in parallel. Each active expert's weights are read once; nothing is gathered per token.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -51,7 +50,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
     const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate, const at::Tensor& w_up,
     const at::Tensor& w_down, bool renormalize) {
   const auto sh = check_moe_top2(x, router_weight, w_gate, w_up, w_down);
-  c10::InferenceMode guard;
   const int64_t M = sh.tokens, H = sh.hidden, N = sh.experts;
   auto x2 = x.reshape({M, H}).contiguous();
   auto lead = x.sizes().slice(0, x.dim() - 1).vec();

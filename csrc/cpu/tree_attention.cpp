@@ -177,9 +177,6 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
   const char* op = "jakiro::tree_attention_partial";
   const auto sh = check_tree_attention(op, q, k_cache, v_cache, prefix_lens, tree_mask);
   TORCH_CHECK(num_splits >= 1, op, ": num_splits must be >= 1, got ", num_splits);
-  TORCH_CHECK(k_cache.strides() == v_cache.strides(), op, ": v_cache must have the strides of k_cache ",
-              k_cache.strides(), ", got ", v_cache.strides());
-  c10::InferenceMode guard;
   auto qc = q.contiguous();
   auto lens = prefix_lens.contiguous();
   auto mask = tree_mask.contiguous();
@@ -201,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
     const auto* kp = k_cache.data_ptr<scalar_t>();
     const auto* vp = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-      c10::InferenceMode worker_guard;
+      c10::InferenceMode worker_guard;  // for the GEMMs on scratch buffers; outputs are allocated outside
       SplitScratch scratch(sh.group() * sh.tree_len, sh.head_dim);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t split = task % num_splits, kvh = (task / num_splits) % sh.kv_heads;
@@ -217,7 +214,6 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& 
                                                               const at::Tensor& lse_partial,
                                                               std::optional<at::ScalarType> out_dtype) {
   check_merge_attention_states(out_partial, lse_partial);
-  c10::InferenceMode guard;
   auto op_c = out_partial.contiguous();
   auto lse_c = lse_partial.contiguous();
   const int64_t B = op_c.size(0), T = op_c.size(1), H = op_c.size(2), S = op_c.size(3), D = op_c.size(4);

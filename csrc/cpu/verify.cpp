@@ -10,7 +10,6 @@
 // most once per step, which is why T + 1 draws suffice.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -77,7 +76,8 @@ double filtered_distribution(const scalar_t* logits, int64_t V, const SamplingPa
   return total;
 }
 
-// Inverse CDF in token order: first token whose cumulative mass exceeds u * total.
+// Inverse CDF in token order: first token whose cumulative mass exceeds u * total; -1 if no
+// token has mass left.
 int64_t sample_from(const std::vector<double>& w, double total, double u) {
   const double target = u * total;
   double cum = 0.0;
@@ -100,7 +100,7 @@ int64_t sampling_walk(const int64_t* parents, const int64_t* tokens, int64_t T, 
   path[length++] = 0;
   while (true) {
     double total = filtered_distribution(logits + node * V, V, sp, w, order);
-    int64_t accepted = -1;
+    int64_t accepted = -1, last_tried = -1;
     for (int64_t c = next_child(parents, T, node, node); c >= 0; c = next_child(parents, T, node, c)) {
       if (is_duplicate_sibling(parents, tokens, node, c)) continue;
       const int64_t x = tokens[c];
@@ -110,10 +110,17 @@ int64_t sampling_walk(const int64_t* parents, const int64_t* tokens, int64_t T, 
       }
       total -= w[x];
       w[x] = 0.0;
+      last_tried = c;
     }
     if (accepted < 0) {
-      *bonus = sample_from(w, total, u[T]);
-      return length;
+      const int64_t token = sample_from(w, total, u[T]);
+      // No mass left: the rejected children held all of it and only rounding rejected the last
+      // one, which the exact test accepts with probability 1.
+      if (token >= 0 || last_tried < 0) {
+        *bonus = token;
+        return length;
+      }
+      accepted = last_tried;
     }
     path[length++] = accepted;
     node = accepted;
@@ -140,7 +147,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(const at::Tensor&
                                                                const std::optional<at::Tensor>& uniforms,
                                                                double temperature, double top_p, int64_t top_k) {
   check_verify_tree(parents, draft_tokens, target_logits, uniforms, temperature, top_p, top_k);
-  c10::InferenceMode guard;
   const int64_t B = parents.size(0), T = parents.size(1), V = target_logits.size(2);
   auto par = parents.contiguous(), tok = draft_tokens.contiguous(), logits = target_logits.contiguous();
   auto path = at::full({B, T}, -1, parents.options());

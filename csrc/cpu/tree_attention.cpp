@@ -30,7 +30,7 @@ constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this man
 // Up to this many query rows (G * T) per task the products are bound by reading K/V: they
 // stream it (skinny_gemm.h) instead of calling a BLAS GEMM, which is for the many-row
 // (compute-bound) case of a large tree.
-constexpr int64_t kStreamingRows = 16;
+constexpr int64_t kStreamingRows = 8;
 
 struct SplitScratch {
   std::vector<float> q, scores, acc, k, v;

@@ -99,9 +99,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
   const int64_t I = sh.intermediate;
   JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "moe_top2_cpu", [&] {
     scalar_t* peo = expert_out.data_ptr<scalar_t>();
-    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t e = begin; e < end; ++e) {
-        if (rows_of[e].empty()) continue;
+    // Spread the active experts (not all N) over the threads: with one token, two experts.
+    std::vector<int64_t> active;
+    for (int64_t e = 0; e < N; ++e)
+      if (!rows_of[e].empty()) active.push_back(e);
+    at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t e = active[i];
         run_expert(x2.data_ptr<scalar_t>(), wg.data_ptr<scalar_t>() + e * I * H, wu.data_ptr<scalar_t>() + e * I * H,
                    wd.data_ptr<scalar_t>() + e * H * I, rows_of[e], H, I, peo);
       }

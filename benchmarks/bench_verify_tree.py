@@ -15,11 +15,11 @@ def main():
         parents = torch.tensor([[-1] + [max(0, i - 1 - (i % 7)) for i in range(1, T)]]).repeat(batch, 1)
         tokens = torch.randint(0, V, (batch, T), generator=g)
         logits = torch.randn(batch, T, V, generator=g) * 3
-        for b in range(batch):  # the target prefers the draft's first child everywhere: deep acceptance
+        for b in range(batch):  # the target prefers the draft's last child everywhere: deep acceptance
             for node in range(T):
                 kids = (parents[b] == node).nonzero().flatten()
                 if len(kids):
-                    logits[b, node, tokens[b, kids[0]]] = 30.0
+                    logits[b, node, tokens[b, kids[-1]]] = 30.0
         uniforms = torch.rand(batch, T + 1, generator=g, dtype=torch.float64)
         for mode, kw in (("greedy", dict(temperature=0.0)), ("sampling", dict(temperature=0.8, top_p=0.95)),
                          ("sampling-topk", dict(temperature=0.8, top_k=50))):

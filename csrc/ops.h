@@ -21,8 +21,10 @@ TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, con
                                         const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                         const at::Tensor& tree_mask);
 
-// out_partial [B, T, H, splits, D] float32, lse_partial [B, T, H, splits] float32.
-void check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial);
+// out_partial [B, T, H, splits, D] float32, lse_partial [B, T, H, splits] float32; out_dtype
+// float32 or bfloat16. Returns the output dtype (float32 when none is given).
+at::ScalarType check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial,
+                                            std::optional<at::ScalarType> out_dtype);
 
 struct MoeShape {
   int64_t tokens, hidden, experts, intermediate;

@@ -69,7 +69,8 @@ TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, con
   return s;
 }
 
-void check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial) {
+at::ScalarType check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial,
+                                            std::optional<at::ScalarType> out_dtype) {
   const char* op = "jakiro::merge_attention_states";
   check_dim(op, "out_partial", out_partial, 5, "[B, T, H, splits, D]");
   check_dim(op, "lse_partial", lse_partial, 4, "[B, T, H, splits]");
@@ -83,6 +84,9 @@ void check_merge_attention_states(const at::Tensor& out_partial, const at::Tenso
               out_partial.sizes());
   TORCH_CHECK(out_partial.size(4) >= 1, op, ": the head dim (out_partial.shape[4]) must be >= 1, got shape ",
               out_partial.sizes());
+  const auto dtype = out_dtype.value_or(at::kFloat);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": out_dtype must be float32 or bfloat16, got ", dtype);
+  return dtype;
 }
 
 MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate,

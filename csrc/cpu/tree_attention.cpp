@@ -213,13 +213,10 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& out_partial,
                                                               const at::Tensor& lse_partial,
                                                               std::optional<at::ScalarType> out_dtype) {
-  check_merge_attention_states(out_partial, lse_partial);
+  const auto dtype = check_merge_attention_states(out_partial, lse_partial, out_dtype);
   auto op_c = out_partial.contiguous();
   auto lse_c = lse_partial.contiguous();
   const int64_t B = op_c.size(0), T = op_c.size(1), H = op_c.size(2), S = op_c.size(3), D = op_c.size(4);
-  const auto dtype = out_dtype.value_or(at::kFloat);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
-              "jakiro::merge_attention_states: out_dtype must be float32 or bfloat16, got ", dtype);
   auto out = at::empty({B, T, H, D}, op_c.options().dtype(dtype));
   auto lse = at::empty({B, T, H}, lse_c.options());
   const float* po = op_c.data_ptr<float>();

@@ -46,7 +46,7 @@ def demo() -> int:
     H, V, Hq, Hkv, D, T, prefix = 576, 49152, 9, 3, 64, 60, 2048
     print(f"\nSmolLM2-135M shapes: hidden {H}, vocab {V}, heads {Hq}/{Hkv}x{D}; tree of {T} nodes over a {prefix}-token prefix")
 
-    parents = torch.tensor([[-1] + [max(0, i - 1 - (i % 7)) for i in range(1, T)]])
+    parents = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, T)]])  # a binary tree, depth 5
     mask = ops.build_tree_mask(parents)
     q = torch.randn(1, T, Hq, D, generator=g)
     k = torch.randn(1, Hkv, prefix + T, D, generator=g)

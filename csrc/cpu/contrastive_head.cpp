@@ -12,7 +12,7 @@
 
 #include <vector>
 
-#include "cpu/skinny_gemm.h"
+#include "cpu/gemm.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/softmax.h"
 #include "jakiro/topk.h"
@@ -50,7 +50,7 @@ void scan_vocab(const float* f, int64_t rows, int64_t H, const scalar_t* lm_head
   std::vector<float> logits(rows * kVocabChunk);
   for (int64_t v0 = v_begin; v0 < v_end; v0 += kVocabChunk) {
     const int64_t n = std::min(kVocabChunk, v_end - v0);
-    skinny_gemm_nt(f, rows, H, lm_head, H, H, v0, v0 + n, logits.data(), n);
+    rows_times_weight(f, rows, H, lm_head, H, H, v0, v0 + n, logits.data(), n);
     for (int64_t r = 0; r < rows; ++r) {
       const float* l = logits.data() + r * n;
       st.softmax[r].rescale_for(max_of(l, n));

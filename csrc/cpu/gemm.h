@@ -3,6 +3,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+
+#include "cpu/skinny_gemm.h"
 
 namespace jakiro::cpu {
 
@@ -35,6 +38,26 @@ inline void gemm_nn(const float* a, int64_t lda, const float* b, int64_t ldb, fl
   } else {
     at::mm_out(C, A, B);
   }
+}
+
+// Rows of X from which a float32 product goes to BLAS: below it, streaming the weight once
+// (skinny_gemm_nt) wins; above it, BLAS's register blocking does (measured on the MoE block).
+constexpr int64_t kBlasRows = 16;
+
+// Y[m, j - j0] = X[m, :] . W[j, :] (the activations times a weight in nn.Linear layout), by the
+// faster of the two kernels for this shape and dtype. bf16 weights always stream (widening a
+// whole weight for BLAS costs more than it saves).
+template <typename scalar_t>
+void rows_times_weight(const float* X, int64_t M, int64_t ldx, const scalar_t* W, int64_t ldw, int64_t K, int64_t j0,
+                       int64_t j1, float* Y, int64_t ldy) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (M >= kBlasRows) {
+      c10::InferenceMode guard;  // plain GEMM on caller-owned buffers
+      gemm_nt(X, ldx, W + j0 * ldw, ldw, Y, ldy, M, j1 - j0, K, /*accumulate=*/false);
+      return;
+    }
+  }
+  skinny_gemm_nt(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
 }
 
 }  // namespace jakiro::cpu

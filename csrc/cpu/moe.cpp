@@ -13,7 +13,7 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu/skinny_gemm.h"
+#include "cpu/gemm.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/topk.h"
 #include "ops.h"
@@ -39,10 +39,10 @@ void run_expert(const scalar_t* x, const scalar_t* w_gate, const scalar_t* w_up,
   const int64_t m = static_cast<int64_t>(rows.size());
   std::vector<float> xs(m * H), gate(m * I), up(m * I), y(m * H);
   for (int64_t r = 0; r < m; ++r) to_float(x + (rows[r] / 2) * H, xs.data() + r * H, H);
-  skinny_gemm_nt(xs.data(), m, H, w_gate, H, H, 0, I, gate.data(), I);
-  skinny_gemm_nt(xs.data(), m, H, w_up, H, H, 0, I, up.data(), I);
+  rows_times_weight(xs.data(), m, H, w_gate, H, H, 0, I, gate.data(), I);
+  rows_times_weight(xs.data(), m, H, w_up, H, H, 0, I, up.data(), I);
   silu_mul_in_place(gate.data(), up.data(), m * I);
-  skinny_gemm_nt(gate.data(), m, I, w_down, I, I, 0, H, y.data(), H);
+  rows_times_weight(gate.data(), m, I, w_down, I, I, 0, H, y.data(), H);
   for (int64_t r = 0; r < m; ++r) from_float(y.data() + r * H, expert_out + rows[r] * H, H);
 }
 

@@ -20,7 +20,7 @@ def main():
                 h_b = torch.randn(rows, H, generator=g).to(dtype) if contrastive else None
                 w = torch.tensor([[0.7, 0.3]]).expand(rows, 2).contiguous() if contrastive else None
                 lm_head = (torch.randn(V, H, generator=g) * H**-0.5).to(dtype)
-                ours = lambda: ops.contrastive_topk(h_a, lm_head, k, h_b=h_b, contrast_weight=w)  # noqa: E731
+                ours = lambda: ops.contrastive_topk(h_a, h_b, w, lm_head, k)  # noqa: E731
                 ref = lambda: reference.contrastive_topk(h_a, h_b, w, lm_head, k)  # noqa: E731
                 diff = max_abs_diff(ours(), ref())
                 t_ours, t_ref = timeit(ours, args.reps), timeit(ref, args.reps)

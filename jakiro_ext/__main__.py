@@ -36,8 +36,8 @@ def _time(fn, reps=10):
 
 
 def demo() -> int:
-    """One draft-verify step's worth of ops on SmolLM2-135M shapes, each checked against its
-    reference and timed. (The speculative generation demo replaces this with the engine.)"""
+    """One draft-verify step's worth of ops on SmolLM2-135M shapes, each compared with its
+    reference (failing on a float32 difference above 1e-3) and timed. (The speculative generation demo replaces this with the engine.)"""
     from jakiro_ext import ops, reference
 
     if show_config():
@@ -59,32 +59,39 @@ def demo() -> int:
     logits = torch.randn(1, T, V, generator=g)
     tokens = logits.argmax(-1).gather(1, parents.clamp_min(0))  # the target agrees everywhere
     cache = torch.randn(30, 2, 1, Hkv, prefix + T, D, generator=g)
-    path, n = torch.tensor([[0, 1, 2, 3]]), torch.tensor([4])
+    path, n = torch.tensor([[0, 1, 3, 7]]), torch.tensor([4])
+
+    compacted = [cache.clone(), cache.clone()]  # compared once on copies; timed in place
+    ops.compact_kv(compacted[0], lens, path, n)
+    reference.compact_kv(compacted[1], lens, path, n)
 
     moe_out = ops.moe_top2(x, *moe_w)
-    cases = [
+    cases = [  # name, kernel, reference, (outputs to compare, when not the calls' results)
         ("tree_attention", lambda: ops.tree_attention(q, k, v, lens, mask),
          lambda: reference.tree_attention(q, k, v, lens, mask)),
         ("moe_top2 (10 tokens, 8 experts)", lambda: ops.moe_top2(x, *moe_w), lambda: reference.moe_top2(x, *moe_w)),
         ("contrastive_topk (10 rows, k=10)",
-         lambda: ops.contrastive_topk(moe_out[1][:, 0], lm_head, 10, h_b=moe_out[1][:, 1], contrast_weight=moe_out[4]),
+         lambda: ops.contrastive_topk(moe_out[1][:, 0], moe_out[1][:, 1], moe_out[4], lm_head, 10),
          lambda: reference.contrastive_topk(moe_out[1][:, 0], moe_out[1][:, 1], moe_out[4], lm_head, 10)),
         ("verify_tree (greedy)", lambda: ops.verify_tree(parents, tokens, logits),
          lambda: reference.verify_tree(parents, tokens, logits)),
         ("compact_kv (30 layers)", lambda: ops.compact_kv(cache, lens, path, n),
-         lambda: reference.compact_kv(cache, lens, path, n)),
+         lambda: reference.compact_kv(cache, lens, path, n), ((compacted[0],), (compacted[1],))),
     ]
     print(f"\n{'op':36s} {'max |diff|':>11s} {'kernel ms':>10s} {'reference ms':>13s} {'speedup':>8s}")
-    for name, ours, ref in cases:
-        a, b = ours(), ref()
-        diff = 0.0
-        if a is not None:
-            diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+    worst = 0.0
+    for name, ours, ref, *outputs in cases:
+        got, want = outputs[0] if outputs else (ours(), ref())
+        diff = max(float((x.float() - y.float()).abs().max()) for x, y in zip(got, want))
+        worst = max(worst, diff)
         t_ours, t_ref = _time(ours), _time(ref, reps=3)
         print(f"{name:36s} {diff:11.2e} {t_ours:10.3f} {t_ref:13.3f} {t_ref / t_ours:7.1f}x")
     path_out, accept, bonus = ops.verify_tree(parents, tokens, logits)
     print(f"\nverify_tree accepted {int(accept[0])} draft tokens along nodes {path_out[0, :int(accept[0]) + 1].tolist()}, "
           f"bonus token {int(bonus[0])}")
+    if worst > 1e-3:  # float32 everywhere here: a larger difference is a bug
+        print(f"FAILED: an op differs from its reference by {worst:.3g}")
+        return 1
     return 0
 
 

@@ -1,7 +1,8 @@
 """Pure-PyTorch specifications of every ``torch.ops.jakiro`` op, under the same names and
 signatures. They are the executable spec and the test oracle: clear before fast. Floating
 point work is done in float32 (float64 for sampling) whatever the input dtype, except the
-MoE experts, which run in the input dtype like an eager model would.
+MoE experts, which run in the input dtype like an eager model would (the kernel keeps their
+intermediates in float32: in bf16 the two agree to bf16 precision, not bit for bit).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def test_contrastive_topk_matches_reference(shape, dtype, contrastive):
     lm_head = randn(V, H, seed=2, dtype=dtype, scale=H**-0.5)
     h_b = randn(*lead, H, seed=3, dtype=dtype) if contrastive else None
     w = contrast_weights(lead, seed=4) if contrastive else None
-    logprobs, ids = ops.contrastive_topk(h_a, lm_head, k, h_b=h_b, contrast_weight=w)
+    logprobs, ids = ops.contrastive_topk(h_a, h_b, w, lm_head, k)
     ref_logprobs, ref_ids = reference.contrastive_topk(h_a, h_b, w, lm_head, k)
     assert logprobs.shape == (*lead, k) and ids.dtype == torch.int64
     assert torch.equal(ids, ref_ids)
@@ -37,7 +37,7 @@ def test_contrastive_topk_noncontiguous_features():
     h_b = randn(40, 6, seed=18).t()
     w = contrast_weights((6,), seed=19)
     lm_head = randn(300, 40, seed=20)
-    got = ops.contrastive_topk(h_a, lm_head, 5, h_b=h_b, contrast_weight=w)
+    got = ops.contrastive_topk(h_a, h_b, w, lm_head, 5)
     want = reference.contrastive_topk(h_a, h_b, w, lm_head, 5)
     assert torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-5)
@@ -48,8 +48,8 @@ def test_contrastive_feature_is_w_hi_h_a_minus_w_lo_h_b():
     w = contrast_weights((6,), seed=7)
     lm_head = randn(300, 40, seed=8)
     f = w[:, :1] * h_a - w[:, 1:] * h_b
-    got = ops.contrastive_topk(h_a, lm_head, 5, h_b=h_b, contrast_weight=w)
-    plain = ops.contrastive_topk(f, lm_head, 5)
+    got = ops.contrastive_topk(h_a, h_b, w, lm_head, 5)
+    plain = ops.contrastive_topk(f, None, None, lm_head, 5)
     assert torch.equal(got[1], plain[1])
     torch.testing.assert_close(got[0], plain[0], **TOL[torch.float32])
 
@@ -78,4 +78,4 @@ def test_contrastive_topk_bad_input_errors():
     ]
     for kwargs, message in cases:
         with pytest.raises(RuntimeError, match=message):
-            ops.contrastive_topk(**kwargs)
+            ops.contrastive_topk(**{"h_b": None, "contrast_weight": None, **kwargs})

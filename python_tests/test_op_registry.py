@@ -46,7 +46,7 @@ def test_outputs_are_ordinary_tensors():
         *ops.merge_attention_states(torch.randn(1, 2, 3, 2, 8), torch.randn(1, 2, 3, 2)),
         *ops.moe_top2(torch.randn(3, 16), torch.randn(6, 16), torch.randn(4, 8, 16), torch.randn(4, 8, 16),
                       torch.randn(4, 16, 8)),
-        *ops.contrastive_topk(torch.randn(3, 16), torch.randn(50, 16), 4),
+        *ops.contrastive_topk(torch.randn(3, 16), None, None, torch.randn(50, 16), 4),
         *ops.verify_tree(parents, torch.tensor([[1, 2, 3, 4]]), torch.randn(1, 4, 10)),
     ]
     for t in outputs:

@@ -14,4 +14,5 @@ PY="$VENV/bin/python"
 echo "== installing torch $TORCH_CPU_VERSION (CPU) and the build/test tools"
 "$PY" -m pip install -q --disable-pip-version-check "torch==$TORCH_CPU_VERSION" ninja numpy setuptools wheel "$@"
 echo "== building and installing jakiro_ext"
-(cd "$ROOT" && "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation .)
+# JAKIRO_CUDA=0: this environment is the CPU build (check_cuda_build.sh makes the CUDA one).
+(cd "$ROOT" && JAKIRO_CUDA=0 "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation .)

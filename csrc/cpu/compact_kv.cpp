@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ops.h"
@@ -25,7 +26,12 @@ void compact_kv_cpu(const at::Tensor& cache, const at::Tensor& prefix_lens, cons
   const int64_t* len = n.data_ptr<int64_t>();
   const int64_t width = path.size(1);
   char* base = static_cast<char*>(cache.data_ptr());
-  at::parallel_for(0, outer * B * H, 16, [&](int64_t begin, int64_t end) {
+  // A step moves a few rows per (layer, sequence, head): parallelise only past ~256 KiB of copies,
+  // below that waking the thread pool costs more than it saves.
+  int64_t max_len = 1;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max(max_len, len[b]);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (max_len * row_bytes));
+  at::parallel_for(0, outer * B * H, grain, [&](int64_t begin, int64_t end) {
     for (int64_t slab = begin; slab < end; ++slab) {  // slab = (outer index, b, h)
       const int64_t b = (slab / H) % B;
       char* rows = base + slab * S * row_bytes;

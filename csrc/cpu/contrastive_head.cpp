@@ -4,8 +4,9 @@
 // The LM head is cut into chunks of kVocabChunk rows; each worker takes a contiguous range of
 // chunks and keeps, per feature row, an online log-sum-exp and a top-k list. Only one
 // [rows, kVocabChunk] block of logits exists per worker at a time; the workers' states are
-// merged at the end. The op is bound by reading the LM head once (skinny_gemm.h), in its own
-// dtype: a bf16 head is widened in registers.
+// merged at the end. For few rows the op is bound by reading the LM head, which is streamed
+// once in its own dtype (skinny_gemm.h; a bf16 block widened into an L1 scratch); 16+ float32
+// rows go to BLAS (cpu/gemm.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

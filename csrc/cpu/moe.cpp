@@ -3,9 +3,10 @@
 //
 // Routing runs in float32 for every input dtype (the router is tiny and near-ties between
 // experts must not depend on bf16 rounding). Tokens are then grouped by expert, and each
-// active expert runs over just its tokens as three weight-streaming products (skinny_gemm.h)
-// with SiLU(gate) * up fused in between, in float32 whatever the weights' dtype; experts run
-// in parallel. Each active expert's weights are read once; nothing is gathered per token.
+// active expert runs over just its tokens as three products (cpu/gemm.h: the weight streamed
+// once for few tokens or bf16, BLAS for 16+ float32 rows) with SiLU(gate) * up fused in
+// between, in float32 whatever the weights' dtype; the active experts run in parallel.
+// Nothing is gathered per token.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -1,4 +1,5 @@
-// Y[m, j] = sum_k X[m, k] * W[j, k] for a few rows of X (draft-step sizes: 1 to ~60) and a
+// Y[m, j] = sum_k X[m, k] * W[j, k] for a few rows of X (draft-step sizes, up to 15 rows for
+// float32 weights, any number for bf16; see rows_times_weight in cpu/gemm.h) and a
 // large weight W [N, K] in float32 or bf16: the LM head, the experts. Such products are
 // bound by reading W, so W is streamed exactly once, four rows at a time (a bf16 block is
 // widened once into an L1 scratch), against every row of X, which stays in L1/L2; W is

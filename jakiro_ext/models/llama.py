@@ -1,0 +1,227 @@
+"""A compact Llama-family causal LM (Llama, Mistral, Qwen2: RMSNorm, RoPE, GQA attention with
+optional q/k/v bias, SwiGLU) whose attention is ``jakiro::tree_attention`` over a preallocated KV
+cache, so one forward serves prefill, plain decoding and the verification of a draft tree.
+Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jakiro_ext import ops
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    sliding_window: Optional[int] = None  # Mistral: caches beyond it are refused, not silently wrong
+
+    @classmethod
+    def from_hf(cls, hf) -> "LlamaConfig":
+        """From a transformers config of a supported model type; anything this code does not
+        implement (RoPE scaling, other activations, MLP bias) is an error, never ignored."""
+        model_type = getattr(hf, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"RoPE type {rope_type!r} is not supported (only 'default'), in {rope}")
+        theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
+        if theta is None:
+            raise ValueError("the config gives no rope_theta")
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be 'silu', got {hf.hidden_act!r}")
+        if getattr(hf, "mlp_bias", False):
+            raise ValueError("MLP bias is not supported")
+        qkv_bias = True if model_type == "qwen2" else bool(getattr(hf, "attention_bias", False))
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        use_window = model_type == "mistral" or getattr(hf, "use_sliding_window", False)
+        return cls(vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, intermediate_size=hf.intermediate_size,
+                   num_layers=hf.num_hidden_layers, num_heads=hf.num_attention_heads,
+                   num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, head_dim=head_dim,
+                   rope_theta=float(theta), rms_norm_eps=hf.rms_norm_eps, qkv_bias=qkv_bias,
+                   tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+                   sliding_window=getattr(hf, "sliding_window", None) if use_window else None)
+
+
+class KVCache(nn.Module):
+    """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one
+    ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B]."""
+
+    def __init__(self, config: LlamaConfig, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        if config.sliding_window is not None and capacity > config.sliding_window:
+            raise ValueError(f"cache capacity {capacity} exceeds the model's sliding window {config.sliding_window}, "
+                             "which this implementation does not apply")
+        shape = (config.num_layers, 2, batch, config.num_kv_heads, capacity, config.head_dim)
+        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[-2]
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+
+def causal_tree_mask(batch: int, num_tokens: int, device=None) -> torch.Tensor:
+    """Bit-packed mask of a chain of tokens (each sees itself and every earlier one)."""
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril()
+    return ops.pack_bits(causal).unsqueeze(0).expand(batch, -1, -1).contiguous()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half layout of the Hugging Face checkpoints. x [B, T, H, D]; cos, sin [B, T, 1, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int):
+        super().__init__()
+        self.c, self.layer = c, layer
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache, slots: Tuple[torch.Tensor, torch.Tensor], tree_mask):
+        B, T, _ = x.shape
+        c = self.c
+        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        k_cache, v_cache = cache.kv[self.layer, 0], cache.kv[self.layer, 1]
+        batch_idx, seq_idx = slots  # the new tokens go right after each sequence's committed prefix
+        k_cache[batch_idx, :, seq_idx] = k.to(k_cache.dtype)
+        v_cache[batch_idx, :, seq_idx] = v.to(v_cache.dtype)
+        out, _ = ops.tree_attention(q.to(k_cache.dtype), k_cache, v_cache, cache.lengths, tree_mask)
+        return self.o_proj(out.to(x.dtype).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, c: LlamaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, layer)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache, slots, tree_mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, tree_mask)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return KVCache(self.config, batch, capacity, dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,
+                depths: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Run T new tokens per sequence after each one's committed prefix.
+
+        Parameters
+        ----------
+        tokens : [B, T] int64.
+        cache : their keys/values are written at [lengths[b], lengths[b] + T); ``cache.lengths``
+            is not advanced (the caller commits what it keeps).
+        tree_mask : [B, T, ceil(T/64)] bit-packed ancestor mask; default causal (a chain).
+        depths : [B, T] int64 depth of each token in its tree (position = length + depth);
+            default 0..T-1 (a chain).
+
+        Returns
+        -------
+        logits [B, T, V] and the final hidden states [B, T, H] (after the final norm).
+        """
+        B, T = tokens.shape
+        if tokens.dim() != 2 or B != cache.lengths.shape[0]:
+            raise ValueError(f"tokens must be [B, T] with B = {cache.lengths.shape[0]} (the cache's batch), "
+                             f"got {tuple(tokens.shape)}")
+        longest = int(cache.lengths.max()) + T
+        if longest > cache.capacity:
+            raise ValueError(f"{T} new tokens after a prefix of {int(cache.lengths.max())} need {longest} cache "
+                             f"positions, beyond the cache capacity {cache.capacity}")
+        device = tokens.device
+        if tree_mask is None:
+            tree_mask = causal_tree_mask(B, T, device)
+        if depths is None:
+            depths = torch.arange(T, device=device).expand(B, T)
+        # RoPE angles in float32, as the checkpoints' reference code computes them.
+        c = self.config
+        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=device).float() / c.head_dim))
+        angles = (cache.lengths.unsqueeze(1) + depths).float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
+        dtype = self.embed_tokens.weight.dtype
+        cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype).unsqueeze(2)
+        sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype).unsqueeze(2)
+        slots = (torch.arange(B, device=device).unsqueeze(1).expand(B, T),
+                 cache.lengths.unsqueeze(1) + torch.arange(T, device=device))
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, slots, tree_mask)
+        hidden = self.norm(x)
+        return self.lm_head(hidden), hidden
+
+    @classmethod
+    def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":
+        """The same network as a transformers ``*ForCausalLM`` of a supported type, weights copied."""
+        config = LlamaConfig.from_hf(hf_model.config)
+        model = cls(config)
+        src = hf_model.state_dict()
+        dst = {}
+        for name in model.state_dict():
+            hf_name = "model." + name
+            hf_name = hf_name.replace(".gate_proj", ".mlp.gate_proj").replace(".up_proj", ".mlp.up_proj")
+            hf_name = hf_name.replace(".down_proj", ".mlp.down_proj").replace("model.lm_head", "lm_head")
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                hf_name = "model.embed_tokens.weight"
+            if hf_name not in src:
+                raise KeyError(f"{name}: no weight {hf_name!r} in the transformers model")
+            dst[name] = src[hf_name]
+        model.load_state_dict(dst)
+        return model.to(dtype or next(hf_model.parameters()).dtype).eval()

@@ -1,0 +1,115 @@
+"""The compact Llama-family model over the jakiro ops against transformers' own forward (fp32):
+whole prompts, token-by-token decoding on the KV cache, and a draft tree verified in one forward."""
+import pytest
+import torch
+import transformers
+
+from conftest import gen, random_parents
+from jakiro_ext import ops
+from jakiro_ext.models import LlamaConfig, LlamaModel
+
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
+
+
+def hf_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**TINY, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True)
+        model = transformers.LlamaForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=False)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = transformers.MistralConfig(**TINY, head_dim=16, rope_theta=1e4, sliding_window=None)
+        model = transformers.MistralForCausalLM(cfg)
+    for p in model.parameters():  # random biases too (Qwen2's q/k/v biases start at zero)
+        p.data.normal_(0, 0.05, generator=gen(seed + 1)) if p.dim() == 1 and not torch.all(p == 1) else None
+    return model.float().eval()
+
+
+def reference_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+def test_model_prompt_logits_match_transformers(kind):
+    hf = hf_model(kind)
+    ours = LlamaModel.from_hf(hf)
+    tokens = torch.randint(0, 211, (2, 37), generator=gen(1))
+    cache = ours.new_cache(batch=2, capacity=64)
+    logits, hidden = ours(tokens, cache)
+    torch.testing.assert_close(logits, reference_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+    with torch.no_grad():
+        hf_hidden = hf.model(tokens).last_hidden_state
+    torch.testing.assert_close(hidden, hf_hidden, atol=1e-4, rtol=1e-4)
+
+
+def test_model_decoding_on_the_cache_matches_transformers():
+    hf = hf_model("llama")
+    ours = LlamaModel.from_hf(hf)
+    tokens = torch.randint(0, 211, (1, 30), generator=gen(2))
+    want = reference_logits(hf, tokens)
+    cache = ours.new_cache(batch=1, capacity=40)
+    logits, _ = ours(tokens[:, :20], cache)
+    cache.lengths += 20
+    steps = [logits]
+    for t in range(20, 30):  # one token at a time, as plain autoregressive decoding
+        logits, _ = ours(tokens[:, t : t + 1], cache)
+        cache.lengths += 1
+        steps.append(logits)
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-4, rtol=1e-4)
+
+
+def test_model_tree_forward_matches_each_path_and_compacts():
+    hf = hf_model("qwen2", seed=3)
+    ours = LlamaModel.from_hf(hf)
+    prefix = torch.randint(0, 211, (1, 25), generator=gen(4))
+    cache = ours.new_cache(batch=1, capacity=80)
+    ours(prefix, cache)
+    cache.lengths += 25
+    T = 20
+    parents = random_parents(1, T, seed=5, max_children=3)
+    tree_tokens = torch.randint(0, 211, (1, T), generator=gen(6))
+    depth = torch.zeros(1, T, dtype=torch.int64)
+    for i in range(1, T):
+        depth[0, i] = depth[0, parents[0, i]] + 1
+    logits, _ = ours(tree_tokens, cache, ops.build_tree_mask(parents), depth)
+    paths = []
+    for node in range(T):  # each node's logits are those of the prefix followed by its root path
+        path, n = [], node
+        while n >= 0:
+            path.append(n)
+            n = int(parents[0, n])
+        path = path[::-1]
+        paths.append(path)
+        seq = torch.cat([prefix, tree_tokens[:, path]], 1)
+        torch.testing.assert_close(logits[0, node], reference_logits(hf, seq)[0, -1], atol=1e-4, rtol=1e-4)
+    # Keep the deepest path: after compaction the cache continues as if it had been decoded.
+    keep = max(paths, key=len)
+    ops.compact_kv(cache.kv, cache.lengths, torch.tensor([keep + [-1] * (T - len(keep))]), torch.tensor([len(keep)]))
+    cache.lengths += len(keep)
+    nxt = torch.randint(0, 211, (1, 3), generator=gen(7))
+    logits, _ = ours(nxt, cache)
+    seq = torch.cat([prefix, tree_tokens[:, keep], nxt], 1)
+    torch.testing.assert_close(logits, reference_logits(hf, seq)[:, -3:], atol=1e-4, rtol=1e-4)
+
+
+def test_model_config_refuses_what_it_does_not_implement():
+    cfg = transformers.LlamaConfig(**TINY, rope_scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="RoPE type 'linear' is not supported"):
+        LlamaConfig.from_hf(cfg)
+    with pytest.raises(ValueError, match="model_type must be one of"):
+        LlamaConfig.from_hf(transformers.GPT2Config())
+    mistral = transformers.MistralConfig(**TINY, sliding_window=32)
+    ours = LlamaModel(LlamaConfig.from_hf(mistral))
+    with pytest.raises(ValueError, match="exceeds the model's sliding window 32"):
+        ours.new_cache(batch=1, capacity=64)
+
+
+def test_model_refuses_a_prompt_longer_than_the_cache():
+    ours = LlamaModel.from_hf(hf_model("llama"))
+    cache = ours.new_cache(batch=1, capacity=16)
+    with pytest.raises(ValueError, match="need 17 cache positions, beyond the cache capacity 16"):
+        ours(torch.zeros(1, 17, dtype=torch.int64), cache)

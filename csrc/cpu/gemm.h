@@ -14,30 +14,17 @@ inline at::Tensor float_view(const float* data, int64_t rows, int64_t cols, int6
   return at::from_blob(const_cast<float*>(data), {rows, cols}, {ld, 1}, at::TensorOptions().dtype(at::kFloat));
 }
 
-// c[m, n] (+)= a[m, k] @ b[n, k]^T, all row-major with leading dimensions lda, ldb, ldc.
+// c[m, n] = a[m, k] @ b[n, k]^T, all row-major with leading dimensions lda, ldb, ldc.
 inline void gemm_nt(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t m,
-                    int64_t n, int64_t k, bool accumulate) {
+                    int64_t n, int64_t k) {
   auto C = float_view(c, m, n, ldc);
-  auto A = float_view(a, m, k, lda);
-  auto Bt = float_view(b, n, k, ldb).t();
-  if (accumulate) {
-    C.addmm_(A, Bt);
-  } else {
-    at::mm_out(C, A, Bt);
-  }
+  at::mm_out(C, float_view(a, m, k, lda), float_view(b, n, k, ldb).t());
 }
 
-// c[m, n] (+)= a[m, k] @ b[k, n], all row-major.
-inline void gemm_nn(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc, int64_t m,
-                    int64_t n, int64_t k, bool accumulate) {
-  auto C = float_view(c, m, n, ldc);
-  auto A = float_view(a, m, k, lda);
-  auto B = float_view(b, k, n, ldb);
-  if (accumulate) {
-    C.addmm_(A, B);
-  } else {
-    at::mm_out(C, A, B);
-  }
+// c[m, n] += a[m, k] @ b[k, n], all row-major.
+inline void gemm_nn_accumulate(const float* a, int64_t lda, const float* b, int64_t ldb, float* c, int64_t ldc,
+                               int64_t m, int64_t n, int64_t k) {
+  float_view(c, m, n, ldc).addmm_(float_view(a, m, k, lda), float_view(b, k, n, ldb));
 }
 
 // Rows of X from which a float32 product goes to BLAS: below it, streaming the weight once
@@ -53,7 +40,7 @@ void rows_times_weight(const float* X, int64_t M, int64_t ldx, const scalar_t* W
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (M >= kBlasRows) {
       c10::InferenceMode guard;  // plain GEMM on caller-owned buffers
-      gemm_nt(X, ldx, W + j0 * ldw, ldw, Y, ldy, M, j1 - j0, K, /*accumulate=*/false);
+      gemm_nt(X, ldx, W + j0 * ldw, ldw, Y, ldy, M, j1 - j0, K);
       return;
     }
   }

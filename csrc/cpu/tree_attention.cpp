@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "cpu/gemm.h"
-#include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/common.h"
 #include "jakiro/softmax.h"
@@ -126,7 +125,7 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     if (streaming) {
       skinny_gemm_nt(s.q.data(), rows, D, k_head, D, D, j0, j0 + n, s.scores.data(), n);
     } else {
-      gemm_nt(s.q.data(), D, float_rows(k_head, j0, n, D, s.k), D, s.scores.data(), n, rows, n, D, /*accumulate=*/false);
+      gemm_nt(s.q.data(), D, float_rows(k_head, j0, n, D, s.k), D, s.scores.data(), n, rows, n, D);
     }
 
     if (j0 + n > prefix) {  // the block reaches into the tree: apply the ancestor mask
@@ -154,7 +153,7 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     if (streaming) {
       accumulate_pv_streaming(s.scores.data(), rows, n, vb, D, s.acc.data());
     } else {
-      gemm_nn(s.scores.data(), n, vb, D, s.acc.data(), D, rows, D, n, /*accumulate=*/true);
+      gemm_nn_accumulate(s.scores.data(), n, vb, D, s.acc.data(), D, rows, D, n);
     }
   }
 

@@ -80,9 +80,6 @@ class KVCache(nn.Module):
     def capacity(self) -> int:
         return self.kv.shape[-2]
 
-    def reset(self) -> None:
-        self.lengths.zero_()
-
 
 def causal_tree_mask(batch: int, num_tokens: int, device=None) -> torch.Tensor:
     """Bit-packed mask of a chain of tokens (each sees itself and every earlier one)."""

@@ -98,6 +98,15 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin [B, T, 1, D] of the rotary angles at integer positions [B, T], computed in
+    float32 as the checkpoints' reference code does, then cast to the model's dtype."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], -1).to(dtype).unsqueeze(2), torch.cat([sin, sin], -1).to(dtype).unsqueeze(2)
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the rotate-half layout of the Hugging Face checkpoints. x [B, T, H, D]; cos, sin [B, T, 1, D]."""
     half = x.shape[-1] // 2
@@ -160,7 +169,7 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,
-                depths: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                depths: Optional[torch.Tensor] = None, last_logits_only: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per sequence after each one's committed prefix.
 
         Parameters
@@ -171,10 +180,11 @@ class LlamaModel(nn.Module):
         tree_mask : [B, T, ceil(T/64)] bit-packed ancestor mask; default causal (a chain).
         depths : [B, T] int64 depth of each token in its tree (position = length + depth);
             default 0..T-1 (a chain).
+        last_logits_only : compute the logits of the last token only (a prompt's prefill).
 
         Returns
         -------
-        logits [B, T, V] and the final hidden states [B, T, H] (after the final norm).
+        logits [B, T, V] (or [B, 1, V]) and the final hidden states [B, T, H] (after the final norm).
         """
         B, T = tokens.shape
         if tokens.dim() != 2 or B != cache.lengths.shape[0]:
@@ -189,20 +199,16 @@ class LlamaModel(nn.Module):
             tree_mask = causal_tree_mask(B, T, device)
         if depths is None:
             depths = torch.arange(T, device=device).expand(B, T)
-        # RoPE angles in float32, as the checkpoints' reference code computes them.
         c = self.config
-        inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, device=device).float() / c.head_dim))
-        angles = (cache.lengths.unsqueeze(1) + depths).float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
-        dtype = self.embed_tokens.weight.dtype
-        cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype).unsqueeze(2)
-        sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype).unsqueeze(2)
+        cos, sin = rope_cos_sin(cache.lengths.unsqueeze(1) + depths, c.head_dim, c.rope_theta,
+                                self.embed_tokens.weight.dtype)
         slots = (torch.arange(B, device=device).unsqueeze(1).expand(B, T),
                  cache.lengths.unsqueeze(1) + torch.arange(T, device=device))
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slots, tree_mask)
         hidden = self.norm(x)
-        return self.lm_head(hidden), hidden
+        return self.lm_head(hidden[:, -1:] if last_logits_only else hidden), hidden
 
     @classmethod
     def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":

@@ -1,0 +1,257 @@
+"""EAGLE-style draft heads: one decoder layer over ``cat(embed(token_{t+1}), f_t)``, where f_t is
+the target's final hidden state, predicting f_{t+1}. The embedding and the LM head are the
+target's (shared, never stored with the head). The feed-forward block is
+
+- ``num_experts == 0``: a dense SwiGLU MLP (the EAGLE-2 baseline);
+- ``num_experts >= 2``: Jakiro's MoE, router ``[N + 2, H]``, top-2 slim SwiGLU experts, run by the
+  fused ``jakiro::moe_top2`` op. Besides the MoE feature it yields the contrastive feature used for
+  the parallel last draft step, and the two per-expert features of the decoupled (Jakiro*) tree.
+
+Layout as in the released EAGLE/Jakiro code: no norm before the attention (the single layer is
+layer 0), RMSNorm after it, no final norm; ``fc`` has a bias; the embedding comes first in the concat.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jakiro_ext import ops
+from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, rope_cos_sin, rotary
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # the dense MLP's width, or each expert's
+    num_experts: int = 0  # 0: dense EAGLE-2 head; >= 2: Jakiro MoE head
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    renormalize: bool = False  # top-2 gate scores renormalised to sum to 1 (paper: not)
+    target: str = ""  # the target model it was made for (informational)
+
+    @property
+    def kind(self) -> str:
+        return "jakiro" if self.num_experts else "eagle2"
+
+    @classmethod
+    def for_target(cls, target: LlamaConfig, kind: str = "jakiro", num_experts: int = 8,
+                   intermediate_size: Optional[int] = None, target_name: str = "") -> "DraftConfig":
+        """A head shaped for ``target``: its attention geometry; experts as wide as the hidden
+        size (the released Jakiro recipe) or the target's MLP width for the dense head."""
+        if kind not in ("jakiro", "eagle2"):
+            raise ValueError(f"kind must be 'jakiro' or 'eagle2', got {kind!r}")
+        if kind == "jakiro" and num_experts < 2:
+            raise ValueError(f"a Jakiro head needs num_experts >= 2 (top-2 routing), got {num_experts}")
+        width = intermediate_size or (target.hidden_size if kind == "jakiro" else target.intermediate_size)
+        return cls(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=target.num_heads,
+                   num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=width,
+                   num_experts=num_experts if kind == "jakiro" else 0, rope_theta=target.rope_theta,
+                   rms_norm_eps=target.rms_norm_eps, target=target_name)
+
+    def attention_config(self) -> LlamaConfig:
+        """The one-layer geometry the draft's KV cache is shaped by."""
+        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                           rms_norm_eps=self.rms_norm_eps)
+
+
+class DraftStep(NamedTuple):
+    """One draft forward's outputs for its T rows (shapes [B, T, ...]).
+
+    feature : the predicted next target feature (MoE: u + s_0 h_0 + s_1 h_1; dense: u + MLP(u)).
+    residual : u, the attention block's output (the MoE's residual).
+    expert_out, expert_score, contrast_weight : MoE heads only (else None): the top-2 experts'
+        outputs [.., 2, H] (higher score first), their gate scores and (w_hi, w_lo).
+    """
+    feature: torch.Tensor
+    residual: torch.Tensor
+    expert_out: Optional[torch.Tensor] = None
+    expert_score: Optional[torch.Tensor] = None
+    contrast_weight: Optional[torch.Tensor] = None
+
+    def contrastive_feature(self) -> torch.Tensor:
+        """u + w_hi * h_0 - w_lo * h_1: the feature two tokens ahead (Jakiro's parallel step)."""
+        w = self.contrast_weight.to(self.residual.dtype)
+        h = self.expert_out
+        return self.residual + w[..., 0:1] * h[..., 0, :] - w[..., 1:2] * h[..., 1, :]
+
+    def branch_features(self) -> torch.Tensor:
+        """[B, T, 2, H]: each activated expert's own feature u + (s_0 + s_1) h_j (Jakiro*), with
+        the experts' total gate mass, so both equal ``feature`` when the two experts agree."""
+        mass = self.expert_score.sum(-1, keepdim=True).unsqueeze(-1).to(self.residual.dtype)
+        return self.residual.unsqueeze(-2) + mass * self.expert_out
+
+
+class DraftHead(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        c = self.config = config
+        H = c.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=True)
+        self.q_proj = nn.Linear(H, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, H, bias=False)
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        if c.num_experts:
+            N, inner = c.num_experts, c.intermediate_size
+            self.router = nn.Parameter(torch.empty(N + 2, H))
+            self.w_gate = nn.Parameter(torch.empty(N, inner, H))
+            self.w_up = nn.Parameter(torch.empty(N, inner, H))
+            self.w_down = nn.Parameter(torch.empty(N, H, inner))
+        else:
+            self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+            self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        self.embed_weight: Optional[torch.Tensor] = None  # the target's, set by bind()
+        self.lm_head_weight: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ construction and storage
+    def init_weights(self, seed: int = 0, std: float = 0.02) -> "DraftHead":
+        """Random weights (normal(0, std), zero biases, unit norm weight), reproducible by seed."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif name.startswith("post_attention_layernorm"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def bind(self, target: LlamaModel) -> "DraftHead":
+        """Share the target's embedding and LM head; a head made for another target is an error."""
+        c, t = self.config, target.config
+        for name, mine, theirs in (("hidden_size", c.hidden_size, t.hidden_size), ("vocab_size", c.vocab_size, t.vocab_size)):
+            if mine != theirs:
+                raise ValueError(f"the draft head was made for a target with {name} {mine}, but this target has "
+                                 f"{name} {theirs}" + (f" (the head's target: {c.target})" if c.target else ""))
+        self.embed_weight = target.embed_tokens.weight
+        self.lm_head_weight = target.lm_head.weight
+        return self.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
+
+    def save(self, path) -> None:
+        """``config.json`` plus ``model.safetensors`` (the head's own weights only)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", "kind": self.config.kind})
+
+    @classmethod
+    def load(cls, path, target: Optional[LlamaModel] = None) -> "DraftHead":
+        """Load a saved head (and bind it to ``target`` when given)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (path / name).exists():
+                raise FileNotFoundError(f"{path / name} not found: a draft head directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
+        raw = json.loads((path / CONFIG_FILE).read_text())
+        known = {f.name for f in fields(DraftConfig)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{path / CONFIG_FILE}: unknown keys {sorted(unknown)} (expected a subset of {sorted(known)})")
+        head = cls(DraftConfig(**raw))
+        head.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+        head.eval()
+        return head.bind(target) if target is not None else head
+
+    def new_cache(self, capacity: int) -> KVCache:
+        w = self.fc.weight
+        return KVCache(self.config.attention_config(), 1, capacity, dtype=w.dtype, device=w.device)
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                tree_mask: torch.Tensor, ancestors: Optional["TreeKV"] = None) -> DraftStep:
+        """One draft forward over T new rows.
+
+        Parameters
+        ----------
+        tokens : [B, T] int64, token_{t+1} of each row.
+        features : [B, T, H], f_t of each row (the target's, or a draft-predicted one).
+        positions : [B, T] int64 RoPE positions.
+        cache : the draft's KV cache. The rows' keys/values are written at
+            [lengths, lengths + T) (not committed: the caller advances ``cache.lengths``).
+        tree_mask : [B, T, ceil(T / 64)] which new rows each row sees (a chain: causal; one tree
+            layer: itself only), besides the whole committed prefix.
+        ancestors : keys/values of earlier draft-tree layers and which of them each row sees;
+            their attention is merged with the prefix's by log-sum-exp (split-KV style).
+        """
+        c = self.config
+        B, T = tokens.shape
+        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        k_cache, v_cache = cache.kv[0, 0], cache.kv[0, 1]
+        slots = cache.lengths.unsqueeze(1) + torch.arange(T, device=tokens.device)
+        batch_idx = torch.arange(B, device=tokens.device).unsqueeze(1)
+        k_cache[batch_idx, :, slots] = k
+        v_cache[batch_idx, :, slots] = v
+        out, lse = ops.tree_attention(q, k_cache, v_cache, cache.lengths, tree_mask)
+        if ancestors is not None and ancestors.keys is not None:
+            out = ancestors.merge_into(q, out, lse)
+        u = x + self.o_proj(out.reshape(B, T, -1))
+        normed = self.post_attention_layernorm(u)
+        if not c.num_experts:
+            return DraftStep(u + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), u)
+        _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
+                                                         c.renormalize)
+        # The op's own residual is its input (the normed u); the layer's residual is u itself.
+        feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
+        return DraftStep(feature, u, expert_out, score, contrast)
+
+
+class TreeKV:
+    """Keys/values of the draft-tree layers already run in this round ([B, M, Hkv, D]), so a new
+    layer attends to its ancestors without recomputing them; see :meth:`DraftHead.forward`."""
+
+    def __init__(self):
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.visible: Optional[torch.Tensor] = None  # [B, T, M] bool for the rows being run
+
+    def append(self, cache: KVCache, rows: int) -> None:
+        """Keep the keys/values the last forward wrote at the cache's scratch slots."""
+        start = int(cache.lengths[0])
+        k = cache.kv[0, 0, :, :, start:start + rows].transpose(1, 2)  # [B, rows, Hkv, D]
+        v = cache.kv[0, 1, :, :, start:start + rows].transpose(1, 2)
+        self.keys = k.clone() if self.keys is None else torch.cat([self.keys, k], 1)
+        self.values = v.clone() if self.values is None else torch.cat([self.values, v], 1)
+
+    def merge_into(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Attention of q [B, T, Hq, D] over the visible tree keys, merged with (out, lse) of
+        the prefix part by log-sum-exp (``jakiro::merge_attention_states``)."""
+        B, T, Hq, D = q.shape
+        G = Hq // self.keys.shape[2]
+        k = self.keys.float().repeat_interleave(G, dim=2)  # [B, M, Hq, D]
+        v = self.values.float().repeat_interleave(G, dim=2)
+        scores = torch.einsum("bthd,bmhd->bthm", q.float(), k) / math.sqrt(D)
+        scores = scores.masked_fill(~self.visible.unsqueeze(2), -math.inf)
+        tree_lse = torch.logsumexp(scores, dim=-1)  # [B, T, Hq], -inf where nothing is visible
+        probs = torch.exp(scores - tree_lse.nan_to_num(0.0, neginf=0.0).unsqueeze(-1))
+        tree_out = torch.einsum("bthm,bmhd->bthd", probs, v)
+        merged, _ = ops.merge_attention_states(torch.stack([out.float(), tree_out], dim=3),
+                                               torch.stack([lse, tree_lse], dim=3), out.dtype)
+        return merged

@@ -38,6 +38,12 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
                             const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k);
 
+// x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device.
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// Float32 rows up to which jakiro::linear streams the weight itself (beyond: BLAS); measured
+// with benchmarks/bench_linear.py.
+constexpr int64_t kLinearStreamRows = 64;
+
 // parents, draft_tokens [B, T] int64 (parents[b, 0] == -1, 0 <= parents[b, i] < i: read on the
 // host); target_logits [B, T, V]; uniforms [B, T + 1] float64 when temperature > 0.
 void check_verify_tree(const at::Tensor& parents, const at::Tensor& draft_tokens, const at::Tensor& target_logits,

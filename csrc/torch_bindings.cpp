@@ -30,6 +30,8 @@ TORCH_LIBRARY(jakiro, m) {
   m.def(
       "contrastive_topk(Tensor h_a, Tensor? h_b, Tensor? contrast_weight, Tensor lm_head, int k) "
       "-> (Tensor logprobs, Tensor token_ids)");
+  // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   // Accept the longest valid path of a draft tree against the target's logits (greedy or lossless sampling).
   m.def(
       "verify_tree(Tensor parents, Tensor draft_tokens, Tensor target_logits, Tensor? uniforms=None, "

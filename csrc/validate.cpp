@@ -118,6 +118,22 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
   return s;
 }
 
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const char* op = "jakiro::linear";
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");
+  check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
+  check_dim(op, "weight", weight, 2, "[N, K]");
+  check_same_dtype(op, "weight", weight, "x", x);
+  check_same_device(op, "weight", weight, x);
+  check_size(op, "weight", weight, 1, x.size(-1), "in features K, as x.shape[-1]");
+  if (bias.has_value()) {
+    check_dim(op, "bias", *bias, 1, "[N]");
+    check_same_dtype(op, "bias", *bias, "x", x);
+    check_same_device(op, "bias", *bias, x);
+    check_size(op, "bias", *bias, 0, weight.size(0), "out features N, as weight.shape[0]");
+  }
+}
+
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
                             const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k) {
   const char* op = "jakiro::contrastive_topk";

@@ -37,6 +37,7 @@ OP_NAMES = (
     "merge_attention_states",
     "moe_top2",
     "contrastive_topk",
+    "linear",
     "verify_tree",
     "compact_kv",
 )
@@ -85,6 +86,10 @@ if LOAD_ERROR is None:
     def _contrastive_topk_fake(h_a, h_b, contrast_weight, lm_head, k):
         lead = h_a.shape[:-1]
         return h_a.new_empty((*lead, k), dtype=torch.float32), h_a.new_empty((*lead, k), dtype=torch.int64)
+
+    @torch.library.register_fake("jakiro::linear")
+    def _linear_fake(x, weight, bias=None):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("jakiro::verify_tree")
     def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
@@ -153,6 +158,14 @@ def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
     (the MoE branch). h_a, h_b [..., H]; lm_head [V, H]. Returns logprobs [..., k] float32
     (descending) and token_ids [..., k] int64. The [..., V] logits are never materialised."""
     return _kernel("contrastive_topk")(h_a, h_b, contrast_weight, lm_head, k)
+
+
+def linear(x, weight, bias=None):
+    """y = x @ weight.T (+ bias), like ``torch.nn.functional.linear``. x [..., K]; weight [N, K];
+    bias [N] or None; one dtype (float32 or bfloat16). At decoding and tree-verification sizes
+    (up to 64 rows) the weight is streamed once and each row is computed in the same order
+    whatever the number of rows; more rows go to BLAS. Accumulates in float32."""
+    return _kernel("linear")(x, weight, bias)
 
 
 def verify_tree(parents, draft_tokens, target_logits, uniforms=None, temperature: float = 0.0,

@@ -102,6 +102,14 @@ def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
     return values, ids
 
 
+# ----------------------------------------------------------------------------- projections
+def linear(x, weight, bias=None):
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- verification
 def filtered_distribution(logits_row, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     """Target distribution at one node (float64): softmax(logits / temperature), then top-k

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, rope_cos_sin, rotary
+from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, project, rope_cos_sin, rotary
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -199,11 +199,11 @@ class DraftHead(nn.Module):
         """
         c = self.config
         B, T = tokens.shape
-        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        x = project(self.fc, torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin)
-        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+        v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
         k_cache, v_cache = cache.kv[0, 0], cache.kv[0, 1]
         slots = cache.lengths.unsqueeze(1) + torch.arange(T, device=tokens.device)
         batch_idx = torch.arange(B, device=tokens.device).unsqueeze(1)
@@ -212,10 +212,11 @@ class DraftHead(nn.Module):
         out, lse = ops.tree_attention(q, k_cache, v_cache, cache.lengths, tree_mask)
         if ancestors is not None and ancestors.keys is not None:
             out = ancestors.merge_into(q, out, lse)
-        u = x + self.o_proj(out.reshape(B, T, -1))
+        u = x + project(self.o_proj, out.reshape(B, T, -1))
         normed = self.post_attention_layernorm(u)
         if not c.num_experts:
-            return DraftStep(u + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), u)
+            mlp = project(self.down_proj, F.silu(project(self.gate_proj, normed)) * project(self.up_proj, normed))
+            return DraftStep(u + mlp, u)
         _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
                                                          c.renormalize)
         # The op's own residual is its input (the normed u); the layer's residual is u itself.

@@ -98,6 +98,11 @@ class RMSNorm(nn.Module):
         return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
+def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` through ``jakiro::linear`` (the weight streamed once at decoding sizes)."""
+    return ops.linear(x, layer.weight, layer.bias)
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos and sin [B, T, 1, D] of the rotary angles at integer positions [B, T], computed in
     float32 as the checkpoints' reference code does, then cast to the model's dtype."""
@@ -126,15 +131,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache: KVCache, slots: Tuple[torch.Tensor, torch.Tensor], tree_mask):
         B, T, _ = x.shape
         c = self.c
-        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin)
-        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+        v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
         k_cache, v_cache = cache.kv[self.layer, 0], cache.kv[self.layer, 1]
         batch_idx, seq_idx = slots  # the new tokens go right after each sequence's committed prefix
         k_cache[batch_idx, :, seq_idx] = k.to(k_cache.dtype)
         v_cache[batch_idx, :, seq_idx] = v.to(v_cache.dtype)
         out, _ = ops.tree_attention(q.to(k_cache.dtype), k_cache, v_cache, cache.lengths, tree_mask)
-        return self.o_proj(out.to(x.dtype).reshape(B, T, -1))
+        return project(self.o_proj, out.to(x.dtype).reshape(B, T, -1))
 
 
 class Block(nn.Module):
@@ -150,7 +155,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, cache, slots, tree_mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, tree_mask)
         h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x + project(self.down_proj, F.silu(project(self.gate_proj, h)) * project(self.up_proj, h))
 
 
 class LlamaModel(nn.Module):
@@ -208,7 +213,7 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slots, tree_mask)
         hidden = self.norm(x)
-        return self.lm_head(hidden[:, -1:] if last_logits_only else hidden), hidden
+        return project(self.lm_head, hidden[:, -1:] if last_logits_only else hidden), hidden
 
     @classmethod
     def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":

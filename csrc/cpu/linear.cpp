@@ -1,0 +1,56 @@
+// CPU kernel of jakiro::linear, y = x @ W^T (+ b): the projections and LM heads of the target and
+// the draft. At decoding and tree-verification sizes the product is bound by reading W, and
+// BLAS's packing wastes most of that (measured: 3-10 GB/s on the LM head at 1-16 rows), so W is
+// streamed exactly once by skinny_gemm_nt, the threads splitting the output columns. Each output
+// row is computed in the same order whatever the number of rows, so a token's logits do not
+// depend on how many tree tokens share its forward. Many float32 rows (a prompt) go to ATen's linear.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu/skinny_gemm.h"
+#include "cpu/vec_utils.h"
+#include "ops.h"
+
+namespace jakiro::cpu {
+namespace {
+
+constexpr int64_t kColumnBlock = 64;  // output columns per task (a multiple of the 4-row W block)
+
+at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_linear(x, weight, bias);
+  const int64_t K = x.size(-1), N = weight.size(0);
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  auto x2 = x.reshape({-1, K});
+  const int64_t M = x2.size(0);
+  // float32 BLAS wins beyond kLinearStreamRows rows; bf16 BLAS is slower at every size measured
+  // here (no native bf16 arithmetic on AVX2), so bf16 streams in chunks of rows that stay in L2.
+  const bool is_float = x.scalar_type() == at::kFloat;
+  if (M == 0 || (is_float && M > kLinearStreamRows)) return at::linear(x, weight, bias);
+
+  auto xf = x2.to(at::kFloat).contiguous();
+  auto w = weight.contiguous();
+  auto y = at::empty({M, N}, xf.options());
+  const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
+  JAKIRO_DISPATCH_FLOAT_BF16(weight.scalar_type(), "linear_cpu", [&] {
+    const scalar_t* pw = w.data_ptr<scalar_t>();
+    const float* px = xf.data_ptr<float>();
+    float* py = y.data_ptr<float>();
+    for (int64_t m0 = 0; m0 < M; m0 += kLinearStreamRows) {
+      const int64_t rows = std::min(kLinearStreamRows, M - m0);
+      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        const int64_t j0 = b0 * kColumnBlock, j1 = std::min(N, b1 * kColumnBlock);
+        skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, py + m0 * N + j0, N);
+      });
+    }
+  });
+  if (bias.has_value()) y.add_(bias->to(at::kFloat));
+  return y.to(x.scalar_type()).view(out_shape);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(jakiro, CPU, m) { m.impl("linear", &linear_cpu); }
+
+}  // namespace jakiro::cpu

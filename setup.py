@@ -112,6 +112,7 @@ setup(
     version="0.1.0",
     description="Tree-based speculative decoding with Mixture-of-Experts draft heads (Jakiro): fused torch ops",
     packages=find_packages(include=["jakiro_ext", "jakiro_ext.*"]),
+    package_data={"jakiro_ext": ["data/*.jsonl", "heads/*/*.json", "heads/*/*.safetensors"]},
     ext_modules=[
         extension_cls(
             name="jakiro_ext._C",

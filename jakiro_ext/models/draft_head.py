@@ -142,8 +142,8 @@ class DraftHead(nn.Module):
             if mine != theirs:
                 raise ValueError(f"the draft head was made for a target with {name} {mine}, but this target has "
                                  f"{name} {theirs}" + (f" (the head's target: {c.target})" if c.target else ""))
-        self.embed_weight = target.embed_tokens.weight
-        self.lm_head_weight = target.lm_head.weight
+        self.embed_weight = target.embed_tokens.weight.detach()  # shared, frozen
+        self.lm_head_weight = target.lm_head.weight.detach()
         return self.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
 
     def save(self, path) -> None:
@@ -220,6 +220,38 @@ class DraftHead(nn.Module):
         _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
                                                          c.renormalize)
         # The op's own residual is its input (the normed u); the layer's residual is u itself.
+        feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
+        return DraftStep(feature, u, expert_out, score, contrast)
+
+
+    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftStep:
+        """The differentiable counterpart of :meth:`forward` for training: whole sequences with a
+        causal mask, in plain PyTorch (the fused ops have no backward). tokens [B, T] (token
+        t+1 of each row), features [B, T, H] (f_t); positions 0..T-1. Same math as ``forward``."""
+        c = self.config
+        B, T = tokens.shape
+        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        positions = torch.arange(T, device=tokens.device).unsqueeze(0)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
+        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                              enable_gqa=True)
+        u = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+        normed = self.post_attention_layernorm(u)
+        if not c.num_experts:
+            return DraftStep(u + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), u)
+        N = c.num_experts
+        logits = normed.float() @ self.router.float().T  # [B, T, N + 2]
+        score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
+        if c.renormalize:
+            score = score / score.sum(-1, keepdim=True)
+        contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
+        # Every expert on every token (N small), then the top-2 picked: simple and differentiable.
+        act = F.silu(torch.einsum("bth,nih->btni", normed, self.w_gate)) * torch.einsum("bth,nih->btni", normed, self.w_up)
+        every = torch.einsum("btni,nhi->btnh", act, self.w_down)  # [B, T, N, H]
+        expert_out = every.gather(2, idx.unsqueeze(-1).expand(B, T, 2, c.hidden_size))
         feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
         return DraftStep(feature, u, expert_out, score, contrast)
 

@@ -1,0 +1,277 @@
+"""Command line: ``python -m jakiro_ext {demo,generate,bench,ops-demo,show-config}``.
+
+``demo`` (the default) generates an answer on the embedded default model with plain decoding and
+with Jakiro, checks that the tokens are identical, and prints both runs' statistics.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from jakiro_ext.engine import CPU_TREE, GPU_TREE, METHODS, GenerationOutput, TreeConfig, speculative_generate
+
+DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
+HEADS_DIR = Path(__file__).parent / "heads"
+PROMPTS_FILE = Path(__file__).parent / "data" / "prompts.jsonl"
+HEAD_KIND = {"eagle2": "eagle2", "jakiro": "jakiro", "jakiro_star": "jakiro"}
+
+
+# ----------------------------------------------------------------------------- set-up
+def load_target(dtype_name: str):
+    from jakiro_ext.models import load_default_target
+
+    return load_default_target(getattr(torch, dtype_name))
+
+
+def load_head(kind: str, path: Optional[str], target, model_name: str):
+    """The head at ``path``, else the one shipped for the default model, else (said loudly on
+    stderr) a randomly initialised head: lossless all the same, but it accepts almost nothing."""
+    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+
+    shipped = HEADS_DIR / f"{model_name}-{kind}"
+    if path is None and shipped.exists():
+        path = str(shipped)
+    if path is not None:
+        head = DraftHead.load(path, target)
+        if head.config.kind != kind:
+            raise SystemExit(f"error: {path} holds a {head.config.kind} head, but a {kind} head is needed")
+        return head
+    print(f"warning: no trained {kind} head for {model_name} (looked in {shipped}); using a RANDOMLY initialised "
+          f"head: the output is still exact, but almost no draft token will be accepted. Pass --{kind.replace('_', '-')}-head.",
+          file=sys.stderr)
+    config = DraftConfig.for_target(target.config, kind, target_name=model_name)
+    return DraftHead(config).init_weights(seed=0).bind(target)
+
+
+def chat_ids(tokenizer, prompt: str, chat_template: bool = True) -> torch.Tensor:
+    if not chat_template:
+        return torch.tensor(tokenizer.encode(prompt), dtype=torch.int64)
+    out = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                        return_tensors="pt")
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return ids[0].to(torch.int64)
+
+
+def tree_from_args(args) -> TreeConfig:
+    if args.static_tree:
+        return TreeConfig(choices=json.loads(args.static_tree))
+    base = CPU_TREE if args.tree == "cpu" else GPU_TREE
+    return TreeConfig(args.total_tokens or base.total_tokens, args.depth or base.depth, args.top_k_draft or base.top_k)
+
+
+class Runner:
+    """The target, its tokenizer and the heads the requested methods need, loaded once."""
+
+    def __init__(self, args, methods: List[str]):
+        from jakiro_ext.models.default import DEFAULT_MODEL
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.args = args
+        self.target, self.tokenizer = load_target(args.dtype)
+        self.tree = tree_from_args(args)
+        self.heads: Dict[str, object] = {}
+        for kind in sorted({HEAD_KIND[m] for m in methods if m != "ar"}):
+            self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, DEFAULT_MODEL)
+
+    def run(self, method: str, prompt_ids: torch.Tensor, on_tokens=None) -> GenerationOutput:
+        a = self.args
+        head = self.heads.get(HEAD_KIND.get(method, ""))
+        return speculative_generate(self.target, head, prompt_ids, a.max_new_tokens, method=method, tree=self.tree,
+                                    temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                                    eos_token_id=self.tokenizer.eos_token_id, seed=a.seed, on_tokens=on_tokens)
+
+
+def print_stats(method: str, out: GenerationOutput) -> None:
+    s = out.stats
+    print(f"[{method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_s:.1f} tokens/s, prefill "
+          f"{s.prefill_s * 1e3:.0f} ms); {s.target_forwards} target forwards, tau {s.tau:.2f}; "
+          f"{s.draft_forwards} draft forwards; accepted-length histogram {s.accept_histogram}; stop: {s.stop_reason}")
+
+
+# ----------------------------------------------------------------------------- commands
+def cmd_generate(args) -> int:
+    runner = Runner(args, [args.method])
+    ids = chat_ids(runner.tokenizer, args.prompt, not args.no_chat_template)
+    tokens: List[int] = []
+    shown = [""]
+
+    def stream(new: List[int]) -> None:
+        tokens.extend(new)
+        text = runner.tokenizer.decode(tokens, skip_special_tokens=True)
+        print(text[len(shown[0]):], end="", flush=True)
+        shown[0] = text
+
+    out = runner.run(args.method, ids, None if args.json else stream)
+    text = runner.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    if args.json:
+        print(json.dumps(dict(method=args.method, text=text, token_ids=out.token_ids, **out.stats.as_dict())))
+    else:
+        print()
+        print_stats(args.method, out)
+    return 0
+
+
+def read_prompts(path: Path, limit: Optional[int]) -> List[dict]:
+    """``{"prompt": ...}`` lines or Spec-Bench ``{"turns": [...]}`` lines (first turn)."""
+    prompts = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "prompt" in row:
+            text = row["prompt"]
+        elif row.get("turns"):
+            text = row["turns"][0]
+        else:
+            raise SystemExit(f"error: {path}:{n}: expected a 'prompt' or a non-empty 'turns' key, got {sorted(row)}")
+        prompts.append(dict(id=row.get("question_id", n), category=row.get("category", ""), prompt=text))
+    return prompts[:limit] if limit else prompts
+
+
+def summarize(rows: List[dict]) -> dict:
+    tokens = sum(r["new_tokens"] for r in rows)
+    seconds = sum(r["wall_time_s"] for r in rows)
+    forwards = sum(r["target_forwards"] for r in rows)
+    return dict(tokens_per_s=tokens / seconds if seconds else 0.0, tau=tokens / forwards if forwards else 0.0,
+                new_tokens=tokens, target_forwards=forwards, wall_time_s=seconds, prompts=len(rows))
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    methods = args.method or ["ar", "jakiro"]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"error: unknown method(s) {unknown}; choose from {METHODS}")
+    prompts = read_prompts(Path(args.prompts), args.limit)
+    runner = Runner(args, methods)
+    per_prompt = []
+    runs: Dict[str, List[dict]] = {m: [] for m in methods}
+    bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
+    for p in prompts:
+        ids = chat_ids(runner.tokenizer, p["prompt"], not args.no_chat_template)
+        row = dict(id=p["id"], category=p["category"], prompt_tokens=int(ids.numel()), methods={})
+        reference = None
+        for m in methods:  # side by side, prompt by prompt
+            out = runner.run(m, ids)
+            stats = dict(out.stats.as_dict(), category=p["category"])
+            if m == "ar":
+                reference = out.token_ids
+            elif reference is not None and args.temperature == 0:
+                stats["same_tokens_as_ar"] = out.token_ids == reference
+            runs[m].append(stats)
+            row["methods"][m] = stats
+            bar.update(1)
+            bar.set_postfix_str(f"{m} {stats['tokens_per_s']:.1f} tok/s tau {stats['tau']:.2f}")
+        per_prompt.append(row)
+    bar.close()
+
+    summary = {m: summarize(r) for m, r in runs.items()}
+    for m, s in summary.items():
+        categories = sorted({r["category"] for r in runs[m]})
+        s["per_category"] = {c: summarize([r for r in runs[m] if r["category"] == c]) for c in categories}
+        if "ar" in summary:
+            s["speedup_vs_ar"] = s["tokens_per_s"] / summary["ar"]["tokens_per_s"]
+            for c, cs in s["per_category"].items():
+                cs["speedup_vs_ar"] = cs["tokens_per_s"] / summary["ar"]["per_category"][c]["tokens_per_s"]
+        if args.temperature == 0 and m != "ar" and "ar" in summary:
+            s["all_same_tokens_as_ar"] = all(r.get("same_tokens_as_ar", False) for r in runs[m])
+    config = dict(prompts=str(args.prompts), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                  tree=dict(total_tokens=runner.tree.total_tokens, depth=runner.tree.depth, top_k=runner.tree.top_k,
+                            choices=runner.tree.choices), threads=torch.get_num_threads())
+    if args.json:
+        print(json.dumps(dict(config=config, methods=summary, per_prompt=per_prompt)))
+        return 0
+    print(f"{'prompt':>8s} {'category':14s} " + " ".join(f"{m + ' tok/s':>18s} {'tau':>5s}" for m in methods))
+    for row in per_prompt:
+        cells = " ".join(f"{row['methods'][m]['tokens_per_s']:18.1f} {row['methods'][m]['tau']:5.2f}" for m in methods)
+        print(f"{str(row['id']):>8s} {row['category'][:14]:14s} {cells}")
+    print("\noverall" + (" (speedup vs ar)" if "ar" in summary else ""))
+    for m, s in summary.items():
+        extra = f"  speedup {s['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in s else ""
+        same = "" if "all_same_tokens_as_ar" not in s else f"  tokens identical to ar: {s['all_same_tokens_as_ar']}"
+        print(f"  {m:12s} {s['tokens_per_s']:7.1f} tokens/s  tau {s['tau']:.2f}  {s['new_tokens']} tokens{extra}{same}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Plain decoding and Jakiro on one prompt: the same tokens, and each run's statistics."""
+    args.method = None
+    runner = Runner(args, ["ar", "jakiro"])
+    ids = chat_ids(runner.tokenizer, args.prompt, True)
+    print(f"prompt: {args.prompt!r} ({ids.numel()} tokens), SmolLM2-135M-Instruct {args.dtype}, greedy\n")
+    ar = runner.run("ar", ids)
+    jakiro = runner.run("jakiro", ids)
+    print(runner.tokenizer.decode(jakiro.token_ids, skip_special_tokens=True), "\n")
+    print_stats("ar", ar)
+    print_stats("jakiro", jakiro)
+    if ar.token_ids != jakiro.token_ids:
+        print("FAILED: Jakiro's tokens differ from plain greedy decoding", file=sys.stderr)
+        return 1
+    print(f"\nidentical tokens; speedup {jakiro.stats.tokens_per_s / ar.stats.tokens_per_s:.2f}x")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+def add_generation_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k of the target (0: off)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument("--jakiro-head", help="directory of a trained Jakiro head (default: the shipped one)")
+    p.add_argument("--eagle2-head", help="directory of a trained EAGLE-2 head (default: the shipped one)")
+    p.add_argument("--tree", choices=["cpu", "gpu"], default="cpu",
+                   help=f"dynamic tree preset: cpu {CPU_TREE.total_tokens}/{CPU_TREE.depth}/{CPU_TREE.top_k} (default), "
+                        f"gpu {GPU_TREE.total_tokens}/{GPU_TREE.depth}/{GPU_TREE.top_k} (total/depth/top-k)")
+    p.add_argument("--total-tokens", type=int, help="dynamic tree: nodes verified per round, root included")
+    p.add_argument("--depth", type=int, help="dynamic tree: expansions (a path holds up to depth + 1 drafts)")
+    p.add_argument("--top-k-draft", type=int, help="dynamic tree: children per node and frontier width")
+    p.add_argument("--static-tree", help='static tree as JSON child-rank paths, e.g. "[[0],[1],[0,0]]"')
+    p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+
+
+def main(argv=None) -> int:
+    from jakiro_ext.ops_demo import ops_demo, show_config
+
+    parser = argparse.ArgumentParser(prog="python -m jakiro_ext", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    p = sub.add_parser("demo", help="plain vs Jakiro decoding on the default model (the default command)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    add_generation_options(p)
+    p = sub.add_parser("generate", help="stream an answer to a prompt and print the statistics")
+    p.add_argument("prompt")
+    p.add_argument("--method", choices=METHODS, default="jakiro")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_generation_options(p)
+    p = sub.add_parser("bench", help="run a prompt set through several methods side by side")
+    p.add_argument("--prompts", default=str(PROMPTS_FILE), help="JSONL with 'prompt' or Spec-Bench 'turns' keys")
+    p.add_argument("--method", action="append", choices=METHODS, help="repeat for several (default: ar, jakiro)")
+    p.add_argument("--limit", type=int, help="only the first N prompts")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_generation_options(p)
+    sub.add_parser("ops-demo", help="every fused op on SmolLM2-135M shapes against its reference")
+    sub.add_parser("show-config", help="what was built and what is loaded")
+    args = parser.parse_args(argv)
+    if args.command == "show-config":
+        return show_config()
+    if args.command == "ops-demo":
+        return ops_demo()
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "bench":
+        return cmd_bench(args)
+    if args.command is None:
+        args = parser.parse_args(["demo"])
+    return cmd_demo(args)

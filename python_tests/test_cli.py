@@ -1,0 +1,67 @@
+"""The command line on the default model: generate (streamed and --json) and bench (--json),
+with a Spec-Bench style prompt file."""
+import json
+
+import pytest
+
+from jakiro_ext.cli import main
+
+
+def run_json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def random_head_dir(tmp_path_factory):
+    import torch
+
+    from jakiro_ext.models import load_default_target
+    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+
+    target, _ = load_default_target(torch.float32)
+    path = tmp_path_factory.mktemp("heads") / "jakiro"
+    DraftHead(DraftConfig.for_target(target.config, "jakiro", num_experts=4)).init_weights(seed=1).save(path)
+    return str(path)
+
+
+def test_generate_json_reports_tokens_and_stats(capsys, random_head_dir):
+    common = ["generate", "Name a fruit.", "--max-new-tokens", "6", "--json"]
+    ar = run_json(capsys, common + ["--method", "ar"])
+    jakiro = run_json(capsys, common + ["--method", "jakiro", "--jakiro-head", random_head_dir])
+    for out in (ar, jakiro):
+        assert {"text", "token_ids", "new_tokens", "target_forwards", "tau", "tokens_per_s"} <= set(out)
+        assert out["new_tokens"] == len(out["token_ids"]) and 1 <= out["new_tokens"] <= 6
+        assert out["tau"] == pytest.approx(out["new_tokens"] / out["target_forwards"])
+    assert jakiro["token_ids"] == ar["token_ids"] and jakiro["text"] == ar["text"]
+
+
+def test_generate_streams_text_then_stats(capsys, random_head_dir):
+    assert main(["generate", "Say hello.", "--max-new-tokens", "5", "--jakiro-head", random_head_dir]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1].startswith("[jakiro] ") and "tau" in out[-1] and "tokens/s" in out[-1]
+    assert out[0]  # the streamed answer
+
+
+def test_bench_json_runs_methods_side_by_side(capsys, tmp_path, random_head_dir):
+    prompts = tmp_path / "questions.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"question_id": 1, "category": "qa", "turns": ["What is 2 + 2?", "And 3 + 3?"]},
+        {"question_id": 2, "category": "writing", "prompt": "Write one word."},
+        {"question_id": 3, "category": "qa", "turns": ["Not reached (--limit 2)."]}]) + "\n")
+    out = run_json(capsys, ["bench", "--prompts", str(prompts), "--limit", "2", "--method", "ar", "--method", "jakiro",
+                            "--max-new-tokens", "4", "--json", "--jakiro-head", random_head_dir])
+    assert set(out["methods"]) == {"ar", "jakiro"}
+    for m, s in out["methods"].items():
+        assert {"tokens_per_s", "tau", "new_tokens", "speedup_vs_ar"} <= set(s)
+        assert set(s["per_category"]) == {"qa", "writing"}
+    assert out["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert out["methods"]["jakiro"]["all_same_tokens_as_ar"] is True
+    assert [p["id"] for p in out["per_prompt"]] == [1, 2]
+
+
+def test_bench_rejects_a_malformed_prompt_file(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no prompt key"}\n')
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: expected a 'prompt' or a non-empty 'turns' key, got \['question'\]"):
+        main(["bench", "--prompts", str(bad), "--method", "ar"])

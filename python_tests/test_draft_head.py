@@ -1,0 +1,98 @@
+"""Draft heads: the inference forward (fused ops, KV cache, tree layers merged by log-sum-exp)
+against the differentiable training forward, save/load, and refusing the wrong target."""
+import pytest
+import torch
+
+from conftest import gen
+from jakiro_ext import ops
+from jakiro_ext.models import causal_tree_mask
+from jakiro_ext.models.draft_head import DraftConfig, DraftHead, TreeKV
+from test_generate import tiny_target
+
+
+def make_head(target, kind, seed=0):
+    return DraftHead(DraftConfig.for_target(target.config, kind, num_experts=4)).init_weights(seed, std=0.2).bind(target)
+
+
+def assert_steps_close(got, want, rows):
+    for name in ("feature", "residual", "expert_out", "expert_score", "contrast_weight"):
+        a, b = getattr(got, name), getattr(want, name)
+        if a is None:
+            assert b is None
+            continue
+        torch.testing.assert_close(a, b[:, rows], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+def test_draft_tree_layers_match_the_training_forward_on_each_path(kind):
+    """A chain prefix, then two tree layers: each tree node's output equals the training
+    forward over the path prefix -> its ancestors -> itself (a plain causal sequence)."""
+    target = tiny_target()
+    head = make_head(target, kind)
+    H, n = target.config.hidden_size, 9
+    tokens = torch.randint(0, 211, (n + 3,), generator=gen(1))
+    feats = torch.randn(n + 3, H, generator=gen(2))
+    cache = head.new_cache(n + 8)
+    prefix = head(tokens[:n].unsqueeze(0), feats[:n].unsqueeze(0), torch.arange(n).unsqueeze(0), cache,
+                  causal_tree_mask(1, n))
+    assert_steps_close(prefix, head.train_forward(tokens[:n].unsqueeze(0), feats[:n].unsqueeze(0)), slice(0, n))
+    cache.lengths += n
+    # Layer 1: three siblings at position n; layer 2: two nodes, children of siblings 2 and 0.
+    l1_tok, l1_feat = torch.tensor([5, 17, 42]), torch.randn(3, H, generator=gen(3))
+    l2_tok, l2_feat, l2_parent = torch.tensor([7, 99]), torch.randn(2, H, generator=gen(4)), [2, 0]
+    itself = lambda k: ops.pack_bits(torch.eye(k, dtype=torch.bool)).unsqueeze(0)
+    tree_kv = TreeKV()
+    layer1 = head(l1_tok.unsqueeze(0), l1_feat.unsqueeze(0), torch.full((1, 3), n), cache, itself(3), tree_kv)
+    tree_kv.append(cache, 3)
+    tree_kv.visible = torch.tensor([[[False, False, True], [True, False, False]]])
+    layer2 = head(l2_tok.unsqueeze(0), l2_feat.unsqueeze(0), torch.full((1, 2), n + 1), cache, itself(2), tree_kv)
+    for r in range(3):
+        seq_tok = torch.cat([tokens[:n], l1_tok[r:r + 1]]).unsqueeze(0)
+        seq_feat = torch.cat([feats[:n], l1_feat[r:r + 1]]).unsqueeze(0)
+        want = head.train_forward(seq_tok, seq_feat)
+        assert_steps_close(type(layer1)(*(None if t is None else t[:, r:r + 1] for t in layer1)), want, slice(n, n + 1))
+    for r, p in enumerate(l2_parent):
+        seq_tok = torch.cat([tokens[:n], l1_tok[p:p + 1], l2_tok[r:r + 1]]).unsqueeze(0)
+        seq_feat = torch.cat([feats[:n], l1_feat[p:p + 1], l2_feat[r:r + 1]]).unsqueeze(0)
+        want = head.train_forward(seq_tok, seq_feat)
+        assert_steps_close(type(layer2)(*(None if t is None else t[:, r:r + 1] for t in layer2)), want, slice(n + 1, n + 2))
+
+
+def test_moe_features_follow_the_definitions():
+    target = tiny_target()
+    head = make_head(target, "jakiro")
+    step = head.train_forward(torch.randint(0, 211, (1, 6), generator=gen(5)), torch.randn(1, 6, 64, generator=gen(6)))
+    u, h, s, w = step.residual, step.expert_out, step.expert_score, step.contrast_weight
+    torch.testing.assert_close(step.feature, u + s[..., :1] * h[..., 0, :] + s[..., 1:] * h[..., 1, :])
+    torch.testing.assert_close(step.contrastive_feature(), u + w[..., :1] * h[..., 0, :] - w[..., 1:] * h[..., 1, :])
+    branches = step.branch_features()
+    torch.testing.assert_close(branches[..., 0, :], u + s.sum(-1, keepdim=True) * h[..., 0, :])
+    assert bool((w[..., 0] >= w[..., 1]).all()) and bool((s[..., 0] >= s[..., 1]).all())
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+def test_save_load_round_trip(tmp_path, kind):
+    target = tiny_target()
+    head = make_head(target, kind, seed=3)
+    head.save(tmp_path / "head")
+    loaded = DraftHead.load(tmp_path / "head", target)
+    assert loaded.config == head.config
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert sorted((tmp_path / "head").iterdir()) == [tmp_path / "head" / "config.json", tmp_path / "head" / "model.safetensors"]
+    # The target's embedding / LM head are shared, never stored with the head.
+    assert not any("embed" in k or "lm_head" in k for k in head.state_dict())
+
+
+def test_loading_for_the_wrong_target_is_an_error(tmp_path):
+    head = make_head(tiny_target(), "jakiro")
+    head.config.target = "tiny-llama"
+    head.save(tmp_path / "head")
+    other = tiny_target(vocab=300)
+    with pytest.raises(ValueError, match=r"made for a target with vocab_size 211, but this target has vocab_size 300 "
+                                         r"\(the head's target: tiny-llama\)"):
+        DraftHead.load(tmp_path / "head", other)
+    with pytest.raises(FileNotFoundError, match=r"a draft head directory holds config.json and model.safetensors"):
+        DraftHead.load(tmp_path / "nothing", other)
+    with pytest.raises(ValueError, match=r"a Jakiro head needs num_experts >= 2"):
+        DraftConfig.for_target(other.config, "jakiro", num_experts=1)

@@ -1,0 +1,206 @@
+"""speculative_generate on tiny random Llama models: greedy output identical to plain decoding for
+every method and tree shape, the exact target distribution when sampling (chi-square, with a
+negative control), stopping rules, statistics and errors."""
+import math
+
+import pytest
+import scipy.stats
+import torch
+import transformers
+
+from conftest import gen
+from jakiro_ext import reference
+from jakiro_ext.engine import TreeConfig, speculative_generate
+from jakiro_ext.models import LlamaModel
+from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+
+TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
+         "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}
+HEAD_METHODS = [("eagle2", "eagle2"), ("jakiro", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")]
+
+
+def tiny_target(vocab: int = 211, embed_std: float = 0.02, seed: int = 0) -> LlamaModel:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                                   rms_norm_eps=1e-5)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.model.embed_tokens.weight.data.normal_(0, embed_std, generator=gen(seed + 1))
+    return LlamaModel.from_hf(hf)
+
+
+def random_head(target, kind, seed=1, std=0.2):
+    config = DraftConfig.for_target(target.config, kind, num_experts=4)
+    return DraftHead(config).init_weights(seed, std=std).bind(target)
+
+
+def copy_head(target, kind, scale=300.0):
+    """A head whose feature is scale * embed(its input token): with tied embeddings it proposes
+    the token it was given, which tiny random models tend to repeat, so drafts get accepted."""
+    head = random_head(target, kind)
+    H = target.config.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :H] = torch.eye(H) * scale
+        head.o_proj.weight.zero_()
+        (head.w_down if kind == "jakiro" else head.down_proj.weight).zero_()
+    return head
+
+
+def prompt(n=13, vocab=211, seed=2):
+    return torch.randint(0, vocab, (n,), generator=gen(seed))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.mark.parametrize("tree", list(TREES), ids=list(TREES))
+@pytest.mark.parametrize("kind,method", HEAD_METHODS, ids=[f"{k}-head-{m}" for k, m in HEAD_METHODS])
+@pytest.mark.parametrize("head_type", ["random", "copy"])
+def test_greedy_tokens_equal_plain_decoding(target, kind, method, tree, head_type):
+    if method == "jakiro" and tree == "static":
+        pytest.skip("the hybrid contrastive step builds the dynamic tree (a static tree is refused: tested below)")
+    head = random_head(target, kind) if head_type == "random" else copy_head(target, kind)
+    for seed in range(3):
+        ids = prompt(seed=seed)
+        plain = speculative_generate(target, None, ids, 40)
+        spec = speculative_generate(target, head, ids, 40, method=method, tree=TREES[tree])
+        assert spec.token_ids == plain.token_ids
+        s = spec.stats
+        assert s.new_tokens == 40 and s.stop_reason == "max_new_tokens"
+        assert s.target_forwards == len(s.accept_lengths) + 1  # the prompt's forward, then one per round
+        assert sum(s.accept_histogram) == len(s.accept_lengths)
+        assert sum(s.accept_lengths) + len(s.accept_lengths) + 1 >= 40  # every round emits accepted + 1
+    if head_type == "copy":  # the copy head's drafts are accepted: multi-token paths were exercised
+        assert spec.stats.tau > 2.0, spec.stats.as_dict()
+
+
+def test_plain_decoding_equals_transformers_greedy(target):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    ours = LlamaModel.from_hf(hf)
+    ids = prompt()
+    with torch.no_grad():
+        want = hf.generate(ids.unsqueeze(0), max_new_tokens=30, do_sample=False, pad_token_id=0)[0, ids.numel():]
+    assert speculative_generate(ours, None, ids, 30).token_ids == want.tolist()
+
+
+def test_stops_at_eos_and_includes_it(target):
+    ids = prompt()
+    plain = speculative_generate(target, None, ids, 40).token_ids
+    eos = plain[5]
+    first = plain.index(eos)
+    for head, method in [(None, "ar"), (copy_head(target, "jakiro"), "jakiro")]:
+        out = speculative_generate(target, head, ids, 40, method=method, eos_token_id=[eos, 10**6])
+        assert out.token_ids == plain[: first + 1] and out.stats.stop_reason == "eos"
+
+
+def test_streaming_callback_sees_every_token_once(target):
+    seen = []
+    out = speculative_generate(target, copy_head(target, "eagle2"), prompt(), 25, on_tokens=seen.extend)
+    assert seen == out.token_ids and len(seen) == 25
+
+
+def test_max_cache_len_bounds(target):
+    ids = prompt(n=30)
+    with pytest.raises(ValueError, match=r"the prompt has 30 tokens; with a 16-node tree it needs a KV cache of at least "
+                                         r"46 positions, but the cache holds 40"):
+        speculative_generate(target, random_head(target, "jakiro"), ids, 10, max_cache_len=40)
+    out = speculative_generate(target, None, ids, 50, max_cache_len=40)  # room for 10 more tokens only
+    assert out.stats.stop_reason == "cache_full" and out.token_ids == speculative_generate(target, None, ids, 50).token_ids[:len(out.token_ids)]
+
+
+def test_bad_arguments_are_clear_errors(target):
+    ids = prompt()
+    dense, moe = random_head(target, "eagle2"), random_head(target, "jakiro")
+    cases = [
+        (dict(draft=None, method="jakiro"), r"method 'jakiro' needs a draft head"),
+        (dict(draft=dense, method="jakiro"), r"method 'jakiro' needs a Jakiro \(MoE\) draft head; this head is 'eagle2'"),
+        (dict(draft=moe, method="medusa"), r"method must be one of \('ar', 'eagle2', 'jakiro', 'jakiro_star'\), got 'medusa'"),
+        (dict(draft=moe, method="jakiro", tree=TREES["static"]), r"with a static tree use 'eagle2' or 'jakiro_star'"),
+        (dict(draft=None, input_ids=ids.repeat(2, 1)), r"one sequence \(batch size 1\); got input_ids \(2, 13\)"),
+        (dict(draft=None, input_ids=ids.float()), r"input_ids must be a non-empty \[n\] or \[1, n\] integer tensor"),
+        (dict(draft=None, max_new_tokens=0), r"max_new_tokens must be >= 1, got 0"),
+        (dict(draft=None, temperature=-1.0), r"need temperature >= 0, 0 < top_p <= 1, top_k >= 0"),
+        (dict(draft=None, top_p=0.0), r"need temperature >= 0, 0 < top_p <= 1, top_k >= 0"),
+    ]
+    for kwargs, message in cases:
+        kwargs = {"input_ids": ids, "max_new_tokens": 5, **kwargs}
+        with pytest.raises(ValueError, match=message):
+            speculative_generate(target, **kwargs)
+    with pytest.raises(ValueError, match=r"static tree choices must contain every node's parent"):
+        TreeConfig(choices=[[0], [1, 0]])
+    unbound = DraftHead(DraftConfig.for_target(target.config, "jakiro", num_experts=4))
+    with pytest.raises(ValueError, match=r"not bound to a target: call head.bind\(target\)"):
+        speculative_generate(target, unbound, ids, 5)
+
+
+# ----------------------------------------------------------------------------- sampling
+SAMPLED = 3  # tokens per generation: the prompt's bonus, then a round's depth-1 and depth-2 tokens
+
+
+def exact_distribution(target, ids, temperature, top_p, top_k):
+    """P(t1, t2, t3) of the target's filtered distribution, by enumeration: {tuple: prob}."""
+    probs = {(): 1.0}
+    for _ in range(SAMPLED):
+        nxt = {}
+        for prefix, p in probs.items():
+            if p < 1e-12:
+                continue
+            seq = torch.cat([ids, torch.tensor(prefix, dtype=torch.int64)]).unsqueeze(0)
+            cache = target.new_cache(1, seq.shape[1])
+            logits, _ = target(seq, cache, last_logits_only=True)
+            dist = reference.filtered_distribution(logits[0, -1], temperature, top_p, top_k)
+            dist = dist / dist.sum()  # top-p leaves the kept mass unnormalised
+            for t in torch.nonzero(dist > 0).flatten().tolist():
+                nxt[prefix + (t,)] = p * float(dist[t])
+        probs = nxt
+    return probs
+
+
+def chi_square_p(counts, expected_probs, n):
+    """p-value of observed counts against expected probabilities (bins with an expected count
+    below 5 pooled; an outcome of probability 0 that was observed makes p = 0)."""
+    if any(k not in expected_probs for k in counts):
+        return 0.0
+    stat, bins, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
+    for k, p in expected_probs.items():
+        e, o = n * p, counts.get(k, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+        else:
+            stat += (o - e) ** 2 / e
+            bins += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        bins += 1
+    return float(scipy.stats.chi2.sf(stat, bins - 1))
+
+
+@pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")])
+def test_sampling_follows_the_target_distribution(kind, method):
+    vocab = 12
+    target = tiny_target(vocab=vocab, embed_std=0.03, seed=3)  # ~130 likely continuations
+    head = copy_head(target, kind, scale=5.0)
+    ids = torch.tensor([3, 7, 7, 1, 7, 7])
+    temperature, top_p, top_k = 0.8, 0.9, 6
+    expected = exact_distribution(target, ids, temperature, top_p, top_k)
+    n, counts, accepted = 2000, {}, 0
+    tree = TreeConfig(8, 2, 3)
+    for seed in range(n):
+        out = speculative_generate(target, head, ids, SAMPLED, method=method, tree=tree, temperature=temperature,
+                                   top_p=top_p, top_k=top_k, seed=seed)
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+        accepted += sum(out.stats.accept_lengths)
+    # Of at most 3 drafted tokens per generation, some were accepted and some rejected.
+    assert 0.5 < accepted / n < 2.5, accepted / n
+    assert chi_square_p(counts, expected, n) > 1e-3
+    # Negative control: the same samples against the unfiltered distribution are rejected, so
+    # the statistic can tell a sampler that skips the top-p / top-k filter.
+    unfiltered = exact_distribution(target, ids, temperature, 1.0, 0)
+    assert chi_square_p(counts, unfiltered, n) < 1e-6

@@ -1,6 +1,6 @@
 """jakiro_ext: tree-based speculative decoding with Mixture-of-Experts draft heads (Jakiro).
 
-The fused kernels are torch ops in the ``torch.ops.jakiro`` namespace; ``jakiro_ext.ops``
+``jakiro_ext.speculative_generate`` is the draft-verify loop (:mod:`jakiro_ext.engine`). The fused kernels are torch ops in the ``torch.ops.jakiro`` namespace; ``jakiro_ext.ops``
 wraps them with shapes documented, ``jakiro_ext.reference`` holds their pure-PyTorch
 specifications.
 """
@@ -17,9 +17,15 @@ from jakiro_ext.ops import (
     verify_tree,
 )
 
+from jakiro_ext.engine import GenerationOutput, GenerationStats, TreeConfig, speculative_generate
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "speculative_generate",
+    "GenerationOutput",
+    "GenerationStats",
+    "TreeConfig",
     "ops",
     "reference",
     "build_tree_mask",

@@ -59,7 +59,7 @@ class TreeConfig:
 
 # The published comparisons' tree, and the CPU default chosen by measurement (README, "Tree size").
 GPU_TREE = TreeConfig(60, 5, 10)
-CPU_TREE = TreeConfig(16, 4, 4)
+CPU_TREE = TreeConfig(10, 3, 3)
 
 
 @dataclass

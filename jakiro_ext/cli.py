@@ -60,9 +60,16 @@ def chat_ids(tokenizer, prompt: str, chat_template: bool = True) -> torch.Tensor
 
 def tree_from_args(args) -> TreeConfig:
     if args.static_tree:
-        return TreeConfig(choices=json.loads(args.static_tree))
+        if any(x is not None for x in (args.total_tokens, args.depth, args.top_k_draft)):
+            raise ValueError("--static-tree fixes the whole tree: drop --total-tokens, --depth and --top-k-draft")
+        try:
+            return TreeConfig(choices=json.loads(args.static_tree))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--static-tree must be JSON like [[0], [1], [0, 0]], got {args.static_tree!r}: {exc}") from None
     base = CPU_TREE if args.tree == "cpu" else GPU_TREE
-    return TreeConfig(args.total_tokens or base.total_tokens, args.depth or base.depth, args.top_k_draft or base.top_k)
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is an error, not a default)
+    return TreeConfig(pick(args.total_tokens, base.total_tokens), pick(args.depth, base.depth),
+                      pick(args.top_k_draft, base.top_k))
 
 
 class Runner:
@@ -80,10 +87,12 @@ class Runner:
         for kind in sorted({HEAD_KIND[m] for m in methods if m != "ar"}):
             self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, DEFAULT_MODEL)
 
-    def run(self, method: str, prompt_ids: torch.Tensor, on_tokens=None) -> GenerationOutput:
+    def run(self, method: str, prompt_ids: torch.Tensor, on_tokens=None,
+            max_new_tokens: Optional[int] = None) -> GenerationOutput:
         a = self.args
         head = self.heads.get(HEAD_KIND.get(method, ""))
-        return speculative_generate(self.target, head, prompt_ids, a.max_new_tokens, method=method, tree=self.tree,
+        return speculative_generate(self.target, head, prompt_ids, max_new_tokens or a.max_new_tokens, method=method,
+                                    tree=self.tree,
                                     temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                     eos_token_id=self.tokenizer.eos_token_id, seed=a.seed, on_tokens=on_tokens)
 
@@ -124,15 +133,22 @@ def read_prompts(path: Path, limit: Optional[int]) -> List[dict]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
-        if "prompt" in row:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SystemExit(f"error: {path}:{n}: not a JSON object: {exc}") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             text = row["prompt"]
-        elif row.get("turns"):
+        elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
             text = row["turns"][0]
         else:
-            raise SystemExit(f"error: {path}:{n}: expected a 'prompt' or a non-empty 'turns' key, got {sorted(row)}")
+            got = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise SystemExit(f"error: {path}:{n}: expected a 'prompt' string or a non-empty 'turns' list, got {got}")
         prompts.append(dict(id=row.get("question_id", n), category=row.get("category", ""), prompt=text))
-    return prompts[:limit] if limit else prompts
+    prompts = prompts[:limit] if limit else prompts
+    if not prompts:
+        raise SystemExit(f"error: {path} holds no prompts")
+    return prompts
 
 
 def summarize(rows: List[dict]) -> dict:
@@ -146,12 +162,14 @@ def summarize(rows: List[dict]) -> dict:
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
-    methods = args.method or ["ar", "jakiro"]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise SystemExit(f"error: unknown method(s) {unknown}; choose from {METHODS}")
+    methods = list(dict.fromkeys(args.method or ["ar", "jakiro"]))
+    if "ar" in methods:  # first, so every other run of a prompt is compared with it
+        methods.remove("ar")
+        methods.insert(0, "ar")
     prompts = read_prompts(Path(args.prompts), args.limit)
     runner = Runner(args, methods)
+    for m in methods:  # untimed warm-up: the first call of each path pays one-off costs
+        runner.run(m, chat_ids(runner.tokenizer, prompts[0]["prompt"], not args.no_chat_template), max_new_tokens=4)
     per_prompt = []
     runs: Dict[str, List[dict]] = {m: [] for m in methods}
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
@@ -181,12 +199,15 @@ def cmd_bench(args) -> int:
             s["speedup_vs_ar"] = s["tokens_per_s"] / summary["ar"]["tokens_per_s"]
             for c, cs in s["per_category"].items():
                 cs["speedup_vs_ar"] = cs["tokens_per_s"] / summary["ar"]["per_category"][c]["tokens_per_s"]
+            # Pooled tokens/s weighs long answers more; the mean over categories weighs each equally.
+            s["mean_category_speedup_vs_ar"] = sum(cs["speedup_vs_ar"] for cs in s["per_category"].values()) / len(categories)
         if args.temperature == 0 and m != "ar" and "ar" in summary:
             s["all_same_tokens_as_ar"] = all(r.get("same_tokens_as_ar", False) for r in runs[m])
     config = dict(prompts=str(args.prompts), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  tree=dict(total_tokens=runner.tree.total_tokens, depth=runner.tree.depth, top_k=runner.tree.top_k,
-                            choices=runner.tree.choices), threads=torch.get_num_threads())
+                  tree=dict(choices=runner.tree.choices) if runner.tree.choices is not None else
+                  dict(total_tokens=runner.tree.total_tokens, depth=runner.tree.depth, top_k=runner.tree.top_k),
+                  threads=torch.get_num_threads())
     if args.json:
         print(json.dumps(dict(config=config, methods=summary, per_prompt=per_prompt)))
         return 0
@@ -204,7 +225,8 @@ def cmd_bench(args) -> int:
 
 def cmd_demo(args) -> int:
     """Plain decoding and Jakiro on one prompt: the same tokens, and each run's statistics."""
-    args.method = None
+    if args.temperature != 0:
+        raise ValueError("demo compares greedy decodings (temperature 0); use generate to sample")
     runner = Runner(args, ["ar", "jakiro"])
     ids = chat_ids(runner.tokenizer, args.prompt, True)
     print(f"prompt: {args.prompt!r} ({ids.numel()} tokens), SmolLM2-135M-Instruct {args.dtype}, greedy\n")
@@ -268,10 +290,11 @@ def main(argv=None) -> int:
         return show_config()
     if args.command == "ops-demo":
         return ops_demo()
-    if args.command == "generate":
-        return cmd_generate(args)
-    if args.command == "bench":
-        return cmd_bench(args)
     if args.command is None:
         args = parser.parse_args(["demo"])
-    return cmd_demo(args)
+    command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo}[args.command]
+    try:
+        return command(args)
+    except ValueError as exc:  # bad options or arguments: the message says what was expected
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

@@ -42,7 +42,10 @@ class TreeConfig:
 
     def __post_init__(self):
         if self.choices is not None:
-            paths = {tuple(p) for p in self.choices}
+            try:
+                paths = {tuple(int(r) for r in p) for p in self.choices}
+            except (TypeError, ValueError):
+                raise ValueError(f"static tree choices must be a list of lists of child ranks, got {self.choices!r}") from None
             if not paths or any(len(p) == 0 or min(p) < 0 for p in paths):
                 raise ValueError(f"static tree choices must be non-empty paths of ranks >= 0, got {self.choices!r}")
             missing = [p for p in paths if len(p) > 1 and p[:-1] not in paths]
@@ -109,7 +112,9 @@ def _dedupe(logprobs: torch.Tensor, ids: torch.Tensor):
     logprobs, order = logprobs.sort(dim=-1, descending=True, stable=True)
     ids = ids.gather(-1, order)
     repeated = (ids.unsqueeze(-1) == ids.unsqueeze(-2)).tril(-1).any(-1)
-    return logprobs.masked_fill(repeated, float("-inf")), ids
+    # Sort again so the dropped repeats go last: a child's rank is its rank among distinct tokens.
+    logprobs, order = logprobs.masked_fill(repeated, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    return logprobs, ids.gather(-1, order)
 
 
 class Drafter:
@@ -128,7 +133,9 @@ class Drafter:
             raise ValueError(f"method 'jakiro' takes its last layer from the contrastive branch and needs depth >= 2, "
                              f"got {tree.depth}")
         self.head, self.method, self.tree = head, method, tree
-        self.cache = head.new_cache(capacity)
+        # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
+        # frontier: top_k nodes, or a whole static layer).
+        self.cache = head.new_cache(capacity + max(tree.top_k, tree.max_nodes))
         self.root_step: Optional[DraftStep] = None
         self.forwards = 0
 
@@ -255,6 +262,8 @@ class Drafter:
         candidates = {}
         for d in sorted(by_depth):
             parents = sorted({node_of[p[:-1]] for p in by_depth[d] if p[:-1] in node_of})
+            if not parents:  # every node of the layer above was dropped (no distinct candidate left)
+                break
             if d == 1:
                 step = self.root_step
             else:  # run the parents' layer (depth d - 1) to get their outputs
@@ -335,6 +344,10 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     if n + tree_nodes > capacity:
         raise ValueError(f"the prompt has {n} tokens; with a {tree_nodes}-node tree it needs a KV cache of at least "
                          f"{n + tree_nodes} positions, but the cache holds {capacity} (max_cache_len)")
+    vocab = target.config.vocab_size
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the target's vocabulary), "
+                         f"got values in [{int(ids.min())}, {int(ids.max())}]")
     eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
     ids = ids.to(device=device, dtype=torch.int64)
     generator = torch.Generator(device="cpu").manual_seed(seed)

@@ -43,7 +43,7 @@ class TrainConfig:
 class Example:
     tokens: torch.Tensor  # [n] int64
     features: torch.Tensor  # [n, H] the target's final hidden states
-    loss_mask: torch.Tensor  # [n] bool: positions whose next tokens are learned (assistant turns)
+    loss_mask: torch.Tensor  # [n] bool: the tokens that are learned (the assistant turns')
 
 
 @torch.no_grad()
@@ -55,7 +55,9 @@ def target_features(target: LlamaModel, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def make_example(target: LlamaModel, tokens: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> Example:
-    mask = torch.ones(tokens.numel(), dtype=torch.bool) if loss_mask is None else loss_mask.bool()
+    if loss_mask is not None and loss_mask.shape != tokens.shape:
+        raise ValueError(f"loss_mask must have the tokens' shape {tuple(tokens.shape)}, got {tuple(loss_mask.shape)}")
+    mask = torch.ones_like(tokens, dtype=torch.bool) if loss_mask is None else loss_mask.bool().to(tokens.device)
     return Example(tokens, target_features(target, tokens), mask)
 
 
@@ -64,7 +66,7 @@ def example_loss(head: DraftHead, ex: Example, cfg: TrainConfig, generator: torc
     if n < 3:
         raise ValueError(f"a training sequence needs at least 3 tokens, got {n}")
     feats = ex.features[:-1].float()
-    noise = (torch.rand(feats.shape, generator=generator) - 0.5) * cfg.noise * 512 / n
+    noise = (torch.rand(feats.shape, generator=generator) - 0.5) * cfg.noise * 512 / n  # CPU generator: reproducible
     step = head.train_forward(ex.tokens[1:].unsqueeze(0), (feats + noise.to(feats.device)).unsqueeze(0))
     lm_head = head.lm_head_weight.float()
     # Row i predicts f_{i+1}, learned where the token x_{i+2} it leads to is in the mask.

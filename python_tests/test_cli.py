@@ -63,5 +63,18 @@ def test_bench_json_runs_methods_side_by_side(capsys, tmp_path, random_head_dir)
 def test_bench_rejects_a_malformed_prompt_file(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "no prompt key"}\n')
-    with pytest.raises(SystemExit, match=r"bad.jsonl:1: expected a 'prompt' or a non-empty 'turns' key, got \['question'\]"):
+    with pytest.raises(SystemExit, match=r"bad.jsonl:1: expected a 'prompt' string or a non-empty 'turns' list, "
+                                         r"got \['question'\]"):
         main(["bench", "--prompts", str(bad), "--method", "ar"])
+    bad.write_text("\n")
+    with pytest.raises(SystemExit, match=r"bad.jsonl holds no prompts"):
+        main(["bench", "--prompts", str(bad), "--method", "ar"])
+
+
+def test_bad_options_are_clear_errors(capsys):
+    assert main(["generate", "Hi", "--static-tree", "[[0], [1, 0]]", "--method", "eagle2"]) == 2
+    assert "static tree choices must contain every node's parent" in capsys.readouterr().err
+    assert main(["generate", "Hi", "--total-tokens", "0"]) == 2
+    assert "dynamic tree needs total_tokens >= 2" in capsys.readouterr().err
+    assert main(["demo", "--temperature", "0.5"]) == 2
+    assert "demo compares greedy decodings" in capsys.readouterr().err

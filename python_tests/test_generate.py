@@ -115,6 +115,31 @@ def test_max_cache_len_bounds(target):
     assert out.stats.stop_reason == "cache_full" and out.token_ids == speculative_generate(target, None, ids, 50).token_ids[:len(out.token_ids)]
 
 
+def test_static_decoupled_tree_ranks_distinct_tokens(target):
+    # Both experts of a copy head propose the same tokens: after dropping the repeats, child
+    # rank 1 must be the second distinct token, not a hole (which used to drop the node).
+    head = copy_head(target, "jakiro")
+    ids = prompt()
+    tree = TreeConfig(choices=[[0], [1], [1, 0], [0, 0]])
+    out = speculative_generate(target, head, ids, 30, method="jakiro_star", tree=tree)
+    assert out.token_ids == speculative_generate(target, None, ids, 30).token_ids
+    from jakiro_ext.engine import Drafter
+    drafter = Drafter(head, "jakiro_star", tree, 64)
+    cache = target.new_cache(1, 64)
+    _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
+    drafter.catch_up(ids[1:], hidden[0, :-1])
+    tokens, parents, _ = drafter.draft(int(ids[-1]))
+    assert tokens.numel() == 5 and parents.tolist() == [-1, 0, 0, 1, 2]
+    assert len(set(tokens[1:3].tolist())) == 2  # the root's two children are distinct tokens
+
+
+def test_draft_scratch_fits_a_frontier_wider_than_the_tree(target):
+    # top_k > total_tokens: a tree layer runs more rows than the verified tree holds.
+    ids = prompt()
+    out = speculative_generate(target, copy_head(target, "eagle2"), ids, 40, tree=TreeConfig(4, 2, 8))
+    assert out.token_ids == speculative_generate(target, None, ids, 40).token_ids
+
+
 def test_bad_arguments_are_clear_errors(target):
     ids = prompt()
     dense, moe = random_head(target, "eagle2"), random_head(target, "jakiro")
@@ -128,6 +153,8 @@ def test_bad_arguments_are_clear_errors(target):
         (dict(draft=None, max_new_tokens=0), r"max_new_tokens must be >= 1, got 0"),
         (dict(draft=None, temperature=-1.0), r"need temperature >= 0, 0 < top_p <= 1, top_k >= 0"),
         (dict(draft=None, top_p=0.0), r"need temperature >= 0, 0 < top_p <= 1, top_k >= 0"),
+        (dict(draft=None, input_ids=torch.tensor([1, 211])), r"input_ids must be token ids in \[0, 211\) \(the target's "
+                                                          r"vocabulary\), got values in \[1, 211\]"),
     ]
     for kwargs, message in cases:
         kwargs = {"input_ids": ids, "max_new_tokens": 5, **kwargs}
@@ -135,6 +162,8 @@ def test_bad_arguments_are_clear_errors(target):
             speculative_generate(target, **kwargs)
     with pytest.raises(ValueError, match=r"static tree choices must contain every node's parent"):
         TreeConfig(choices=[[0], [1, 0]])
+    with pytest.raises(ValueError, match=r"static tree choices must be a list of lists of child ranks"):
+        TreeConfig(choices=[0, 1])
     unbound = DraftHead(DraftConfig.for_target(target.config, "jakiro", num_experts=4))
     with pytest.raises(ValueError, match=r"not bound to a target: call head.bind\(target\)"):
         speculative_generate(target, unbound, ids, 5)

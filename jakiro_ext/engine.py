@@ -150,19 +150,24 @@ class Drafter:
         self.forwards += 1
         self.root_step = DraftStep(*(None if t is None else t[:, -1:] for t in step))
 
+    def _topk(self, features: torch.Tensor, k: int):
+        """Top-k (log-probabilities, target token ids) of features [R, (E,) H] under the draft's LM head."""
+        lp, ids = ops.contrastive_topk(features, None, None, self.head.lm_head_weight, k)
+        return lp, self.head.target_ids(ids)
+
     def _children(self, step: DraftStep, hybrid: bool = False):
         """Candidate children of each row of ``step``: (logprobs, ids) [R, C], and with
         ``hybrid`` also the contrastive branch's candidates two tokens ahead [R, k]. All the
         features of one call share a single pass over the LM head."""
-        k, lm_head = self.tree.top_k if self.tree.choices is None else self._static_width, self.head.lm_head_weight
+        k = self.tree.top_k if self.tree.choices is None else self._static_width
         if self.method == "jakiro_star":
-            lp, ids = ops.contrastive_topk(step.branch_features()[0], None, None, lm_head, k)  # [R, 2, k]
+            lp, ids = self._topk(step.branch_features()[0], k)  # [R, 2, k]
             return _dedupe(lp.flatten(1), ids.flatten(1)), None
         if hybrid:
             both = torch.stack([step.feature[0], step.contrastive_feature()[0]], 1)  # [R, 2, H]
-            lp, ids = ops.contrastive_topk(both, None, None, lm_head, k)
+            lp, ids = self._topk(both, k)
             return (lp[:, 0], ids[:, 0]), (lp[:, 1], ids[:, 1])
-        return ops.contrastive_topk(step.feature[0], None, None, lm_head, k), None
+        return self._topk(step.feature[0], k), None
 
     def draft(self, root_token: int):
         """Build this round's tree. Returns tokens [T], parents [T] (root first, parents before

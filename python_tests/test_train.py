@@ -1,0 +1,193 @@
+"""The training pipeline: self-distilled data by batched greedy generation, the on-disk training
+set (resume, settings check), the draft vocabulary, reduced-vocabulary heads in the engine,
+training (loss falls, checkpoints resume bit-exactly) and the ``train`` command."""
+import json
+
+import pytest
+import torch
+
+from conftest import gen
+from jakiro_ext.engine import TreeConfig, speculative_generate
+from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+from jakiro_ext.train import Example, TrainConfig, evaluate, make_example, target_features, train_head
+from jakiro_ext.trainset import (TrainSetWriter, generate_greedy_batched, load_trainset, select_draft_vocab)
+from test_generate import copy_head, prompt, tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def test_batched_generation_matches_decoding_each_prompt_alone(target):
+    prompts = [(k, prompt(n, seed=10 + k)) for k, n in enumerate([5, 17, 9, 30, 3, 12, 8])]
+    eos = [7, 19]
+    out = {k: (n, toks, feats) for k, n, toks, feats in generate_greedy_batched(target, iter(prompts), 32, 20, 3, eos)}
+    assert sorted(out) == [k for k, _ in prompts]  # every prompt, rows refilled as they finish
+    for k, ids in prompts:
+        n, tokens, features = out[k]
+        alone = speculative_generate(target, None, ids, 20, eos_token_id=eos).token_ids
+        assert n == ids.numel() and tokens[:n].tolist() == ids.tolist()
+        assert tokens[n:].tolist() == alone
+        # The features kept while decoding are the target's features of the whole sequence.
+        assert features.shape == (tokens.numel() - 1, target.config.hidden_size)
+        torch.testing.assert_close(features, target_features(target, tokens)[:-1], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=4"):
+        list(generate_greedy_batched(target, iter(prompts[1:2]), 4, 5, 2, eos))
+    with pytest.raises(ValueError, match=r"batch must be in \[1, 64\]"):
+        list(generate_greedy_batched(target, iter(prompts), 32, 5, 65, eos))
+
+
+def test_training_set_round_trip_resume_and_settings(tmp_path, target):
+    settings = dict(source="self_distill", target="tiny")
+    w = TrainSetWriter(tmp_path, settings, shard_tokens=30)
+    seqs = {}
+    for k in range(5):
+        toks = prompt(8 + 3 * k, seed=k)
+        mask = torch.arange(toks.numel()) >= 4
+        seqs[k] = (toks, mask, target_features(target, toks))
+        w.add(k, toks, mask, seqs[k][2][:-1] if k % 2 else seqs[k][2])  # n - 1 feature rows are padded
+    w.flush()
+    examples, meta = load_trainset(tmp_path)
+    assert meta["sequences"] == 5 and len(meta["shards"]) >= 2 and sorted(meta["done"]) == list(range(5))
+    assert meta["tokens"] == sum(t.numel() for t, _, _ in seqs.values())
+    assert meta["learned_tokens"] == sum(int(m.sum()) for _, m, _ in seqs.values())
+    by_len = {ex.tokens.numel(): ex for ex in examples}
+    for k, (toks, mask, feats) in seqs.items():
+        ex = by_len[toks.numel()]
+        assert torch.equal(ex.tokens, toks) and torch.equal(ex.loss_mask, mask)
+        torch.testing.assert_close(ex.features[:-1], feats[:-1], atol=0, rtol=0)
+    # Reopening resumes (the finished sources are known); other settings are refused.
+    assert TrainSetWriter(tmp_path, settings).done == set(range(5))
+    with pytest.raises(ValueError, match=r"other settings"):
+        TrainSetWriter(tmp_path, dict(settings, source="teacher_forced"))
+    with pytest.raises(FileNotFoundError, match=r"build the training set first"):
+        load_trainset(tmp_path / "nothing")
+
+
+def test_draft_vocab_takes_the_most_learned_tokens():
+    ex = Example(torch.tensor([5, 5, 5, 9, 9, 2, 7, 7, 7, 7]), torch.zeros(10, 4),
+                 torch.tensor([False, True, True, True, True, True, True, True, True, False]))
+    # learned: 5 x2, 9 x2, 2 x1, 7 x3
+    ids, coverage = select_draft_vocab([ex], 2)
+    assert ids.tolist() == [5, 7] or ids.tolist() == [7, 9]
+    assert coverage == pytest.approx(5 / 8)
+    ids, coverage = select_draft_vocab([ex], 3, always=[11])
+    assert 11 in ids.tolist() and 7 in ids.tolist() and len(ids) == 3
+
+
+def reduced_copy_head(target, kind, vocab_ids):
+    """A copy head (drafts its input token) restricted to a draft vocabulary."""
+    full = copy_head(target, kind)
+    config = DraftConfig(**{**full.config.__dict__, "draft_vocab_size": len(vocab_ids)})
+    head = DraftHead(config)
+    head.load_state_dict({**full.state_dict(), "draft_to_target": torch.as_tensor(vocab_ids)})
+    return head.bind(target)
+
+
+@pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")])
+def test_reduced_vocab_heads_are_lossless_and_draft_target_ids(target, kind, method, tmp_path):
+    vocab = target.config.vocab_size
+    ids_in_vocab = torch.randperm(vocab, generator=gen(3))[:60].sort().values
+    head = reduced_copy_head(target, kind, ids_in_vocab)
+    assert head.lm_head_weight.shape == (60, target.config.hidden_size)
+    for seed in range(3):
+        x = prompt(11, seed=seed)
+        plain = speculative_generate(target, None, x, 24).token_ids
+        out = speculative_generate(target, head, x, 24, method=method, tree=TreeConfig(12, 3, 4))
+        assert out.token_ids == plain
+    # Every drafted token is a target id of the draft vocabulary.
+    from jakiro_ext.engine import Drafter
+
+    d = Drafter(head, method, TreeConfig(12, 3, 4), 64)
+    x = prompt(11, seed=0)
+    _, hidden = target(x.unsqueeze(0), target.new_cache(1, 16), last_logits_only=True)
+    d.catch_up(x[1:], hidden[0, :-1])
+    tokens, _, _ = d.draft(int(x[-1]))
+    assert set(tokens[1:].tolist()) <= set(ids_in_vocab.tolist())
+    # Saved and loaded with its vocabulary.
+    head.save(tmp_path, torch.bfloat16)
+    loaded = DraftHead.load(tmp_path, target)
+    assert torch.equal(loaded.draft_to_target, head.draft_to_target)
+    assert loaded.fc.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"draft_vocab_size 60; got 3"):
+        loaded.set_draft_vocab([1, 2, 3])
+    with pytest.raises(ValueError, match=r"distinct target ids"):
+        loaded.set_draft_vocab(torch.zeros(60, dtype=torch.int64))
+
+
+def make_examples(target, count=6):
+    out = []
+    for k in range(count):
+        x = prompt(6, seed=40 + k)
+        answer = speculative_generate(target, None, x, 30).token_ids
+        toks = torch.cat([x, torch.tensor(answer)])
+        out.append(make_example(target, toks, torch.arange(toks.numel()) >= 6))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+def test_training_learns_and_resumes_bit_exactly(target, kind, tmp_path):
+    examples = make_examples(target)
+    cfg = TrainConfig(steps=8, lr=3e-3, warmup_steps=2, batch_sequences=3, checkpoint_every=4, eval_every=4)
+
+    def fresh():
+        return DraftHead(DraftConfig.for_target(target.config, kind, num_experts=4, intermediate_size=32)).init_weights(0).bind(target)
+
+    before = evaluate(fresh(), examples, cfg)
+    straight = fresh()
+    history = train_head(straight, examples, cfg, examples)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert "eval_acc1" in history[3] and "eval_acc1" in history[-1] and "eval_acc1" not in history[0]
+    assert history[-1]["eval_acc1"] > before["acc1"]
+    if kind == "jakiro":
+        assert {"acc2_contrastive", "eval_acc2_contrastive", "eval_acc2"} <= set(history[-1])
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_checkpoint(step, record):
+        if step + 1 == 5:
+            raise Stop
+
+    ckpt = tmp_path / "ckpt.pt"
+    with pytest.raises(Stop):
+        train_head(fresh(), examples, cfg, examples, ckpt, stop_after_checkpoint)
+    resumed = fresh()
+    history2 = train_head(resumed, examples, cfg, examples, ckpt)
+    assert len(history2) == len(history)
+    for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match=r"other settings"):
+        train_head(fresh(), examples, TrainConfig(steps=9, checkpoint_every=4), (), ckpt)
+
+
+def test_train_command_builds_data_trains_saves_and_resumes(tmp_path):
+    """The CLI end to end on the default model with a tiny corpus: the training set is built
+    (self-distilled), a reduced-vocabulary Jakiro head trained, saved with its recipe, and it
+    decodes losslessly; running the command again resumes from the finished checkpoint."""
+    from jakiro_ext.cli import main
+    from jakiro_ext.models.default import load_default_target
+
+    corpus = tmp_path / "corpus.json"
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": "ok"}]}
+             for i, q in enumerate(["What is 2 + 2?", "Name a colour.", "Say hi.", "Count to five.", "What is rain?"])]
+    corpus.write_text(json.dumps(convs))
+    out = tmp_path / "head"
+    argv = ["train", "--kind", "jakiro", "--out", str(out), "--data", str(tmp_path / "data"), "--corpus", str(corpus),
+            "--max-tokens", "10000", "--max-new-tokens", "12", "--generation-batch", "2", "--steps", "4", "--batch", "2",
+            "--draft-vocab", "256", "--eval-every-nth", "5", "--eval-every", "2", "--checkpoint-every", "2"]
+    assert main(argv) == 0
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["data"]["sequences"] == 5 and summary["train"]["total_steps"] == 4
+    assert summary["draft_vocab"]["size"] == 256 and summary["draft_vocab"]["coverage"] == 1.0
+    assert set(summary["final_eval"]) == {"eval_acc1", "eval_acc2", "eval_acc2_contrastive"}
+    target, tokenizer = load_default_target()
+    head = DraftHead.load(out, target)
+    assert head.config.num_experts == 4 and head.config.intermediate_size == target.config.intermediate_size // 4
+    x = prompt(9, vocab=1000, seed=5)
+    assert speculative_generate(target, head, x, 12).token_ids == speculative_generate(target, None, x, 12).token_ids
+    weights = (out / "model.safetensors").stat().st_mtime_ns
+    assert main(argv) == 0  # resumes at the last step: nothing left to train
+    assert json.loads((out / "training.json").read_text())["final_eval"] == summary["final_eval"]
+    assert (out / "model.safetensors").stat().st_mtime_ns >= weights

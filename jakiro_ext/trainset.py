@@ -260,11 +260,14 @@ def build_trainset(path, target: LlamaModel, tokenizer, target_name: str, source
 
 
 def select_draft_vocab(examples: Sequence[Example], size: int, always: Sequence[int] = ()) -> Tuple[torch.Tensor, float]:
-    """The ``size`` target tokens learned most often (plus ``always``, e.g. EOS), sorted, and the
-    fraction of learned tokens they cover."""
+    """The ``size`` target tokens learned most often (plus ``always``, e.g. EOS; ties broken by how
+    often they occur anywhere in the sequences), sorted, and the fraction of learned tokens they cover."""
     learned = torch.cat([ex.tokens[ex.loss_mask] for ex in examples])
     bins = max([int(learned.max()) + 1 if learned.numel() else 0, size] + [t + 1 for t in always])
-    counts = torch.bincount(learned, minlength=bins).double()
+    every = torch.cat([ex.tokens for ex in examples])
+    bins = max(bins, int(every.max()) + 1)
+    # Learned tokens first; then tokens seen anywhere (prompts), which the answers may echo.
+    counts = torch.bincount(learned, minlength=bins).double() + 1e-3 * torch.bincount(every, minlength=bins).double()
     counts[list(always)] = float("inf")
     ids = counts.topk(size).indices.sort().values
     covered = float(torch.isin(learned, ids).double().mean())

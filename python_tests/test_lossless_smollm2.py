@@ -1,19 +1,19 @@
 """Losslessness on the real default model (SmolLM2-135M-Instruct, float32, greedy): on 30 of the
 packaged prompts, every method's tokens equal plain greedy decoding, with a random head (which
-accepts almost nothing) and with trained heads (which accept multi-token paths). The trained heads
-are trained here, briefly, on the target's own greedy answers to the 40 packaged prompts
-(self-distillation); the heads shipped for the default model are tested the same way."""
+accepts almost nothing) and with the trained heads shipped in the package (reduced draft
+vocabulary; they accept multi-token paths)."""
 import json
 
 import pytest
 import torch
 
-from jakiro_ext.cli import PROMPTS_FILE, chat_ids
+from jakiro_ext.cli import HEADS_DIR, PROMPTS_FILE, chat_ids
 from jakiro_ext.engine import TreeConfig, speculative_generate
+from jakiro_ext.models.default import DEFAULT_MODEL
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.train import TrainConfig, make_example, train_head
 
 MAX_NEW = 32
+MIN_TAU = 1.3  # measured with the shipped heads: see the README (tau on these prompts is ~1.4-1.7)
 
 
 @pytest.fixture(scope="module")
@@ -29,18 +29,9 @@ def setup():
 
 
 @pytest.fixture(scope="module")
-def trained_heads(setup):
-    target, _, ids, plain = setup
-    examples = [make_example(target, torch.cat([x, torch.tensor(p, dtype=torch.int64)])) for x, p in zip(ids, plain)]
-    heads = {}
-    for kind in ("eagle2", "jakiro"):
-        config = DraftConfig.for_target(target.config, kind, num_experts=4)
-        head = DraftHead(config).init_weights(seed=0).bind(target)
-        losses = train_head(head, examples, TrainConfig(steps=250, lr=2e-3, warmup_steps=10, sequences_per_step=2,
-                                                        w_token=0.0, w_token2=0.0))
-        assert losses[-1] < 0.5 * losses[0]
-        heads[kind] = head
-    return heads
+def shipped_heads(setup):
+    target = setup[0]
+    return {kind: DraftHead.load(HEADS_DIR / f"{DEFAULT_MODEL}-{kind}", target) for kind in ("eagle2", "jakiro")}
 
 
 def generate_all(setup, head, method, prompts, tree=None):
@@ -76,7 +67,21 @@ def test_random_head_is_exact_on_every_prompt(setup):
         generate_all(setup, head, method, range(5), tree)
 
 
+def test_shipped_heads_are_the_documented_ones(setup, shipped_heads):
+    target = setup[0]
+    for kind, head in shipped_heads.items():
+        c = head.config
+        assert c.kind == kind and c.target == DEFAULT_MODEL and c.draft_vocab_size == 8192
+        assert head.lm_head_weight.shape == (8192, target.config.hidden_size)
+        path = HEADS_DIR / f"{DEFAULT_MODEL}-{kind}"
+        assert (path / "model.safetensors").stat().st_size < 10 * 2**20  # bf16 weights: a few MB
+        assert json.loads((path / "training.json").read_text())["kind"] == kind
+    # Same parameter budget: N experts of width intermediate / N against one dense MLP.
+    assert sum(p.numel() for p in shipped_heads["jakiro"].parameters()) < 1.01 * sum(
+        p.numel() for p in shipped_heads["eagle2"].parameters())
+
+
 @pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")])
-def test_trained_head_is_exact_on_every_prompt(setup, trained_heads, kind, method):
-    tau = generate_all(setup, trained_heads[kind], method, range(30))
-    assert tau > 1.5, f"the trained head should accept multi-token paths (tau {tau:.2f})"
+def test_shipped_head_is_exact_on_every_prompt(setup, shipped_heads, kind, method):
+    tau = generate_all(setup, shipped_heads[kind], method, range(30))
+    assert tau > MIN_TAU, f"the shipped head should accept multi-token paths (tau {tau:.2f})"

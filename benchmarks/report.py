@@ -30,7 +30,37 @@ def fmt(value: str) -> str:
     return f"{x:.3g}" if abs(x) < 1e-2 or abs(x) >= 1e3 else f"{x:.2f}"
 
 
+def end_to_end():
+    """The end-to-end summary: overall per temperature and method, then per category."""
+    path = os.path.join(RESULTS, "end_to_end_summary.csv")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    print("\n**end_to_end** (`benchmarks/results/end_to_end_summary.csv`; overall speedups are means over categories)\n")
+    cols = ["temperature", "method", "tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_hf_greedy",
+            "speedup_vs_hf_prompt_lookup", "all_same_tokens_as_ar"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        if r["category"] == "overall":
+            print("| " + " | ".join(fmt(r[c]) for c in cols) + " |")
+    methods = ["eagle2", "jakiro", "jakiro_star"]
+    for t in sorted({r["temperature"] for r in rows}):
+        cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "overall"] + ["overall"]
+        print(f"\nTemperature {t}: speedup vs the engine's AR (tau)\n")
+        print("| category | " + " | ".join(methods) + " |")
+        print("|" + "---|" * (len(methods) + 1))
+        for c in cats:
+            cells = []
+            for m in methods:
+                r = next((r for r in rows if r["temperature"] == t and r["method"] == m and r["category"] == c), None)
+                cells.append(f"{fmt(r['speedup_vs_ar'])}x ({fmt(r['tau'])})" if r else "")
+            print(f"| {c} | " + " | ".join(cells) + " |")
+
+
 def main():
+    end_to_end()
     for name, cols in COLUMNS.items():
         path = os.path.join(RESULTS, f"{name}.csv")
         if not os.path.exists(path):

@@ -212,9 +212,14 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     start = 0
     if checkpoint is not None and Path(checkpoint).exists():
         state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != asdict(cfg) or state["total"] != total:
-            raise ValueError(f"{checkpoint} was written by a run with other settings:\n  there: {state['config']}\n"
-                             f"  asked: {asdict(cfg)}\nresume with the same settings, or delete it")
+        if state["config"] != asdict(cfg) or state["total"] != total or state["examples"] != len(examples):
+            raise ValueError(f"{checkpoint} was written by a run with other settings or data:\n  there: {state['config']}, "
+                             f"{state['examples']} examples\n  asked: {asdict(cfg)}, {len(examples)} examples\n"
+                             "resume with the same settings and data, or delete it")
+        saved_vocab = state["head"].get("draft_to_target")
+        if saved_vocab is not None and not torch.equal(saved_vocab.cpu(), head.draft_to_target.cpu()):
+            raise ValueError(f"{checkpoint} was trained with another draft vocabulary than this head's "
+                             "(its LM-head rows would not match the ids): resume with the same data, or delete it")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["schedule"])
@@ -244,7 +249,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         if checkpoint is not None and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
             tmp = Path(str(checkpoint) + ".tmp")
             torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
-                        "step": step + 1, "history": history, "config": asdict(cfg), "total": total}, tmp)
+                        "step": step + 1, "history": history, "config": asdict(cfg), "total": total,
+                        "examples": len(examples)}, tmp)
             tmp.replace(checkpoint)
     head.eval()
     return history

@@ -71,14 +71,15 @@ def generate_greedy_batched(target: LlamaModel, prompts: Iterable[Tuple[int, tor
         start(b)
     mask = causal_tree_mask(batch, 1, device)
     depths = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-    while any(r is not None for r in rows):
-        finished = [b for b, r in enumerate(rows) if r is not None and
-                    (r["answer"][-1] in eos or len(r["answer"]) >= max_new_tokens)]
-        for b in finished:
-            r = rows[b]
-            tokens = torch.cat([r["prompt"], torch.tensor(r["answer"], device=device)])
-            yield r["key"], r["prompt"].numel(), tokens, torch.cat(r["features"])
-            start(b)
+    while True:
+        # A refilled row may be finished at once (its first token is EOS): check until none is.
+        while finished := [b for b, r in enumerate(rows) if r is not None and
+                           (r["answer"][-1] in eos or len(r["answer"]) >= max_new_tokens)]:
+            for b in finished:
+                r = rows[b]
+                tokens = torch.cat([r["prompt"], torch.tensor(r["answer"], device=device)])
+                yield r["key"], r["prompt"].numel(), tokens, torch.cat(r["features"])
+                start(b)
         if all(r is None for r in rows):
             break
         last = torch.tensor([[r["answer"][-1] if r else 0] for r in rows], device=device)
@@ -267,7 +268,8 @@ def select_draft_vocab(examples: Sequence[Example], size: int, always: Sequence[
     every = torch.cat([ex.tokens for ex in examples])
     bins = max(bins, int(every.max()) + 1)
     # Learned tokens first; then tokens seen anywhere (prompts), which the answers may echo.
-    counts = torch.bincount(learned, minlength=bins).double() + 1e-3 * torch.bincount(every, minlength=bins).double()
+    counts = (torch.bincount(learned, minlength=bins).double()
+              + torch.bincount(every, minlength=bins).double() / (every.numel() + 1))  # < 1: only breaks ties
     counts[list(always)] = float("inf")
     ids = counts.topk(size).indices.sort().values
     covered = float(torch.isin(learned, ids).double().mean())

@@ -34,6 +34,10 @@ def test_batched_generation_matches_decoding_each_prompt_alone(target):
         torch.testing.assert_close(features, target_features(target, tokens)[:-1], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=r"max_prompt_tokens=4"):
         list(generate_greedy_batched(target, iter(prompts[1:2]), 4, 5, 2, eos))
+    # A prompt whose first answer token is EOS ends at once, also when it refills a row.
+    first = {k: int(speculative_generate(target, None, ids, 1).token_ids[0]) for k, ids in prompts}
+    out = {k: t for k, _, t, _ in generate_greedy_batched(target, iter(prompts), 32, 20, 2, [first[4]])}
+    assert out[4].numel() == prompts[4][1].numel() + 1
     with pytest.raises(ValueError, match=r"batch must be in \[1, 64\]"):
         list(generate_greedy_batched(target, iter(prompts), 32, 5, 65, eos))
 
@@ -70,7 +74,7 @@ def test_draft_vocab_takes_the_most_learned_tokens():
                  torch.tensor([False, True, True, True, True, True, True, True, True, False]))
     # learned: 5 x2, 9 x2, 2 x1, 7 x3
     ids, coverage = select_draft_vocab([ex], 2)
-    assert ids.tolist() == [5, 7] or ids.tolist() == [7, 9]
+    assert ids.tolist() == [5, 7]  # 5 and 9 tie on learned counts; 5 occurs more often in all
     assert coverage == pytest.approx(5 / 8)
     ids, coverage = select_draft_vocab([ex], 3, always=[11])
     assert 11 in ids.tolist() and 7 in ids.tolist() and len(ids) == 3
@@ -153,16 +157,36 @@ def test_training_learns_and_resumes_bit_exactly(target, kind, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     with pytest.raises(Stop):
         train_head(fresh(), examples, cfg, examples, ckpt, stop_after_checkpoint)
-    resumed = fresh()
-    history2 = train_head(resumed, examples, cfg, examples, ckpt)
-    assert len(history2) == len(history)
+    assert ckpt.exists()
+    resumed, steps_run = fresh(), []
+    history2 = train_head(resumed, examples, cfg, examples, ckpt, lambda step, record: steps_run.append(step))
+    assert steps_run == [4, 5, 6, 7]  # resumed after the checkpoint at step 4, not from the start
+    assert len(history2) == len(history) and history2[:4] == torch.load(ckpt, weights_only=False)["history"][:4]
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match=r"other settings"):
         train_head(fresh(), examples, TrainConfig(steps=9, checkpoint_every=4), (), ckpt)
+    with pytest.raises(ValueError, match=r"other settings or data"):
+        train_head(fresh(), examples[:-1], cfg, (), ckpt)
 
 
-def test_train_command_builds_data_trains_saves_and_resumes(tmp_path):
+def test_resume_refuses_another_draft_vocabulary(target, tmp_path):
+    examples = make_examples(target, 3)
+    cfg = TrainConfig(steps=2, batch_sequences=3, checkpoint_every=1)
+    config = DraftConfig.for_target(target.config, "eagle2", intermediate_size=32)
+    config.draft_vocab_size = 50
+
+    def head(first):
+        return DraftHead(config).init_weights(0).set_draft_vocab(torch.arange(first, first + 50)).bind(target)
+
+    ckpt = tmp_path / "ckpt.pt"
+    train_head(head(0), examples, cfg, (), ckpt)
+    train_head(head(0), examples, cfg, (), ckpt)  # same vocabulary: resumes (already finished)
+    with pytest.raises(ValueError, match=r"another draft vocabulary"):
+        train_head(head(1), examples, cfg, (), ckpt)
+
+
+def test_train_command_builds_data_trains_saves_and_resumes(tmp_path, monkeypatch):
     """The CLI end to end on the default model with a tiny corpus: the training set is built
     (self-distilled), a reduced-vocabulary Jakiro head trained, saved with its recipe, and it
     decodes losslessly; running the command again resumes from the finished checkpoint."""
@@ -187,7 +211,12 @@ def test_train_command_builds_data_trains_saves_and_resumes(tmp_path):
     assert head.config.num_experts == 4 and head.config.intermediate_size == target.config.intermediate_size // 4
     x = prompt(9, vocab=1000, seed=5)
     assert speculative_generate(target, head, x, 12).token_ids == speculative_generate(target, None, x, 12).token_ids
-    weights = (out / "model.safetensors").stat().st_mtime_ns
-    assert main(argv) == 0  # resumes at the last step: nothing left to train
+    # Running it again resumes at the last step: no step is trained (a training step would raise).
+    import jakiro_ext.train
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("a finished run must not train again")
+
+    monkeypatch.setattr(jakiro_ext.train, "batch_loss", no_training)
+    assert main(argv) == 0
     assert json.loads((out / "training.json").read_text())["final_eval"] == summary["final_eval"]
-    assert (out / "model.safetensors").stat().st_mtime_ns >= weights

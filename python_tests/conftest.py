@@ -32,3 +32,44 @@ def random_parents(batch: int, nodes: int, seed: int, max_children: int = 0) -> 
         lo = max(0, i - max_children) if max_children else 0
         parents[:, i] = torch.randint(lo, i, (batch,), generator=g)
     return parents
+
+
+# ----------------------------------------------------------------------------- GPU kernels
+class GpuBackend:
+    """Where the GPU kernels of csrc/cuda run in a test: under the CPU SIMT emulator with warp
+    width 32 or 64 (always), or on a real CUDA device (when there is one)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "cuda":
+            self.ops, self.device = torch.ops.jakiro, torch.device("cuda")
+        else:
+            import simt_emulator
+
+            self.ops, self.device = simt_emulator.emulated_ops(int(name.removeprefix("simt"))), torch.device("cpu")
+
+    def to_device(self, value):
+        return value.to(self.device) if isinstance(value, torch.Tensor) else value
+
+    def run(self, op: str, *args, **kwargs):
+        """Calls op on the backend's device; tensor results come back to the CPU."""
+        args = [self.to_device(a) for a in args]
+        kwargs = {k: self.to_device(v) for k, v in kwargs.items()}
+        result = getattr(self.ops, op)(*args, **kwargs)
+        if isinstance(result, torch.Tensor):
+            return result.cpu()
+        if isinstance(result, (tuple, list)):
+            return tuple(r.cpu() if isinstance(r, torch.Tensor) else r for r in result)
+        return result
+
+
+def _gpu_backend_names():
+    names = ["simt32", "simt64"]
+    if torch.cuda.is_available() and getattr(ops._C, "with_cuda", 0):
+        names.append("cuda")
+    return names
+
+
+@pytest.fixture(scope="session", params=_gpu_backend_names())
+def gpu_backend(request) -> GpuBackend:
+    return GpuBackend(request.param)

@@ -1,0 +1,114 @@
+// The portable device layer of the GPU kernels (csrc/cuda/kernels/*.cuh), framework-free.
+// One kernel source builds three ways:
+//   * nvcc (CUDA), warp width 32;
+//   * hipcc after `torch.utils.hipify` (HIP on AMD CDNA), warp width 64;
+//   * g++ -DSIMT_EMU (csrc/simt/simt_emu.h): the kernels run on the CPU, warp width
+//     SIMT_WARP_SIZE (32 or 64), for tests without a GPU.
+// Kernels use only what is here plus plain CUDA C++ (__global__, __shared__, threadIdx,
+// __syncthreads, atomics): no PTX, tensor cores, async copies or grid-wide sync.
+#pragma once
+
+#include <cstdint>
+
+#if defined(SIMT_EMU)
+#include "simt/simt_emu.h"
+#define JAKIRO_WARP_SIZE SIMT_WARP_SIZE
+#elif defined(__HIPCC__)
+#include <hip/hip_runtime.h>
+#define JAKIRO_WARP_SIZE 64  // CDNA wavefronts (MI200/MI300)
+#else
+#include <cuda_runtime.h>
+#define JAKIRO_WARP_SIZE 32
+#endif
+
+#include "jakiro/common.h"
+#include "jakiro/dtype.h"
+#include "jakiro/softmax.h"
+
+#define JAKIRO_DEVICE __device__ __forceinline__
+
+// Dynamic shared memory of a kernel as a `T*` named `name` (16-byte aligned).
+#if defined(SIMT_EMU)
+#define JAKIRO_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(::simt::dynamic_shared_memory())
+#else
+#define JAKIRO_DYNAMIC_SMEM(T, name)                              \
+  extern __shared__ __align__(16) unsigned char jakiro_smem_[]; \
+  T* name = reinterpret_cast<T*>(jakiro_smem_)
+#endif
+
+// Launch: JAKIRO_LAUNCH(grid, block, shared_bytes, stream, kernel<...>)(args...).
+#if defined(SIMT_EMU)
+#define JAKIRO_LAUNCH(grid, block, smem, stream, ...) ::simt::launcher(__VA_ARGS__, dim3(grid), dim3(block), smem)
+#else
+#define JAKIRO_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
+namespace jakiro::gpu {
+
+constexpr int kWarp = JAKIRO_WARP_SIZE;
+
+JAKIRO_DEVICE int lane_id() { return static_cast<int>(threadIdx.x) % kWarp; }
+JAKIRO_DEVICE int warp_id() { return static_cast<int>(threadIdx.x) / kWarp; }
+JAKIRO_DEVICE int num_warps() { return static_cast<int>(blockDim.x) / kWarp; }
+
+// Orders the shared-memory accesses of the lanes of a warp (a warp-level barrier).
+JAKIRO_DEVICE void warp_sync() {
+#if defined(__HIPCC__)
+  __builtin_amdgcn_wave_barrier();  // a wavefront runs in lockstep; this orders the compiler
+#else
+  __syncwarp();
+#endif
+}
+
+// Whole-warp shuffles (every lane of the warp must take part).
+template <typename T>
+JAKIRO_DEVICE T warp_shfl_xor(T v, int lane_mask) {
+#if defined(__HIPCC__)
+  return __shfl_xor(v, lane_mask, kWarp);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+#endif
+}
+template <typename T>
+JAKIRO_DEVICE T warp_shfl(T v, int src_lane) {
+#if defined(__HIPCC__)
+  return __shfl(v, src_lane, kWarp);
+#else
+  return __shfl_sync(0xffffffffu, v, src_lane);
+#endif
+}
+
+template <typename T>
+JAKIRO_DEVICE T warp_sum(T v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v += warp_shfl_xor(v, o);
+  return v;
+}
+JAKIRO_DEVICE float warp_max(float v) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, warp_shfl_xor(v, o));
+  return v;
+}
+
+// Block-wide reductions; every thread gets the result. `scratch` is shared memory of at least
+// num_warps() elements; blockDim.x must be a multiple of the warp width. Ends with a barrier,
+// so the scratch can be reused at once.
+template <typename T, typename Op>
+JAKIRO_DEVICE T block_reduce(T v, T* scratch, Op op) {
+  for (int o = kWarp / 2; o > 0; o /= 2) v = op(v, warp_shfl_xor(v, o));
+  if (lane_id() == 0) scratch[warp_id()] = v;
+  __syncthreads();
+  T r = scratch[0];
+  for (int w = 1; w < num_warps(); ++w) r = op(r, scratch[w]);
+  __syncthreads();
+  return r;
+}
+template <typename T>
+JAKIRO_DEVICE T block_sum(T v, T* scratch) {
+  return block_reduce(v, scratch, [](T a, T b) { return a + b; });
+}
+JAKIRO_DEVICE float block_max(float v, float* scratch) {
+  return block_reduce(v, scratch, [](float a, float b) { return fmaxf(a, b); });
+}
+
+JAKIRO_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace jakiro::gpu

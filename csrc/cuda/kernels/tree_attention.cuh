@@ -1,0 +1,205 @@
+// GPU kernel of split-KV tree attention (FlashDecoding-style): one pass that writes, per KV
+// split, each query row's partial attention output and log-sum-exp; merge_attention_states.cuh
+// then combines the splits.
+//
+// Grid: (split, batch x KV head, chunk of query rows). The query rows of a block are the tree
+// tokens x query heads of ONE KV head (GQA: every K/V load serves all of them). Inside the
+// block each warp takes chunks of kWarp keys of the split in turn (lane = key):
+//   * scores: the chunk's K rows pass through shared memory 32 dimensions at a time (coalesced
+//     loads), each lane dots its key with every query row of the block (queries in shared memory);
+//   * online softmax per row (jakiro/softmax.h), probabilities to shared memory;
+//   * P @ V: lanes own head dimensions and read V rows coalesced, each V row once for all rows.
+// At the end the warps' states are merged through shared memory, the same log-sum-exp merge as
+// between splits.
+#pragma once
+
+#include "cuda/device.h"
+
+namespace jakiro::gpu {
+
+template <typename kv_t>
+struct TreeAttentionParams {
+  const kv_t* q;               // [B, T, Hq, D] contiguous
+  const kv_t* k_cache;         // [B, Hkv, S, D]: rows of D contiguous, strides below
+  const kv_t* v_cache;         // same layout as k_cache
+  const int64_t* prefix_lens;  // [B]
+  const int64_t* tree_mask;    // [B, T, mask_stride]
+  float* out_partial;          // [B, T, Hq, splits, D]
+  float* lse_partial;          // [B, T, Hq, splits]
+  int64_t batch, tree_len, q_heads, kv_heads, head_dim, splits, mask_stride;
+  int64_t kv_batch_stride, kv_head_stride;
+  float scale;
+};
+
+constexpr int kAttnRowsPerBlock = 8;  // query rows of a block
+constexpr int kAttnThreads = 128;
+constexpr int kAttnSlice = 32;  // head dimensions of K staged per step
+
+// Largest supported head dim: dims_per_lane (a template parameter) is at most 16.
+constexpr int64_t kAttnMaxHeadDim = 16 * kWarp;
+
+inline size_t tree_attention_smem_bytes(int64_t head_dim) {
+  const int warps = kAttnThreads / kWarp;
+  return sizeof(float) * (kAttnRowsPerBlock * head_dim                               // queries, then the merge
+                          + warps * (kWarp * (kAttnSlice + 1) + kAttnRowsPerBlock * kWarp)  // K slice, P
+                          + warps * kAttnRowsPerBlock * 2);                          // warp max and sum
+}
+
+template <typename kv_t, int kDimsPerLane>
+__global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(TreeAttentionParams<kv_t> p) {
+  constexpr int R = kAttnRowsPerBlock;
+  const int64_t split = blockIdx.x;
+  const int64_t b = blockIdx.y / p.kv_heads, kvh = blockIdx.y % p.kv_heads;
+  const int64_t group = p.q_heads / p.kv_heads, D = p.head_dim;
+  const int64_t rows = p.tree_len * group, row0 = static_cast<int64_t>(blockIdx.z) * R;
+  const int warps = num_warps(), warp = warp_id(), lane = lane_id();
+
+  JAKIRO_DYNAMIC_SMEM(float, smem);
+  float* q_s = smem;                                   // [R][D], later the merged output
+  float* k_s = q_s + R * D + warp * kWarp * (kAttnSlice + 1);  // this warp's [kWarp][kAttnSlice + 1]
+  float* p_s = q_s + R * D + warps * kWarp * (kAttnSlice + 1) + warp * R * kWarp;  // [R][kWarp]
+  float* max_s = q_s + R * D + warps * (kWarp * (kAttnSlice + 1) + R * kWarp);     // [warps][R]
+  float* sum_s = max_s + warps * R;                                                 // [warps][R]
+
+  // Query row r of the block: tree token t = row / group, query head kvh * group + row % group.
+  for (int64_t i = threadIdx.x; i < R * D; i += blockDim.x) {
+    const int64_t r = i / D, row = row0 + r;
+    float v = 0.f;
+    if (row < rows) {
+      const int64_t t = row / group, h = kvh * group + row % group;
+      v = to_float(p.q[((b * p.tree_len + t) * p.q_heads + h) * D + i % D]) * p.scale;
+    }
+    q_s[i] = v;
+  }
+  __syncthreads();
+
+  const int64_t prefix = p.prefix_lens[b], length = prefix + p.tree_len;
+  const int64_t chunk = ceil_div(length, p.splits);
+  const int64_t lo = split * chunk < length ? split * chunk : length;
+  const int64_t hi = (split + 1) * chunk < length ? (split + 1) * chunk : length;
+  const kv_t* k_base = p.k_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
+  const kv_t* v_base = p.v_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
+
+  OnlineSoftmax state[R];
+  float acc[R][kDimsPerLane];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < kDimsPerLane; ++i) acc[r][i] = 0.f;
+
+  for (int64_t key0 = lo + warp * kWarp; key0 < hi; key0 += warps * kWarp) {  // warp-uniform loop
+    const int64_t key = key0 + lane;
+    const bool in_range = key < hi;
+    float score[R];
+    for (int r = 0; r < R; ++r) score[r] = 0.f;
+    for (int64_t d0 = 0; d0 < D; d0 += kAttnSlice) {
+      // Stage K[key0 .. key0 + kWarp)[d0 .. d0 + kAttnSlice) (zeros past the ends).
+      for (int e = lane; e < kWarp * kAttnSlice; e += kWarp) {
+        const int kk = e / kAttnSlice, dd = e % kAttnSlice;
+        const int64_t key_e = key0 + kk, d = d0 + dd;
+        k_s[kk * (kAttnSlice + 1) + dd] = (key_e < hi && d < D) ? to_float(k_base[key_e * D + d]) : 0.f;
+      }
+      warp_sync();
+      const int64_t width = D - d0 < kAttnSlice ? D - d0 : kAttnSlice;
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q_s + r * D + d0;
+        float s = 0.f;
+        for (int64_t dd = 0; dd < width; ++dd) s += qr[dd] * k_s[lane * (kAttnSlice + 1) + dd];
+        score[r] += s;
+      }
+      warp_sync();
+    }
+    // Mask: the prefix is visible to every tree token; tree keys through the mask bits.
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = row0 + r;
+      bool visible = in_range && row < rows;
+      if (visible && key >= prefix) {
+        const int64_t t = row / group;
+        visible = mask_bit(p.tree_mask + (b * p.tree_len + t) * p.mask_stride, key - prefix);
+      }
+      if (!visible) score[r] = neg_inf();
+    }
+    // Online softmax per row; this lane's probability goes to p_s for the P @ V product.
+    float factor[R];
+    for (int r = 0; r < R; ++r) {
+      const float block_max = warp_max(score[r]);
+      factor[r] = state[r].rescale_for(block_max);
+      const float prob = score[r] == neg_inf() ? 0.f : expf(score[r] - state[r].max);
+      state[r].sum += warp_sum(prob);
+      p_s[r * kWarp + lane] = prob;
+    }
+    warp_sync();
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < kDimsPerLane; ++i) acc[r][i] *= factor[r];
+    const int64_t keys = hi - key0 < kWarp ? hi - key0 : kWarp;
+    for (int64_t j = 0; j < keys; ++j) {
+      const kv_t* v_row = v_base + (key0 + j) * D;
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        const int64_t d = lane + i * kWarp;
+        const float v = d < D ? to_float(v_row[d]) : 0.f;
+        for (int r = 0; r < R; ++r) acc[r][i] += p_s[r * kWarp + j] * v;
+      }
+    }
+    warp_sync();
+  }
+
+  // Merge the warps: the block's max per row, then each warp adds its rescaled sum and values.
+  if (lane == 0) {
+    for (int r = 0; r < R; ++r) {
+      max_s[warp * R + r] = state[r].max;
+      sum_s[warp * R + r] = state[r].sum;
+    }
+  }
+  __syncthreads();  // also: every warp is done with q_s, which now collects the output
+  float weight[R];
+  for (int r = 0; r < R; ++r) {
+    float m = neg_inf();
+    for (int w = 0; w < warps; ++w) m = fmaxf(m, max_s[w * R + r]);
+    weight[r] = merge_weight(state[r].sum > 0.f ? state[r].max : neg_inf(), m);
+  }
+  for (int w = 0; w < warps; ++w) {
+    if (warp == w) {
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < kDimsPerLane; ++i) {
+          const int64_t d = lane + i * kWarp;
+          if (d < D) q_s[r * D + d] = (w == 0 ? 0.f : q_s[r * D + d]) + weight[r] * acc[r][i];
+        }
+    }
+    __syncthreads();
+  }
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = row0 + r;
+    if (row >= rows) continue;
+    float m = neg_inf();
+    for (int w = 0; w < warps; ++w) m = fmaxf(m, max_s[w * R + r]);
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w)
+      total += sum_s[w * R + r] > 0.f ? sum_s[w * R + r] * merge_weight(max_s[w * R + r], m) : 0.f;
+    const int64_t t = row / group, h = kvh * group + row % group;
+    const int64_t out_row = ((b * p.tree_len + t) * p.q_heads + h) * p.splits + split;
+    for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
+      p.out_partial[out_row * D + d] = total > 0.f ? q_s[r * D + d] / total : 0.f;
+    if (threadIdx.x == 0) p.lse_partial[out_row] = total > 0.f ? m + logf(total) : neg_inf();
+  }
+}
+
+template <typename kv_t, int kDimsPerLane>
+void launch_tree_attention_partial_with(const TreeAttentionParams<kv_t>& p, cudaStream_t stream) {
+  const int64_t rows = p.tree_len * (p.q_heads / p.kv_heads);
+  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.batch * p.kv_heads),
+                  static_cast<unsigned>(ceil_div(rows, kAttnRowsPerBlock)));
+  JAKIRO_LAUNCH(grid, kAttnThreads, tree_attention_smem_bytes(p.head_dim), stream,
+                tree_attention_partial_kernel<kv_t, kDimsPerLane>)(p);
+}
+
+// Requires head_dim <= kAttnMaxHeadDim (the glue checks it).
+template <typename kv_t>
+void launch_tree_attention_partial(const TreeAttentionParams<kv_t>& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.splits == 0) return;
+  const int64_t dims_per_lane = ceil_div(p.head_dim, kWarp);
+  if (dims_per_lane <= 1) return launch_tree_attention_partial_with<kv_t, 1>(p, stream);
+  if (dims_per_lane <= 2) return launch_tree_attention_partial_with<kv_t, 2>(p, stream);
+  if (dims_per_lane <= 4) return launch_tree_attention_partial_with<kv_t, 4>(p, stream);
+  if (dims_per_lane <= 8) return launch_tree_attention_partial_with<kv_t, 8>(p, stream);
+  return launch_tree_attention_partial_with<kv_t, 16>(p, stream);
+}
+
+}  // namespace jakiro::gpu

@@ -1,0 +1,96 @@
+// Torch glue of GPU tree attention: tree_attention_partial (kernels/tree_attention.cuh) and
+// tree_attention = partial pass + merge (kernels/merge_attention_states.cuh).
+#include <cmath>
+
+#include "cuda/kernels/merge_attention_states.cuh"
+#include "cuda/kernels/tree_attention.cuh"
+#include "cuda/launch.h"
+#include "ops.h"
+
+namespace jakiro::gpu {
+namespace {
+
+// Splits shorter than this many keys cost more in launch and merge than they win.
+constexpr int64_t kMinSplitLen = 256;
+
+std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
+                                           const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                           const at::Tensor& tree_mask, int64_t num_splits,
+                                           std::optional<double> scale) {
+  const auto sh = check_tree_attention(op, q, k_cache, v_cache, prefix_lens, tree_mask);
+  TORCH_CHECK(num_splits >= 1, op, ": num_splits must be >= 1, got ", num_splits);
+  TORCH_CHECK(sh.head_dim <= kAttnMaxHeadDim, op, ": the GPU kernel supports head dims up to ", kAttnMaxHeadDim,
+              ", got ", sh.head_dim);
+  const DeviceScope device(q);
+  auto qc = q.contiguous();
+  auto lens = prefix_lens.contiguous();
+  auto mask = tree_mask.contiguous();
+  auto out = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits, sh.head_dim}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits}, q.options().dtype(at::kFloat));
+  const float sc = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(sh.head_dim))));
+  JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_gpu", [&] {
+    using kv_t = device_t<scalar_t>;
+    const TreeAttentionParams<kv_t> p{device_ptr<scalar_t>(qc),
+                                      device_ptr<scalar_t>(k_cache),
+                                      device_ptr<scalar_t>(v_cache),
+                                      lens.data_ptr<int64_t>(),
+                                      mask.data_ptr<int64_t>(),
+                                      out.data_ptr<float>(),
+                                      lse.data_ptr<float>(),
+                                      sh.batch,
+                                      sh.tree_len,
+                                      sh.q_heads,
+                                      sh.kv_heads,
+                                      sh.head_dim,
+                                      num_splits,
+                                      mask.size(2),
+                                      k_cache.stride(0),
+                                      k_cache.stride(1),
+                                      sc};
+    launch_tree_attention_partial(p, device.stream());
+  });
+  check_launch();
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> tree_attention_partial_gpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                               const at::Tensor& v_cache,
+                                                               const at::Tensor& prefix_lens,
+                                                               const at::Tensor& tree_mask, int64_t num_splits,
+                                                               std::optional<double> scale) {
+  return partial("jakiro::tree_attention_partial", q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor> tree_attention_gpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                      const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                                      const at::Tensor& tree_mask, std::optional<double> scale,
+                                                      std::optional<int64_t> num_splits) {
+  // The sequences' lengths live on the device: the split count is sized by the cache capacity
+  // (no device-to-host copy); shorter sequences get proportionally shorter splits.
+  const int64_t splits = num_splits.has_value()
+                             ? *num_splits
+                             : default_num_splits(q.size(0), k_cache.size(1), k_cache.size(2),
+                                                  multiprocessor_count(), kMinSplitLen);
+  auto [out_p, lse_p] =
+      partial("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask, splits, scale);
+  const DeviceScope device(q);
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  auto out = at::empty({B, T, H, D}, q.options());
+  auto lse = at::empty({B, T, H}, q.options().dtype(at::kFloat));
+  const MergeParams p{out_p.data_ptr<float>(), lse_p.data_ptr<float>(), out.data_ptr(), lse.data_ptr<float>(),
+                      B * T * H, splits, D};
+  JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_gpu", [&] {
+    launch_merge_attention_states<device_t<scalar_t>>(p, device.stream());
+  });
+  check_launch();
+  return {out, lse};
+}
+
+}  // namespace
+
+JAKIRO_GPU_LIBRARY_IMPL(m) {
+  m.impl("tree_attention_partial", &tree_attention_partial_gpu);
+  m.impl("tree_attention", &tree_attention_gpu);
+}
+
+}  // namespace jakiro::gpu

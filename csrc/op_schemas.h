@@ -1,0 +1,42 @@
+// The schemas of every jakiro op, in one place. torch_bindings.cpp declares them under the
+// `jakiro` namespace; the SIMT-emulated GPU kernels (csrc/simt) declare the same schemas under
+// their own test namespace.
+#pragma once
+
+#include <torch/library.h>
+
+namespace jakiro {
+
+inline void define_ops(torch::Library& m) {
+  // Tree attention over a KV cache, split-KV (FlashDecoding-style): partial results per split,
+  // then the merge. Returns out [B, T, Hq, D] (q's dtype) and lse [B, T, Hq] (float32).
+  m.def(
+      "tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor prefix_lens, Tensor tree_mask, "
+      "float? scale=None, int? num_splits=None) -> (Tensor out, Tensor lse)");
+  // The first half alone: out_partial [B, T, Hq, splits, D] and lse_partial [B, T, Hq, splits], float32.
+  m.def(
+      "tree_attention_partial(Tensor q, Tensor k_cache, Tensor v_cache, Tensor prefix_lens, Tensor tree_mask, "
+      "int num_splits, float? scale=None) -> (Tensor out_partial, Tensor lse_partial)");
+  // The second half alone: merge partial attention states by their log-sum-exp.
+  m.def(
+      "merge_attention_states(Tensor out_partial, Tensor lse_partial, ScalarType? out_dtype=None) "
+      "-> (Tensor out, Tensor lse)");
+  // Jakiro's MoE feed-forward block: router (N + 2 logits), top-2 of N experts (SwiGLU), residual.
+  m.def(
+      "moe_top2(Tensor x, Tensor router_weight, Tensor w_gate, Tensor w_up, Tensor w_down, bool renormalize=False) "
+      "-> (Tensor out, Tensor expert_out, Tensor expert_idx, Tensor expert_score, Tensor contrast_weight)");
+  // LM head + log-softmax + top-k of the feature h_a, or of w_hi * h_a - w_lo * h_b.
+  m.def(
+      "contrastive_topk(Tensor h_a, Tensor? h_b, Tensor? contrast_weight, Tensor lm_head, int k) "
+      "-> (Tensor logprobs, Tensor token_ids)");
+  // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // Accept the longest valid path of a draft tree against the target's logits (greedy or lossless sampling).
+  m.def(
+      "verify_tree(Tensor parents, Tensor draft_tokens, Tensor target_logits, Tensor? uniforms=None, "
+      "float temperature=0.0, float top_p=1.0, int top_k=0) -> (Tensor path, Tensor accept_len, Tensor bonus)");
+  // Move the accepted path's cache entries into place right after each sequence's prefix (in place).
+  m.def("compact_kv(Tensor(a!) cache, Tensor prefix_lens, Tensor path, Tensor path_len) -> ()");
+}
+
+}  // namespace jakiro

@@ -3,7 +3,7 @@ jakiro::compact_kv against the reference (one indexed copy per accepted entry) a
 eager single gather/scatter over all layers."""
 import torch
 
-from common import Table, max_abs_diff, parse_args, timeit
+from common import Table, max_abs_diff, on_device, parse_args, timeit
 from jakiro_ext import ops, reference
 
 
@@ -23,6 +23,7 @@ def main():
             lens = torch.tensor([prefix])
             path = torch.tensor([[0, 3, 9, 17, 31, 45]])
             n = torch.tensor([6])
+            cache, lens, path, n = on_device(cache, lens, path, n)
             a, b = cache.clone(), cache.clone()
             ops.compact_kv(a, lens, path, n)
             reference.compact_kv(b, lens, path, n)

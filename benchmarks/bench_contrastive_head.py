@@ -3,7 +3,7 @@ against the eager reference (full logits, log_softmax, topk). Reports time, spee
 LM-head read rate."""
 import torch
 
-from common import Table, max_abs_diff, memory_bandwidth_gbs, parse_args, timeit
+from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
 from jakiro_ext import ops, reference
 
 
@@ -20,6 +20,8 @@ def main():
                 h_b = torch.randn(rows, H, generator=g).to(dtype) if contrastive else None
                 w = torch.tensor([[0.7, 0.3]]).expand(rows, 2).contiguous() if contrastive else None
                 lm_head = (torch.randn(V, H, generator=g) * H**-0.5).to(dtype)
+                h_a, lm_head = on_device(h_a, lm_head)
+                h_b, w = (on_device(t) if t is not None else None for t in (h_b, w))
                 ours = lambda: ops.contrastive_topk(h_a, h_b, w, lm_head, k)  # noqa: E731
                 ref = lambda: reference.contrastive_topk(h_a, h_b, w, lm_head, k)  # noqa: E731
                 diff = max_abs_diff(ours(), ref())

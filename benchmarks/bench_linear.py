@@ -5,7 +5,7 @@ read rate."""
 import torch
 import torch.nn.functional as F
 
-from common import Table, max_abs_diff, memory_bandwidth_gbs, parse_args, timeit
+from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
 from jakiro_ext import ops
 
 
@@ -20,6 +20,7 @@ def main():
                 g = torch.Generator().manual_seed(0)
                 x = torch.randn(rows, K, generator=g).to(dtype)
                 w = (torch.randn(N, K, generator=g) * K**-0.5).to(dtype)
+                x, w = on_device(x, w)
                 ours = lambda: ops.linear(x, w)  # noqa: E731
                 ref = lambda: F.linear(x, w)  # noqa: E731
                 diff = max_abs_diff(ours(), F.linear(x.float(), w.float()).to(dtype))

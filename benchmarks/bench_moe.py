@@ -2,7 +2,7 @@
 Mixtral / Hugging Face loop over experts). Reports time, speedup and the expert-weight read rate."""
 import torch
 
-from common import Table, max_abs_diff, memory_bandwidth_gbs, parse_args, timeit
+from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
 from jakiro_ext import ops, reference
 
 
@@ -18,7 +18,7 @@ def main():
                 x = torch.randn(tokens, H, generator=g).to(dtype)
                 weights = (torch.randn(N + 2, H, generator=g) * H**-0.5, torch.randn(N, I, H, generator=g) * H**-0.5,
                            torch.randn(N, I, H, generator=g) * H**-0.5, torch.randn(N, H, I, generator=g) * I**-0.5)
-                weights = tuple(w.to(dtype) for w in weights)
+                x, *weights = on_device(x, *(w.to(dtype) for w in weights))
                 ours = lambda: ops.moe_top2(x, *weights)  # noqa: E731
                 ref = lambda: reference.moe_top2(x, *weights)  # noqa: E731
                 diff = max_abs_diff(ours()[0], ref()[0])

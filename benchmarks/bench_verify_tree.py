@@ -2,7 +2,7 @@
 jakiro::verify_tree against the pure-PyTorch reference, greedy and sampling."""
 import torch
 
-from common import Table, max_abs_diff, parse_args, timeit
+from common import Table, max_abs_diff, on_device, parse_args, timeit
 from jakiro_ext import ops, reference
 
 
@@ -21,11 +21,13 @@ def main():
                 if len(kids):
                     logits[b, node, tokens[b, kids[-1]]] = 30.0
         uniforms = torch.rand(batch, T + 1, generator=g, dtype=torch.float64)
+        host = (parents, tokens, logits, uniforms)  # the reference runs on the CPU
+        parents, tokens, logits, uniforms = on_device(*host)
         for mode, kw in (("greedy", dict(temperature=0.0)), ("sampling", dict(temperature=0.8, top_p=0.95)),
                          ("sampling-topk", dict(temperature=0.8, top_k=50))):
             ours = lambda: ops.verify_tree(parents, tokens, logits, uniforms, **kw)  # noqa: E731
-            ref = lambda: reference.verify_tree(parents, tokens, logits, uniforms, **kw)  # noqa: E731
-            diff = max_abs_diff(ours(), ref())
+            ref = lambda: reference.verify_tree(*host, **kw)  # noqa: E731
+            diff = max_abs_diff(tuple(t.cpu() for t in ours()), ref())
             t_ours, t_ref = timeit(ours, args.reps), timeit(ref, max(3, args.reps // 5))
             table.add(mode=mode, batch=batch, nodes=T, vocab=V, accepted=float(ours()[1].float().mean()),
                       max_abs_diff=diff, ours_ms=t_ours["median_ms"], ours_p20_ms=t_ours["p20_ms"],

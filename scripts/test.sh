@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Install everything and run the whole test suite:
-#   1. the Python op tests against the CPU build (torch 2.13.0 CPU),
-#   2. the C++ tests of the framework-free kernel headers (CMake + CTest),
-#   3. the CUDA build check: the extension built with its CUDA sources against the CUDA 13 build
+#   1. the Python tests against the CPU build (torch 2.13.0 CPU), including the GPU kernels run
+#      under the SIMT emulator at warp widths 32 and 64 (python_tests/test_gpu_*.py);
+#   2. the C++ tests (CMake + CTest): the framework-free kernel headers, and every GPU kernel
+#      under the emulator with fibers and with real threads under ThreadSanitizer (race check);
+#   3. the HIP compile check: the kernels hipified offline and compiled with hipcc for gfx90a;
+#   4. the CUDA build check: the extension built with its CUDA sources against the CUDA 13 build
 #      of torch 2.14.1 and nvcc, imported on this GPU-less machine, and the test suite run on it.
 #      JAKIRO_TEST_CUDA_BUILD=0 leaves it out (it needs a CUDA toolkit and ~6 GB of disk).
 set -euo pipefail
@@ -12,10 +15,13 @@ cd "$ROOT"
 echo "== python tests (CPU build)"
 JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q python_tests
 
-echo "== C++ header tests"
+echo "== C++ tests: kernel headers; GPU kernels under the SIMT emulator (fibers, threads + TSan)"
 cmake -S "$ROOT" -B "$ROOT/build/cmake" -DCMAKE_BUILD_TYPE=Release -DJAKIRO_WITH_TORCH=OFF > /dev/null
 cmake --build "$ROOT/build/cmake" -j 2 > /dev/null
 ctest --test-dir "$ROOT/build/cmake" --output-on-failure
+
+echo "== HIP compile check"
+PYTHON="$VENV/bin/python" bash "$ROOT/scripts/check_hip_build.sh"
 
 if [ "${JAKIRO_TEST_CUDA_BUILD:-1}" = "0" ]; then
   echo "== CUDA build check: left out (JAKIRO_TEST_CUDA_BUILD=0)"

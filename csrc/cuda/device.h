@@ -109,6 +109,6 @@ JAKIRO_DEVICE float block_max(float v, float* scratch) {
   return block_reduce(v, scratch, [](float a, float b) { return fmaxf(a, b); });
 }
 
-JAKIRO_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+JAKIRO_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace jakiro::gpu

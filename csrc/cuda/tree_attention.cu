@@ -12,6 +12,9 @@ namespace {
 
 // Splits shorter than this many keys cost more in launch and merge than they win.
 constexpr int64_t kMinSplitLen = 256;
+// Blocks of the partial kernel resident per multiprocessor (128 threads, ~128 registers each):
+// the split count aims at filling them all.
+constexpr int64_t kBlocksPerMultiprocessor = 4;
 
 std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& prefix_lens,
@@ -70,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_gpu(const at::Tensor& q, const
   const int64_t splits = num_splits.has_value()
                              ? *num_splits
                              : default_num_splits(q.size(0), k_cache.size(1), k_cache.size(2),
-                                                  multiprocessor_count(), kMinSplitLen);
+                                                  multiprocessor_count() * kBlocksPerMultiprocessor, kMinSplitLen);
   auto [out_p, lse_p] =
       partial("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask, splits, scale);
   const DeviceScope device(q);

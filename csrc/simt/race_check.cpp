@@ -13,8 +13,12 @@
 #include <vector>
 
 #include "cuda/kernels/compact_kv.cuh"
+#include "cuda/kernels/contrastive_topk.cuh"
+#include "cuda/kernels/linear.cuh"
+#include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/tree_attention.cuh"
+#include "cuda/kernels/verify_tree.cuh"
 
 namespace {
 
@@ -49,10 +53,10 @@ void report(const char* name, uint64_t h) { std::printf("%-28s %016llx\n", name,
 template <typename elem_t>
 void attention(const char* name) {
   Random rng{1};
-  const int64_t B = 2, T = 5, Hq = 4, Hkv = 2, D = 40, S = 80, splits = 3;
+  const int64_t B = 2, T = 5, Hq = 4, Hkv = 2, D = 40, S = 320, splits = 3;
   auto q = rng.values<elem_t>(B * T * Hq * D);
   auto k = rng.values<elem_t>(B * Hkv * S * D), v = rng.values<elem_t>(B * Hkv * S * D);
-  std::vector<int64_t> lens{50, 0};
+  std::vector<int64_t> lens{300, 0};  // 305 keys: every warp of a block gets some
   // Tree 0 <- 1, 0 <- 2, 1 <- 3, 1 <- 4: node i sees its ancestors and itself.
   std::vector<int64_t> mask{0b1, 0b11, 0b101, 0b1011, 0b10011};
   mask.insert(mask.end(), mask.begin(), mask.end());
@@ -76,6 +80,80 @@ void compaction() {
                                     D * static_cast<int64_t>(sizeof(float)), 4},
                     nullptr);
   report("compact_kv", checksum(cache));
+}
+
+template <typename elem_t>
+void linear(const char* name) {
+  Random rng{3};
+  const int64_t M = 5, K = 70, N = 37;
+  auto x = rng.values<elem_t>(M * K), w = rng.values<elem_t>(N * K, 0.2f), bias = rng.values<elem_t>(N);
+  std::vector<elem_t> y(M * N);
+  launch_linear<elem_t>(LinearParams{x.data(), w.data(), bias.data(), y.data(), M, K, N, 0}, nullptr);
+  report(name, checksum(y));
+}
+
+template <typename elem_t>
+void moe(const char* name) {
+  Random rng{4};
+  const int64_t M = 6, H = 48, N = 4, I = 40;
+  auto x = rng.values<elem_t>(M * H), router = rng.values<elem_t>((N + 2) * H, 0.3f);
+  auto gate = rng.values<elem_t>(N * I * H, 0.2f), up = rng.values<elem_t>(N * I * H, 0.2f);
+  auto down = rng.values<elem_t>(N * H * I, 0.2f);
+  std::vector<elem_t> out(M * H), expert_out(M * 2 * H);
+  std::vector<int64_t> idx(M * 2);
+  std::vector<float> score(M * 2), contrast(M * 2), h(M * 2 * I);
+  launch_moe_top2<elem_t>(MoeParams{x.data(), router.data(), gate.data(), up.data(), down.data(), out.data(),
+                                    expert_out.data(), idx.data(), score.data(), contrast.data(), h.data(), M, H, N, I,
+                                    false, 0, 0},
+                          nullptr);
+  report(name, checksum(out) ^ checksum(expert_out) ^ checksum(idx) ^ checksum(score) ^ checksum(contrast));
+}
+
+// Vocabulary 5000 with k = 20: the split path (slices of the vocabulary, then a merge).
+template <typename elem_t>
+void contrastive_head(const char* name) {
+  Random rng{5};
+  const int64_t rows = 3, H = 24, V = 5000, k = 20;
+  const int64_t splits = contrastive::split_count(V, k);
+  auto h_a = rng.values<elem_t>(rows * H), h_b = rng.values<elem_t>(rows * H);
+  auto lm_head = rng.values<elem_t>(V * H);
+  std::vector<float> weights{0.7f, 0.3f, 0.6f, 0.4f, 0.9f, 0.1f}, features(rows * H), logits(rows * V);
+  std::vector<float> split_values(rows * splits * k), split_max(rows * splits), split_sum(rows * splits);
+  std::vector<int64_t> split_indices(rows * splits * k), ids(rows * k);
+  std::vector<float> logprobs(rows * k);
+  launch_contrastive_topk<elem_t>(
+      ContrastiveParams{h_a.data(), h_b.data(), weights.data(), lm_head.data(), features.data(), logits.data(),
+                        logprobs.data(), ids.data(), rows, H, V, k, rows, splits, split_values.data(),
+                        split_indices.data(), split_max.data(), split_sum.data()},
+      nullptr);
+  report(name, checksum(logprobs) ^ checksum(ids));
+}
+
+// A 12-node tree over a 3000-token vocabulary: greedy, then sampling with top-k and top-p.
+void verification() {
+  Random rng{6};
+  const int64_t B = 2, T = 12, V = 3000;
+  std::vector<int64_t> parents{-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 6, 9}, tokens(B * T);
+  parents.insert(parents.end(), parents.begin(), parents.end());
+  for (auto& t : tokens) t = static_cast<int64_t>((rng.next() + 1.f) * 0.5f * (V - 1));
+  auto logits = rng.values<float>(B * T * V, 4.f);
+  for (int64_t b = 0; b < B; ++b)  // the target agrees with the first child everywhere: a deep walk
+    for (int64_t c = 1; c < T; ++c) logits[(b * T + parents[b * T + c]) * V + tokens[b * T + c]] += 20.f;
+  std::vector<double> uniforms(B * (T + 1));
+  for (auto& u : uniforms) u = 0.5 * (rng.next() + 1.f);
+  uint64_t h = 0;
+  for (int mode = 0; mode < 3; ++mode) {
+    std::vector<int64_t> path(B * T, -1), accept(B), bonus(B), choice(B * T);
+    std::vector<double> weights(B * V);
+    const double temperature = mode == 0 ? 0.0 : 0.8, top_p = mode == 2 ? 0.9 : 1.0;
+    const int64_t top_k = mode == 1 ? 40 : 0;
+    launch_verify_tree<float>(VerifyParams{parents.data(), tokens.data(), logits.data(), uniforms.data(), path.data(),
+                                           accept.data(), bonus.data(), choice.data(), weights.data(), B, T, V,
+                                           temperature, top_p, top_k},
+                              nullptr);
+    h ^= checksum(path) ^ checksum(accept) ^ checksum(bonus);
+  }
+  report("verify_tree", h);
 }
 
 // The negative control: a block sum in shared memory whose barrier between the writes and the
@@ -113,5 +191,12 @@ int main(int argc, char** argv) {
   attention<float>("tree_attention float32");
   attention<bf16>("tree_attention bfloat16");
   compaction();
+  linear<float>("linear float32");
+  linear<bf16>("linear bfloat16");
+  moe<float>("moe_top2 float32");
+  moe<bf16>("moe_top2 bfloat16");
+  contrastive_head<float>("contrastive_topk float32");
+  contrastive_head<bf16>("contrastive_topk bfloat16");
+  verification();
   return 0;
 }

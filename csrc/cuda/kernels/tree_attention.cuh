@@ -31,23 +31,24 @@ struct TreeAttentionParams {
   float scale;
 };
 
-constexpr int kAttnRowsPerBlock = 8;  // query rows of a block
+// Query rows of a block: 4 when a KV head has at most 4 (decoding, GQA groups of up to 4),
+// else 8 (trees); registers hold R x kDimsPerLane accumulators per lane.
+constexpr int kAttnMaxRowsPerBlock = 8;
 constexpr int kAttnThreads = 128;
 constexpr int kAttnSlice = 32;  // head dimensions of K staged per step
 
 // Largest supported head dim: dims_per_lane (a template parameter) is at most 16.
 constexpr int64_t kAttnMaxHeadDim = 16 * kWarp;
 
-inline size_t tree_attention_smem_bytes(int64_t head_dim) {
+inline size_t tree_attention_smem_bytes(int64_t head_dim, int rows_per_block) {
   const int warps = kAttnThreads / kWarp;
-  return sizeof(float) * (kAttnRowsPerBlock * head_dim                               // queries, then the merge
-                          + warps * (kWarp * (kAttnSlice + 1) + kAttnRowsPerBlock * kWarp)  // K slice, P
-                          + warps * kAttnRowsPerBlock * 2);                          // warp max and sum
+  return sizeof(float) * (rows_per_block * head_dim                                // queries, then the merge
+                          + warps * (kWarp * (kAttnSlice + 1) + rows_per_block * kWarp)  // K slice, P
+                          + warps * rows_per_block * 2);                           // warp max and sum
 }
 
-template <typename kv_t, int kDimsPerLane>
+template <typename kv_t, int R, int kDimsPerLane>
 __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(TreeAttentionParams<kv_t> p) {
-  constexpr int R = kAttnRowsPerBlock;
   const int64_t split = blockIdx.x;
   const int64_t b = blockIdx.y / p.kv_heads, kvh = blockIdx.y % p.kv_heads;
   const int64_t group = p.q_heads / p.kv_heads, D = p.head_dim;
@@ -181,25 +182,31 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
   }
 }
 
-template <typename kv_t, int kDimsPerLane>
+template <typename kv_t, int R, int kDimsPerLane>
 void launch_tree_attention_partial_with(const TreeAttentionParams<kv_t>& p, cudaStream_t stream) {
   const int64_t rows = p.tree_len * (p.q_heads / p.kv_heads);
   const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.batch * p.kv_heads),
-                  static_cast<unsigned>(ceil_div(rows, kAttnRowsPerBlock)));
-  JAKIRO_LAUNCH(grid, kAttnThreads, tree_attention_smem_bytes(p.head_dim), stream,
-                tree_attention_partial_kernel<kv_t, kDimsPerLane>)(p);
+                  static_cast<unsigned>(ceil_div(rows, R)));
+  JAKIRO_LAUNCH(grid, kAttnThreads, tree_attention_smem_bytes(p.head_dim, R), stream,
+                tree_attention_partial_kernel<kv_t, R, kDimsPerLane>)(p);
+}
+
+template <typename kv_t, int R>
+void launch_tree_attention_partial_rows(const TreeAttentionParams<kv_t>& p, cudaStream_t stream) {
+  const int64_t dims_per_lane = ceil_div(p.head_dim, kWarp);
+  if (dims_per_lane <= 1) return launch_tree_attention_partial_with<kv_t, R, 1>(p, stream);
+  if (dims_per_lane <= 2) return launch_tree_attention_partial_with<kv_t, R, 2>(p, stream);
+  if (dims_per_lane <= 4) return launch_tree_attention_partial_with<kv_t, R, 4>(p, stream);
+  if (dims_per_lane <= 8) return launch_tree_attention_partial_with<kv_t, R, 8>(p, stream);
+  return launch_tree_attention_partial_with<kv_t, R, 16>(p, stream);
 }
 
 // Requires head_dim <= kAttnMaxHeadDim (the glue checks it).
 template <typename kv_t>
 void launch_tree_attention_partial(const TreeAttentionParams<kv_t>& p, cudaStream_t stream) {
   if (p.batch == 0 || p.splits == 0) return;
-  const int64_t dims_per_lane = ceil_div(p.head_dim, kWarp);
-  if (dims_per_lane <= 1) return launch_tree_attention_partial_with<kv_t, 1>(p, stream);
-  if (dims_per_lane <= 2) return launch_tree_attention_partial_with<kv_t, 2>(p, stream);
-  if (dims_per_lane <= 4) return launch_tree_attention_partial_with<kv_t, 4>(p, stream);
-  if (dims_per_lane <= 8) return launch_tree_attention_partial_with<kv_t, 8>(p, stream);
-  return launch_tree_attention_partial_with<kv_t, 16>(p, stream);
+  if (p.tree_len * (p.q_heads / p.kv_heads) <= 4) return launch_tree_attention_partial_rows<kv_t, 4>(p, stream);
+  launch_tree_attention_partial_rows<kv_t, kAttnMaxRowsPerBlock>(p, stream);
 }
 
 }  // namespace jakiro::gpu

@@ -1,0 +1,25 @@
+// Every GPU kernel instantiated for every element type, with no torch: the translation unit of
+// the kernel-only builds (scripts/check_hip_build.sh compiles it, hipified, with hipcc for AMD
+// GPUs, where no ROCm build of torch is at hand for the glue).
+#include "cuda/kernels/compact_kv.cuh"
+#include "cuda/kernels/contrastive_topk.cuh"
+#include "cuda/kernels/linear.cuh"
+#include "cuda/kernels/moe_top2.cuh"
+#include "cuda/kernels/merge_attention_states.cuh"
+#include "cuda/kernels/tree_attention.cuh"
+#include "cuda/kernels/verify_tree.cuh"
+
+namespace jakiro::gpu {
+
+#define JAKIRO_INSTANTIATE_FOR(T)                                                                   \
+  template void launch_merge_attention_states<T>(const MergeParams&, cudaStream_t);                \
+  template void launch_tree_attention_partial<T>(const TreeAttentionParams<T>&, cudaStream_t);    \
+  template void launch_linear<T>(const LinearParams&, cudaStream_t);                               \
+  template void launch_moe_top2<T>(const MoeParams&, cudaStream_t);                               \
+  template void launch_contrastive_topk<T>(const ContrastiveParams&, cudaStream_t);               \
+  template void launch_verify_tree<T>(const VerifyParams&, cudaStream_t);
+
+JAKIRO_INSTANTIATE_FOR(float)
+JAKIRO_INSTANTIATE_FOR(bf16)
+
+}  // namespace jakiro::gpu

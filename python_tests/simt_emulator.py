@@ -55,7 +55,10 @@ def emulated_ops(warp_size: int):
     cpp_extension.load(
         name=namespace,
         sources=sources,
-        extra_cflags=["-std=c++20", "-O2", "-fno-math-errno", "-DSIMT_EMU", f"-DSIMT_WARP_SIZE={warp_size}",
+        # -fno-gnu-unique: the 32- and 64-wide libraries share one process; their inline and
+        # template statics (the emulated __shared__ arrays, sized by the warp width) must not merge.
+        extra_cflags=["-std=c++20", "-O2", "-fno-math-errno", "-fno-gnu-unique", "-DSIMT_EMU",
+                      f"-DSIMT_WARP_SIZE={warp_size}",
                       f"-DJAKIRO_SIMT_NAMESPACE={namespace}", "-Wno-unused-function"],
         extra_include_paths=[str(CSRC), str(CSRC / "include")],
         build_directory=str(build_dir),

@@ -10,8 +10,9 @@ PYTHON="${PYTHON:-$ROOT/.venv/bin/python}"
 ARCH="${JAKIRO_HIP_ARCH:-gfx90a}"
 if ! command -v hipcc > /dev/null; then
   echo "== installing hipcc (Debian)"
-  if [ "$(id -u)" = 0 ]; then APT=(apt-get); else APT=(sudo apt-get); fi
-  DEBIAN_FRONTEND=noninteractive "${APT[@]}" install -y -q hipcc > /dev/null
+  if [ "$(id -u)" = 0 ]; then SUDO=(); else SUDO=(sudo); fi
+  APT=("${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive apt-get)
+  "${APT[@]}" install -y -q hipcc > /dev/null || { "${APT[@]}" update -q > /dev/null && "${APT[@]}" install -y -q hipcc > /dev/null; }
 fi
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT

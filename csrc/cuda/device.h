@@ -54,7 +54,10 @@ JAKIRO_DEVICE int num_warps() { return static_cast<int>(blockDim.x) / kWarp; }
 // Orders the shared-memory accesses of the lanes of a warp (a warp-level barrier).
 JAKIRO_DEVICE void warp_sync() {
 #if defined(__HIPCC__)
-  __builtin_amdgcn_wave_barrier();  // a wavefront runs in lockstep; this orders the compiler
+  // A wavefront runs in lockstep: the barrier orders the compiler, the fences the LDS accesses.
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 #else
   __syncwarp();
 #endif

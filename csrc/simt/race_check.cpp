@@ -109,15 +109,15 @@ void moe(const char* name) {
   report(name, checksum(out) ^ checksum(expert_out) ^ checksum(idx) ^ checksum(score) ^ checksum(contrast));
 }
 
-// Vocabulary 5000 with k = 20: the split path (slices of the vocabulary, then a merge).
+// Vocabulary 4200 with k = 20: the split path (slices of the vocabulary, then a merge).
 template <typename elem_t>
 void contrastive_head(const char* name) {
   Random rng{5};
-  const int64_t rows = 3, H = 24, V = 5000, k = 20;
+  const int64_t rows = 2, H = 24, V = 4200, k = 20;
   const int64_t splits = contrastive::split_count(V, k);
   auto h_a = rng.values<elem_t>(rows * H), h_b = rng.values<elem_t>(rows * H);
   auto lm_head = rng.values<elem_t>(V * H);
-  std::vector<float> weights{0.7f, 0.3f, 0.6f, 0.4f, 0.9f, 0.1f}, features(rows * H), logits(rows * V);
+  std::vector<float> weights{0.7f, 0.3f, 0.6f, 0.4f}, features(rows * H), logits(rows * V);
   std::vector<float> split_values(rows * splits * k), split_max(rows * splits), split_sum(rows * splits);
   std::vector<int64_t> split_indices(rows * splits * k), ids(rows * k);
   std::vector<float> logprobs(rows * k);
@@ -129,10 +129,10 @@ void contrastive_head(const char* name) {
   report(name, checksum(logprobs) ^ checksum(ids));
 }
 
-// A 12-node tree over a 3000-token vocabulary: greedy, then sampling with top-k and top-p.
+// A 12-node tree over a 2000-token vocabulary: greedy, then sampling with top-k and top-p.
 void verification() {
   Random rng{6};
-  const int64_t B = 2, T = 12, V = 3000;
+  const int64_t B = 2, T = 12, V = 2000;
   std::vector<int64_t> parents{-1, 0, 0, 1, 1, 2, 3, 3, 4, 6, 6, 9}, tokens(B * T);
   parents.insert(parents.end(), parents.begin(), parents.end());
   for (auto& t : tokens) t = static_cast<int64_t>((rng.next() + 1.f) * 0.5f * (V - 1));
@@ -157,13 +157,14 @@ void verification() {
 }
 
 // The negative control: a block sum in shared memory whose barrier between the writes and the
-// reads is missing.
+// reads is missing; the warps shuffle in between, which must not hide the race between warps.
 __global__ void planted_race_kernel(float* out) {
   __shared__ float partial[256];
   partial[threadIdx.x] = static_cast<float>(threadIdx.x);
-  float s = 0.f;  // missing: __syncthreads();
+  const float lanes = warp_sum(1.f);  // missing: __syncthreads();
+  float s = 0.f;
   for (unsigned i = 0; i < blockDim.x; ++i) s += partial[i];
-  if (threadIdx.x == 0) *out = s;
+  if (threadIdx.x == 0) *out = s + lanes;
 }
 
 // The emulator's own check: thread 0 leaves before the barrier the others wait at.
@@ -176,9 +177,10 @@ __global__ void skipped_barrier_kernel(float* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line out at once, also when a later kernel aborts
   if (argc > 1 && std::strcmp(argv[1], "--planted-race") == 0) {
     float out = 0.f;
-    JAKIRO_LAUNCH(1, 64, 0, nullptr, planted_race_kernel)(&out);
+    JAKIRO_LAUNCH(1, 2 * kWarp, 0, nullptr, planted_race_kernel)(&out);
     std::printf("planted race ran: %g\n", out);
     return 0;
   }
@@ -198,5 +200,6 @@ int main(int argc, char** argv) {
   contrastive_head<float>("contrastive_topk float32");
   contrastive_head<bf16>("contrastive_topk bfloat16");
   verification();
+  std::printf("done\n");
   return 0;
 }

@@ -17,7 +17,7 @@
 //   * -DSIMT_EMU_THREADS: one OS thread per CUDA thread. Built with -fsanitize=thread, a missing
 //     __syncthreads or a non-atomic shared update is reported as a data race, which result
 //     comparisons alone can miss (csrc/simt/race_check.cpp).
-// Errors that a GPU would turn into hangs or undefined behaviour abort with a message: a barrier
+// Errors that a GPU would turn into hangs or undefined behaviour end the process with a message: a barrier
 // or shuffle that some threads of the block (warp) never reach, blocks over 1024 threads,
 // shared memory requests over 228 KiB.
 // Limits: warp-synchronous code must name full warps (masks other than all lanes are not
@@ -41,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <tuple>
@@ -73,10 +74,12 @@ constexpr int warpSize = SIMT_WARP_SIZE;
 
 namespace simt {
 
+// Ends the process with status 70: a GPU would hang or be undefined here, and the fibers or
+// threads of the block cannot be unwound.
 [[noreturn]] inline void fail(const char* what) {
   std::fprintf(stderr, "SIMT emulator: %s\n", what);
-  std::fflush(stderr);
-  std::abort();
+  std::fflush(nullptr);
+  std::_Exit(70);
 }
 
 constexpr size_t kMaxSharedBytes = 228 * 1024;
@@ -199,9 +202,14 @@ inline Scheduler& scheduler() {
 
 // A barrier for `expected` fibers; `exited` counts members that finished (they never arrive).
 struct Barrier {
-  int expected = 0, count = 0;
+  int expected = 0, count = 0, exited = 0;
   uint64_t generation = 0;
-  int* exited = nullptr;
+
+  void reset(int members) {
+    expected = members;
+    count = exited = 0;
+  }
+  void member_exited() { ++exited; }
 
   void arrive_and_wait() {
     Scheduler& s = *g_scheduler;
@@ -213,7 +221,7 @@ struct Barrier {
     }
     const uint64_t g = generation;
     while (generation == g) {
-      if (*exited > 0) fail("a barrier or shuffle is waited at by some threads while others of its block/warp have exited");
+      if (exited > 0) fail("a barrier or shuffle is waited at by some threads while others of its block/warp have exited");
       s.yield();
     }
   }
@@ -221,26 +229,38 @@ struct Barrier {
 
 #else  // ----------------------------------------------------------------- real threads
 
+// Each barrier (the block's, each warp's) has its own lock: a lock shared by all would order
+// every warp's shuffles against every other warp's, and hide races between warps from TSan.
 struct Barrier {
-  int expected = 0, count = 0;
+  int expected = 0, count = 0, exited = 0;  // guarded by `mutex`
   uint64_t generation = 0;
-  int* exited = nullptr;  // guarded by `mutex`
-  std::mutex* mutex = nullptr;
-  std::condition_variable* cv = nullptr;
+  std::mutex mutex;
+  std::condition_variable cv;
+
+  void reset(int members) {
+    std::lock_guard<std::mutex> lock(mutex);
+    expected = members;
+    count = exited = 0;
+  }
+  void member_exited() {
+    std::lock_guard<std::mutex> lock(mutex);
+    ++exited;
+    cv.notify_all();
+  }
 
   void arrive_and_wait() {
-    std::unique_lock<std::mutex> lock(*mutex);
+    std::unique_lock<std::mutex> lock(mutex);
     if (++count == expected) {
       count = 0;
       ++generation;
-      cv->notify_all();
+      cv.notify_all();
       return;
     }
     const uint64_t g = generation;
     while (generation == g) {
-      if (*exited > 0) fail("a barrier or shuffle is waited at by some threads while others of its block/warp have exited");
-      if (cv->wait_for(lock, std::chrono::seconds(60)) == std::cv_status::timeout && generation == g)
-        fail("deadlock: a barrier was not reached by every thread of its block/warp within 60 s");
+      if (exited > 0) fail("a barrier or shuffle is waited at by some threads while others of its block/warp have exited");
+      if (cv.wait_for(lock, std::chrono::seconds(600)) == std::cv_status::timeout && generation == g)
+        fail("deadlock: a barrier was not reached by every thread of its block/warp within 600 s");
     }
   }
 };
@@ -249,48 +269,36 @@ struct Barrier {
 // The generation of a barrier the caller is about to arrive at (it cannot change before then).
 inline uint64_t barrier_generation(Barrier& b) {
 #if defined(SIMT_EMU_THREADS)
-  std::lock_guard<std::mutex> lock(*b.mutex);
+  std::lock_guard<std::mutex> lock(b.mutex);
 #endif
   return b.generation;
 }
 
 // ----------------------------------------------------------------------------- block state
 struct Block {
-  int nthreads = 0;
+  int nthreads = 0, nwarps = 0;
   Barrier block_barrier;
-  std::vector<Barrier> warp_barriers;
-  std::vector<int> warp_exited;
-  int block_exited = 0;
+  std::unique_ptr<Barrier[]> warp_barriers;  // barriers do not move (their locks)
+  int warp_capacity = 0;
   std::vector<uint64_t> exchange;  // two shuffle slots per thread
   std::vector<unsigned char> shared;
-#if defined(SIMT_EMU_THREADS)
-  std::mutex mutex;
-  std::condition_variable cv;
-#endif
 
   void reset(int threads, size_t shared_bytes) {
     nthreads = threads;
-    const int warps = (threads + SIMT_WARP_SIZE - 1) / SIMT_WARP_SIZE;
-    block_exited = 0;
-    block_barrier = Barrier{};
-    block_barrier.expected = threads;
-    block_barrier.exited = &block_exited;
-    warp_exited.assign(warps, 0);
-    warp_barriers.assign(warps, Barrier{});
-    for (int w = 0; w < warps; ++w) {
-      warp_barriers[w].expected = std::min(SIMT_WARP_SIZE, threads - w * SIMT_WARP_SIZE);
-      warp_barriers[w].exited = &warp_exited[w];
+    nwarps = (threads + SIMT_WARP_SIZE - 1) / SIMT_WARP_SIZE;
+    block_barrier.reset(threads);
+    if (nwarps > warp_capacity) {
+      warp_barriers = std::make_unique<Barrier[]>(nwarps);
+      warp_capacity = nwarps;
     }
-#if defined(SIMT_EMU_THREADS)
-    block_barrier.mutex = &mutex;
-    block_barrier.cv = &cv;
-    for (auto& b : warp_barriers) {
-      b.mutex = &mutex;
-      b.cv = &cv;
-    }
-#endif
+    for (int w = 0; w < nwarps; ++w) warp_barriers[w].reset(std::min(SIMT_WARP_SIZE, threads - w * SIMT_WARP_SIZE));
     exchange.assign(2 * threads, 0);
     shared.assign(shared_bytes, 0xff);
+  }
+
+  void thread_exited(int t) {
+    block_barrier.member_exited();
+    warp_barriers[t / SIMT_WARP_SIZE].member_exited();
   }
 };
 
@@ -318,6 +326,7 @@ T shuffle(T value, int src_lane_in_warp) {
   const int t = linear_thread_index();
   const int base = t - t % SIMT_WARP_SIZE;
   Barrier& barrier = b.warp_barriers[t / SIMT_WARP_SIZE];
+  if (base + src_lane_in_warp >= b.nthreads) fail("a shuffle reads a lane beyond the block's last thread");
   uint64_t* slots = b.exchange.data() + (barrier_generation(barrier) & 1) * b.nthreads;
   std::memcpy(&slots[t], &value, sizeof(T));
   barrier.arrive_and_wait();
@@ -332,6 +341,8 @@ inline void run_grid(dim3 grid, dim3 block_dims, size_t shared_bytes, const std:
   std::lock_guard<std::mutex> guard(launch_mutex);
   const long threads = static_cast<long>(block_dims.x) * block_dims.y * block_dims.z;
   if (threads < 1 || threads > 1024) fail("a block must have 1 to 1024 threads");
+  if (grid.x < 1 || grid.y < 1 || grid.z < 1 || grid.y > 65535 || grid.z > 65535)
+    fail("grid dimensions must be >= 1, and y and z <= 65535 (CUDA rejects such launches)");
   if (shared_bytes > kMaxSharedBytes) fail("dynamic shared memory over 228 KiB per block");
   gridDim = grid;
   blockDim = block_dims;
@@ -346,10 +357,7 @@ inline void run_grid(dim3 grid, dim3 block_dims, size_t shared_bytes, const std:
           blockIdx = block_index;
           threadIdx = dim3(t % block_dims.x, (t / block_dims.x) % block_dims.y, t / (block_dims.x * block_dims.y));
           body();
-          std::lock_guard<std::mutex> lock(b.mutex);
-          ++b.block_exited;
-          ++b.warp_exited[t / SIMT_WARP_SIZE];
-          b.cv.notify_all();
+          b.thread_exited(t);
         };
         std::vector<std::thread> workers;
         workers.reserve(threads);
@@ -359,9 +367,7 @@ inline void run_grid(dim3 grid, dim3 block_dims, size_t shared_bytes, const std:
         blockIdx = block_index;
         std::function<void()> fiber_body = [&] {
           body();
-          const int t = linear_thread_index();
-          ++b.block_exited;
-          ++b.warp_exited[t / SIMT_WARP_SIZE];
+          b.thread_exited(linear_thread_index());
         };
         scheduler().run_block(static_cast<int>(threads), block_dims, fiber_body);
 #endif

@@ -204,7 +204,7 @@ void launch_tree_attention_partial_rows(const TreeAttentionParams<kv_t>& p, cuda
 // Requires head_dim <= kAttnMaxHeadDim (the glue checks it).
 template <typename kv_t>
 void launch_tree_attention_partial(const TreeAttentionParams<kv_t>& p, cudaStream_t stream) {
-  if (p.batch == 0 || p.splits == 0) return;
+  if (p.batch == 0 || p.splits == 0 || p.q_heads == 0) return;  // no block to launch
   if (p.tree_len * (p.q_heads / p.kv_heads) <= 4) return launch_tree_attention_partial_rows<kv_t, 4>(p, stream);
   launch_tree_attention_partial_rows<kv_t, kAttnMaxRowsPerBlock>(p, stream);
 }

@@ -38,6 +38,14 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
                             const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k);
 
+// The per-token outputs of moe_top2, shaped like x's leading dims, allocated on x's device:
+// expert_out [..., 2, H] (x's dtype), expert_idx [..., 2] int64, expert_score and
+// contrast_weight [..., 2] float32. Every backend returns these.
+struct MoeOutputs {
+  at::Tensor expert_out, expert_idx, expert_score, contrast_weight;
+};
+MoeOutputs empty_moe_outputs(const at::Tensor& x);
+
 // x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device.
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 // Float32 rows up to which jakiro::linear streams the weight itself (beyond: BLAS); measured

@@ -118,6 +118,17 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
   return s;
 }
 
+MoeOutputs empty_moe_outputs(const at::Tensor& x) {
+  auto with_last = [&](std::initializer_list<int64_t> dims) {
+    auto shape = x.sizes().slice(0, x.dim() - 1).vec();
+    shape.insert(shape.end(), dims);
+    return shape;
+  };
+  const auto fopts = x.options().dtype(at::kFloat);
+  return {at::empty(with_last({2, x.size(-1)}), x.options()), at::empty(with_last({2}), x.options().dtype(at::kLong)),
+          at::empty(with_last({2}), fopts), at::empty(with_last({2}), fopts)};
+}
+
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "jakiro::linear";
   TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");

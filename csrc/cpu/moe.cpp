@@ -53,17 +53,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
   const auto sh = check_moe_top2(x, router_weight, w_gate, w_up, w_down);
   const int64_t M = sh.tokens, H = sh.hidden, N = sh.experts;
   auto x2 = x.reshape({M, H}).contiguous();
-  auto lead = x.sizes().slice(0, x.dim() - 1).vec();
-  auto with_last = [&](std::vector<int64_t> dims) {
-    auto shape = lead;
-    shape.insert(shape.end(), dims.begin(), dims.end());
-    return shape;
-  };
-  auto fopts = x.options().dtype(at::kFloat);
-  auto expert_out = at::empty(with_last({2, H}), x.options());
-  auto expert_idx = at::empty(with_last({2}), x.options().dtype(at::kLong));
-  auto expert_score = at::empty(with_last({2}), fopts);
-  auto contrast_weight = at::empty(with_last({2}), fopts);
+  const MoeOutputs outputs = empty_moe_outputs(x);
+  const at::Tensor &expert_out = outputs.expert_out, &expert_idx = outputs.expert_idx;
+  const at::Tensor &expert_score = outputs.expert_score, &contrast_weight = outputs.contrast_weight;
   auto out = at::empty_like(x2);
 
   // Router: N routing logits + 2 contrastive logits per token, in float32.

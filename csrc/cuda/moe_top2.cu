@@ -14,19 +14,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
   const int64_t M = sh.tokens, H = sh.hidden, N = sh.experts, I = sh.intermediate;
   auto x2 = x.reshape({M, H}).contiguous();
   auto rw = router_weight.contiguous(), wg = w_gate.contiguous(), wu = w_up.contiguous(), wd = w_down.contiguous();
-  auto lead = x.sizes().slice(0, x.dim() - 1).vec();
-  auto with_last = [&](std::vector<int64_t> dims) {
-    auto shape = lead;
-    shape.insert(shape.end(), dims.begin(), dims.end());
-    return shape;
-  };
-  auto fopts = x.options().dtype(at::kFloat);
-  auto expert_out = at::empty(with_last({2, H}), x.options());
-  auto expert_idx = at::empty(with_last({2}), x.options().dtype(at::kLong));
-  auto expert_score = at::empty(with_last({2}), fopts);
-  auto contrast_weight = at::empty(with_last({2}), fopts);
+  const MoeOutputs outputs = empty_moe_outputs(x);
+  const at::Tensor &expert_out = outputs.expert_out, &expert_idx = outputs.expert_idx;
+  const at::Tensor &expert_score = outputs.expert_score, &contrast_weight = outputs.contrast_weight;
   auto out = at::empty_like(x2);
-  auto h = at::empty({M * 2, I}, fopts);  // SiLU(gate) * up per (token, slot), float32
+  auto h = at::empty({M * 2, I}, x.options().dtype(at::kFloat));  // SiLU(gate) * up per (token, slot), float32
   JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "moe_top2_gpu", [&] {
     const MoeParams p{x2.data_ptr(),
                       rw.data_ptr(),

@@ -21,6 +21,9 @@ TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, con
                                         const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                         const at::Tensor& tree_mask);
 
+// The softmax scale as float: `scale` (finite, also as float32) or 1 / sqrt(head_dim).
+float attention_scale(const char* op, std::optional<double> scale, int64_t head_dim);
+
 // out_partial [B, T, H, splits, D] float32, lse_partial [B, T, H, splits] float32; out_dtype
 // float32 or bfloat16. Returns the output dtype (float32 when none is given).
 at::ScalarType check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial,
@@ -56,6 +59,11 @@ constexpr int64_t kLinearStreamRows = 64;
 // host); target_logits [B, T, V]; uniforms [B, T + 1] float64 when temperature > 0.
 void check_verify_tree(const at::Tensor& parents, const at::Tensor& draft_tokens, const at::Tensor& target_logits,
                        const std::optional<at::Tensor>& uniforms, double temperature, double top_p, int64_t top_k);
+
+// After verification: a sequence whose walk reached logits that give no distribution (a NaN or
+// +inf logit, or all -inf) has accept_len -1. On host tensors this raises, naming the first
+// such node; on a GPU (no sync here) the -1 is the caller's to check.
+void check_verify_result(const at::Tensor& target_logits, const at::Tensor& accept_len);
 
 // cache [..., B, H, S, D] contiguous; prefix_lens, path_len [B] int64; path [B, P] int64 with
 // strictly increasing tree indices, path_len[b] <= P and prefix_lens[b] + path[b, -1] < S.

@@ -69,6 +69,13 @@ TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, con
   return s;
 }
 
+float attention_scale(const char* op, std::optional<double> scale, int64_t head_dim) {
+  const double value = scale.value_or(1.0 / std::sqrt(static_cast<double>(std::max<int64_t>(1, head_dim))));
+  TORCH_CHECK(std::isfinite(static_cast<float>(value)), op, ": scale must be a finite float32 number (default 1 / sqrt(",
+              "head dim)), got ", value);
+  return static_cast<float>(value);
+}
+
 at::ScalarType check_merge_attention_states(const at::Tensor& out_partial, const at::Tensor& lse_partial,
                                             std::optional<at::ScalarType> out_dtype) {
   const char* op = "jakiro::merge_attention_states";
@@ -226,6 +233,20 @@ void check_verify_tree(const at::Tensor& parents, const at::Tensor& draft_tokens
                     "), got ", ti);
       }
     }
+  }
+}
+
+void check_verify_result(const at::Tensor& target_logits, const at::Tensor& accept_len) {
+  if (!host_readable(accept_len)) return;
+  const int64_t* n = accept_len.data_ptr<int64_t>();
+  for (int64_t b = 0; b < accept_len.numel(); ++b) {
+    if (n[b] >= 0) continue;
+    auto rows = target_logits[b].to(at::kFloat);  // [T, V]; the error path only
+    auto bad = (rows.isnan() | rows.isposinf()).any(1) | rows.isneginf().all(1);
+    const int64_t node = bad.to(at::kLong).argmax().item<int64_t>();
+    TORCH_CHECK(false, "jakiro::verify_tree: target_logits[", b, ", ", node,
+                "] give no distribution (a NaN or +inf logit, or every logit -inf): the target's logits must be ",
+                "finite; no token is accepted from them");
   }
 }
 

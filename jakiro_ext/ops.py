@@ -56,27 +56,40 @@ def _kernel(name: str):
 
 
 # ----------------------------------------------------------------------------- fakes
+def _same_device(op: str, **tensors) -> None:
+    """The kernels' device check, for the fakes: a meta tensor among CPU ones dispatches here
+    (Meta outranks CPU), and must be an error, not an uninitialised CPU result."""
+    given = {name: t.device for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    if len(set(given.values())) > 1:
+        listed = ", ".join(f"{name} on {device}" for name, device in given.items())
+        raise RuntimeError(f"jakiro::{op}: every tensor must be on one device, got {listed}")
+
+
 if LOAD_ERROR is None:
 
     @torch.library.register_fake("jakiro::tree_attention_partial")
     def _tree_attention_partial_fake(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale=None):
+        _same_device("tree_attention_partial", q=q, k_cache=k_cache, v_cache=v_cache, prefix_lens=prefix_lens, tree_mask=tree_mask)
         B, T, H, D = q.shape
         return (q.new_empty((B, T, H, num_splits, D), dtype=torch.float32),
                 q.new_empty((B, T, H, num_splits), dtype=torch.float32))
 
     @torch.library.register_fake("jakiro::merge_attention_states")
     def _merge_attention_states_fake(out_partial, lse_partial, out_dtype=None):
+        _same_device("merge_attention_states", out_partial=out_partial, lse_partial=lse_partial)
         B, T, H, _, D = out_partial.shape
         return (out_partial.new_empty((B, T, H, D), dtype=out_dtype or torch.float32),
                 out_partial.new_empty((B, T, H), dtype=torch.float32))
 
     @torch.library.register_fake("jakiro::tree_attention")
     def _tree_attention_fake(q, k_cache, v_cache, prefix_lens, tree_mask, scale=None, num_splits=None):
+        _same_device("tree_attention", q=q, k_cache=k_cache, v_cache=v_cache, prefix_lens=prefix_lens, tree_mask=tree_mask)
         B, T, H, _ = q.shape
         return q.new_empty(q.shape), q.new_empty((B, T, H), dtype=torch.float32)
 
     @torch.library.register_fake("jakiro::moe_top2")
     def _moe_top2_fake(x, router_weight, w_gate, w_up, w_down, renormalize=False):
+        _same_device("moe_top2", x=x, router_weight=router_weight, w_gate=w_gate, w_up=w_up, w_down=w_down)
         lead = x.shape[:-1]
         return (x.new_empty(x.shape), x.new_empty((*lead, 2, x.shape[-1])),
                 x.new_empty((*lead, 2), dtype=torch.int64), x.new_empty((*lead, 2), dtype=torch.float32),
@@ -84,20 +97,24 @@ if LOAD_ERROR is None:
 
     @torch.library.register_fake("jakiro::contrastive_topk")
     def _contrastive_topk_fake(h_a, h_b, contrast_weight, lm_head, k):
+        _same_device("contrastive_topk", h_a=h_a, h_b=h_b, contrast_weight=contrast_weight, lm_head=lm_head)
         lead = h_a.shape[:-1]
         return h_a.new_empty((*lead, k), dtype=torch.float32), h_a.new_empty((*lead, k), dtype=torch.int64)
 
     @torch.library.register_fake("jakiro::linear")
     def _linear_fake(x, weight, bias=None):
+        _same_device("linear", x=x, weight=weight, bias=bias)
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
     @torch.library.register_fake("jakiro::verify_tree")
     def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
+        _same_device("verify_tree", parents=parents, draft_tokens=draft_tokens, target_logits=target_logits, uniforms=uniforms)
         B = parents.shape[0]
         return parents.new_empty(parents.shape), parents.new_empty((B,)), parents.new_empty((B,))
 
     @torch.library.register_fake("jakiro::compact_kv")
     def _compact_kv_fake(cache, prefix_lens, path, path_len):
+        _same_device("compact_kv", cache=cache, prefix_lens=prefix_lens, path=path, path_len=path_len)
         return None
 
 
@@ -201,6 +218,7 @@ def compact_kv(cache, prefix_lens, path, path_len) -> None:
 def build_tree_mask(parents: torch.Tensor) -> torch.Tensor:
     """Bit-packed ancestor mask [B, T, ceil(T / 64)] int64 of trees given by parents [B, T]:
     bit j of row i is set when node j is node i itself or one of its ancestors."""
+    check_parents(parents)
     B, T = parents.shape
     seen = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
     idx = torch.arange(B, device=parents.device)
@@ -211,6 +229,26 @@ def build_tree_mask(parents: torch.Tensor) -> torch.Tensor:
             seen[idx[has_parent], i] = seen[idx[has_parent], p[has_parent]]
         seen[:, i, i] = True
     return pack_bits(seen)
+
+
+def check_parents(parents) -> None:
+    """What verify_tree checks of a tree: parents [B, T] int64, T >= 1, parents[b, 0] = -1 and
+    0 <= parents[b, i] < i (parents precede children). Raises ValueError naming the entry."""
+    if not isinstance(parents, torch.Tensor) or parents.dim() != 2 or parents.dtype != torch.int64:
+        got = f"{tuple(parents.shape)} {parents.dtype}" if isinstance(parents, torch.Tensor) else type(parents).__name__
+        raise ValueError(f"build_tree_mask: parents must be a [B, T] int64 tensor, got {got}")
+    B, T = parents.shape
+    if T < 1:
+        raise ValueError(f"build_tree_mask: a tree has at least its root (parents.shape[1] >= 1), got {tuple(parents.shape)}")
+    if parents.device.type == "meta":
+        return
+    index = torch.arange(T, device=parents.device)
+    bad = (parents >= index) | (parents < 0)
+    bad[:, 0] = parents[:, 0] != -1
+    if bool(bad.any()):
+        b, i = (int(x) for x in bad.nonzero()[0])
+        want = "-1 (node 0 is the root)" if i == 0 else f"in [0, {i}) (nodes in topological order)"
+        raise ValueError(f"build_tree_mask: parents[{b}, {i}] must be {want}, got {int(parents[b, i])}")
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:

@@ -43,20 +43,31 @@ def tree_attention_partial(q, k_cache, v_cache, prefix_lens, tree_mask, num_spli
             if lo >= hi:
                 continue
             part = scores[..., lo:hi]
-            part_lse = torch.logsumexp(part, dim=-1)  # [Hq, T]
+            poisoned = (part.isnan() | part.isposinf()).any(-1)  # [Hq, T]: a NaN or +inf score
+            part = part.masked_fill(poisoned.unsqueeze(-1), -math.inf)
+            part_lse = torch.logsumexp(part, dim=-1)
             probs = torch.exp(part - part_lse.unsqueeze(-1)).nan_to_num(0.0)  # fully masked rows -> 0
-            out[b, :, :, s] = (probs @ v[:, lo:hi]).transpose(0, 1)
-            lse[b, :, :, s] = part_lse.transpose(0, 1)
+            # Values a row attends to only: a NaN value of a key it does not see never reaches it.
+            vs, nan_v = v[:, lo:hi], v[:, lo:hi].isnan()
+            reads_nan = allowed[:, lo:hi].float() @ nan_v.float() > 0  # [Hq, T, D]
+            o = (probs @ vs.masked_fill(nan_v, 0.0)).masked_fill(reads_nan, math.nan)
+            out[b, :, :, s] = o.masked_fill(poisoned.unsqueeze(-1), math.nan).transpose(0, 1)
+            lse[b, :, :, s] = part_lse.masked_fill(poisoned, math.nan).transpose(0, 1)
     return out, lse
 
 
 def merge_attention_states(out_partial, lse_partial, out_dtype: Optional[torch.dtype] = None):
-    max_lse = lse_partial.amax(dim=-1, keepdim=True)
-    weights = torch.exp(lse_partial - max_lse.nan_to_num(0.0, neginf=0.0))  # exp(-inf) = 0 for empty splits
+    poisoned = (lse_partial.isnan() | lse_partial.isposinf()).any(-1)  # a split saw a NaN or +inf score
+    empty = lse_partial == -math.inf  # an empty split: its output is not read
+    lse_ok = lse_partial.masked_fill(empty | poisoned.unsqueeze(-1), -math.inf)
+    max_lse = lse_ok.amax(dim=-1, keepdim=True)
+    weights = torch.exp(lse_ok - max_lse.nan_to_num(0.0, neginf=0.0))  # exp(-inf) = 0 for empty splits
     total = weights.sum(dim=-1)
-    out = (weights.unsqueeze(-1) * out_partial).sum(dim=-2) / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
+    terms = (weights.unsqueeze(-1) * out_partial).masked_fill(empty.unsqueeze(-1), 0.0)
+    out = terms.sum(dim=-2) / total.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(-1)
     lse = torch.where(total > 0, max_lse.squeeze(-1) + torch.log(total), -math.inf)
-    return out.to(out_dtype or torch.float32), lse
+    out = out.masked_fill(poisoned.unsqueeze(-1), math.nan)
+    return out.to(out_dtype or torch.float32), lse.masked_fill(poisoned, math.nan)
 
 
 def tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale: Optional[float] = None,
@@ -72,13 +83,18 @@ def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
     N = w_gate.shape[0]
     x2 = x.reshape(-1, H)
     logits = x2.float() @ router_weight.float().T  # [M, N + 2]
+    routed = logits.isfinite().all(-1)  # a token with a non-finite router logit has no routing
+    logits = logits.masked_fill(~routed.unsqueeze(-1), 0.0)
     probs = torch.softmax(logits[:, :N], dim=-1)
     score, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
     score, idx = score[:, :2], idx[:, :2]
     if renormalize:
         score = score / score.sum(dim=-1, keepdim=True)
     contrast = torch.softmax(logits[:, N:], dim=-1).sort(dim=-1, descending=True).values
-    expert_out = x2.new_zeros(x2.shape[0], 2, H)
+    idx = idx.masked_fill(~routed.unsqueeze(-1), -1)
+    score = score.masked_fill(~routed.unsqueeze(-1), math.nan)
+    contrast = contrast.masked_fill(~routed.unsqueeze(-1), math.nan)
+    expert_out = x2.new_full((x2.shape[0], 2, H), math.nan)
     for e in range(N):
         token, slot = torch.where(idx == e)
         if token.numel() == 0:
@@ -97,9 +113,12 @@ def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
     if h_b is not None:
         w = contrast_weight.float()
         f = w[..., 0:1] * f - w[..., 1:2] * h_b.float()
-    logprobs = torch.log_softmax(f @ lm_head.float().T, dim=-1)
+    logits = f @ lm_head.float().T
+    # No distribution (a NaN or +inf logit, or every logit -inf): NaN log-probabilities, token -1.
+    none = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
+    logprobs = torch.log_softmax(logits.masked_fill(none.unsqueeze(-1), 0.0), dim=-1)
     values, ids = torch.topk(logprobs, k, dim=-1)
-    return values, ids
+    return values.masked_fill(none.unsqueeze(-1), math.nan), ids.masked_fill(none.unsqueeze(-1), -1)
 
 
 # ----------------------------------------------------------------------------- projections
@@ -111,11 +130,24 @@ def linear(x, weight, bias=None):
 
 
 # ----------------------------------------------------------------------------- verification
+def has_distribution(logits_row) -> bool:
+    """Logits give a distribution unless one is NaN or +inf, or all are -inf."""
+    x = logits_row.float()
+    return not bool((x.isnan() | x.isposinf()).any() or x.isneginf().all())
+
+
+def _no_distribution(b: int, node: int):
+    return RuntimeError(f"jakiro::verify_tree: target_logits[{b}, {node}] give no distribution (a NaN or +inf logit, "
+                        "or every logit -inf): the target's logits must be finite; no token is accepted from them")
+
+
 def filtered_distribution(logits_row, temperature: float, top_p: float, top_k: int) -> torch.Tensor:
     """Target distribution at one node (float64): softmax(logits / temperature), then top-k
     (tokens reaching the k-th largest logit, ties kept), then top-p (most probable first, ties
-    by lower id, while the mass before the token is < top_p)."""
-    z = logits_row.float().double() / temperature
+    by lower id, while the mass before the token is < top_p). Scaled as (logit - max) /
+    temperature, which never overflows: a tiny temperature gives the argmax distribution."""
+    x = logits_row.float().double()
+    z = (x - x.max()) / temperature
     V = z.shape[0]
     if 0 < top_k < V:
         z = z.masked_fill(z < torch.topk(z, top_k).values[-1], -math.inf)
@@ -149,6 +181,8 @@ def verify_tree(parents, draft_tokens, target_logits, uniforms=None, temperature
         node, walk = 0, [0]
         while True:
             children = [c for c in range(T) if par[c] == node]
+            if not has_distribution(target_logits[b, node]):
+                raise _no_distribution(b, node)
             if temperature == 0.0:
                 want = int(torch.argmax(target_logits[b, node].float()))
                 nxt = next((c for c in children if tok[c] == want), None)

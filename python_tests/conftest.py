@@ -41,7 +41,9 @@ class GpuBackend:
 
     def __init__(self, name: str):
         self.name = name
-        if name == "cuda":
+        if name == "cpu":  # the CPU kernels, for tests that run every backend alike
+            self.ops, self.device = torch.ops.jakiro, torch.device("cpu")
+        elif name == "cuda":
             self.ops, self.device = torch.ops.jakiro, torch.device("cuda")
         else:
             import simt_emulator
@@ -72,4 +74,10 @@ def _gpu_backend_names():
 
 @pytest.fixture(scope="session", params=_gpu_backend_names())
 def gpu_backend(request) -> GpuBackend:
+    return GpuBackend(request.param)
+
+
+@pytest.fixture(scope="session", params=["cpu"] + _gpu_backend_names())
+def any_backend(request) -> GpuBackend:
+    """The CPU kernels and every GPU backend of gpu_backend."""
     return GpuBackend(request.param)

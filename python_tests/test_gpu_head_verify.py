@@ -129,13 +129,14 @@ def test_gpu_verify_tree_matches_reference_greedy(gpu_backend, B, T, V, dtype):
         assert int(got[1].max()) >= 1  # the planted paths are found (as in the CPU test)
 
 
-def test_gpu_verify_tree_greedy_ties_and_nan(gpu_backend):
+def test_gpu_verify_tree_greedy_ties(gpu_backend):
+    # Non-finite logits: test_nonfinite.py.
     parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 1, 2]])
     tokens = torch.tensor([[0, 3, 5, 2], [0, 7, 7, 7]])
     logits = torch.zeros(2, 4, 300)
     logits[0, 0, [5, 3, 290]] = 2.0  # tie: lowest id (3) wins
     logits[0, 1, [2, 100]] = 1.0
-    logits[0, 1, 50] = float("nan")  # NaN away from index 0 is ignored (the CPU's scan)
+    logits[0, 1, 50] = float("-inf")  # a masked token
     logits[1, :, 7] = 1.0
     got = gpu_backend.run("verify_tree", parents, tokens, logits)
     assert got[0].tolist() == [[0, 1, 3, -1], [0, 1, 2, 3]]

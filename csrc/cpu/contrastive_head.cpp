@@ -54,8 +54,14 @@ void scan_vocab(const float* f, int64_t rows, int64_t H, const scalar_t* lm_head
     rows_times_weight(f, rows, H, lm_head, H, H, v0, v0 + n, logits.data(), n);
     for (int64_t r = 0; r < rows; ++r) {
       const float* l = logits.data() + r * n;
-      st.softmax[r].rescale_for(max_of(l, n));
-      st.softmax[r].sum += exp_shift_sum(l, n, st.softmax[r].max);
+      const float chunk_max = max_of(l, n);
+      OnlineSoftmax& softmax = st.softmax[r];
+      if (poisons(chunk_max)) softmax.poison();  // a NaN or +inf logit: the row gives NaN / -1
+      if (softmax.poisoned()) continue;
+      if (chunk_max != neg_inf()) {  // -inf logits add no mass (but stay candidates)
+        softmax.rescale_for(chunk_max);
+        softmax.sum += exp_shift_sum(l, n, softmax.max);
+      }
       TopK& top = st.top[r];
       for (int64_t j = 0; j < n; ++j) {
         if (l[j] >= top.threshold()) top.push(l[j], v0 + j);
@@ -99,17 +105,23 @@ std::tuple<at::Tensor, at::Tensor> contrastive_topk_cpu(const at::Tensor& h_a, c
   std::vector<int64_t> indices(k);
   for (int64_t r = 0; r < rows; ++r) {
     float max_all = neg_inf();
-    for (auto& s : states) max_all = std::max(max_all, s.softmax[r].max);
+    bool poisoned = false;
+    for (auto& s : states) {
+      max_all = std::max(max_all, s.softmax[r].max);
+      poisoned |= s.softmax[r].poisoned();
+    }
     float sum = 0.f;
     TopK top(values.data(), indices.data(), k);
     for (auto& s : states) {
       if (s.softmax[r].sum > 0.f) sum += s.softmax[r].sum * std::exp(s.softmax[r].max - max_all);
       for (int64_t j = 0; j < s.top[r].count; ++j) top.push(s.top_values[r * k + j], s.top_indices[r * k + j]);
     }
+    // No distribution (a NaN or +inf logit, or every logit -inf): NaN log-probabilities, token -1.
+    const bool no_distribution = poisoned || sum == 0.f;
     const float lse = max_all + std::log(sum);
     for (int64_t j = 0; j < k; ++j) {
-      plp[r * k + j] = values[j] - lse;
-      pid[r * k + j] = indices[j];
+      plp[r * k + j] = no_distribution ? quiet_nan() : values[j] - lse;
+      pid[r * k + j] = no_distribution ? -1 : indices[j];
     }
   }
   return {logprobs, ids};

@@ -16,7 +16,7 @@
 
 #include "cpu/gemm.h"
 #include "cpu/vec_utils.h"
-#include "jakiro/topk.h"
+#include "jakiro/router.h"
 #include "ops.h"
 
 namespace jakiro::cpu {
@@ -66,28 +66,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
   float* pcw = contrast_weight.data_ptr<float>();
   std::vector<std::vector<int64_t>> rows_of(N);  // per expert: token * 2 + slot
   for (int64_t m = 0; m < M; ++m) {
-    const float* l = pl + m * (N + 2);
-    float mx = l[0];
-    for (int64_t e = 1; e < N; ++e) mx = std::max(mx, l[e]);
-    float probs[8], sum = 0.f;
-    for (int64_t e = 0; e < N; ++e) sum += (probs[e] = std::exp(l[e] - mx));
-    float top_v[2];
-    int64_t top_i[2];
-    TopK top(top_v, top_i, 2);
-    for (int64_t e = 0; e < N; ++e) top.push(probs[e] / sum, e);
-    const float norm = renormalize ? top_v[0] + top_v[1] : 1.f;
+    const Top2Route route = route_top2(pl + m * (N + 2), N, renormalize);
     for (int64_t j = 0; j < 2; ++j) {
-      pidx[m * 2 + j] = top_i[j];
-      pscore[m * 2 + j] = top_v[j] / norm;
-      rows_of[top_i[j]].push_back(m * 2 + j);
+      pidx[m * 2 + j] = route.expert[j];
+      pscore[m * 2 + j] = route.score[j];
+      pcw[m * 2 + j] = route.contrast_weight[j];
+      if (route.valid()) rows_of[route.expert[j]].push_back(m * 2 + j);
     }
-    // Contrastive weights: softmax of the two extra logits, larger first.
-    const float c0 = l[N], c1 = l[N + 1], cm = std::max(c0, c1);
-    const float e0 = std::exp(c0 - cm), e1 = std::exp(c1 - cm);
-    pcw[m * 2] = std::max(e0, e1) / (e0 + e1);
-    pcw[m * 2 + 1] = std::min(e0, e1) / (e0 + e1);
   }
-
   auto wg = w_gate.contiguous(), wu = w_up.contiguous(), wd = w_down.contiguous();
   const int64_t I = sh.intermediate;
   JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "moe_top2_cpu", [&] {
@@ -103,6 +89,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
                    wd.data_ptr<scalar_t>() + e * H * I, rows_of[e], H, I, peo);
       }
     });
+    // A token without routing (non-finite router logits) has NaN expert outputs.
+    for (int64_t m = 0; m < M; ++m)
+      if (pidx[m * 2] < 0) std::fill(peo + m * 2 * H, peo + (m + 1) * 2 * H, static_cast<scalar_t>(quiet_nan()));
     // out = x + score_0 * h_0 + score_1 * h_1, accumulated in float32.
     const scalar_t* px = x2.data_ptr<scalar_t>();
     const scalar_t* ph = peo;

@@ -80,6 +80,21 @@ void accumulate_pv_streaming(const float* p, int64_t rows, int64_t n, const floa
   }
 }
 
+// acc[r, :] += sum_j p[r, j] * v[j, :] over the keys row r attends to only: the prefix and the
+// tree nodes its mask row sets. For a block holding a non-finite tree value, which must not
+// reach the rows that do not see it (0 * NaN is NaN).
+void accumulate_pv_visible(const float* p, int64_t rows, int64_t n, const float* v, int64_t D, float* acc,
+                           const int64_t* tree_mask, int64_t mask_stride, int64_t tree_len, int64_t key0,
+                           int64_t prefix) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t* mask_row = tree_mask + (r % tree_len) * mask_stride;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t key = key0 + j;
+      if (key < prefix || mask_bit(mask_row, key - prefix)) axpy(acc + r * D, v + j * D, D, p[r * n + j]);
+    }
+  }
+}
+
 struct PartialArgs {
   TreeAttentionShape shape;
   int64_t num_splits;
@@ -141,6 +156,11 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     for (int64_t r = 0; r < rows; ++r) {
       float* srow = s.scores.data() + r * n;
       const float block_max = max_of(srow, n);
+      if (poisons(block_max)) {  // a NaN or +inf score: the row's output and lse are NaN
+        s.state[r].poison();
+        std::fill(srow, srow + n, 0.f);
+        continue;
+      }
       if (block_max == neg_inf()) {  // fully masked in this block: contributes nothing
         std::fill(srow, srow + n, 0.f);
         continue;
@@ -150,7 +170,11 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
       s.state[r].sum += exp_shift_sum_fast(srow, n, s.state[r].max);
     }
     const float* vb = float_rows(v_head, j0, n, D, s.v);
-    if (streaming) {
+    const int64_t tree_col = std::max<int64_t>(0, prefix - j0);  // first tree key of the block
+    if (tree_col < n && !all_finite(vb + tree_col * D, (n - tree_col) * D)) {
+      accumulate_pv_visible(s.scores.data(), rows, n, vb, D, s.acc.data(), a.tree_mask + b * T * a.mask_stride,
+                            a.mask_stride, T, j0, prefix);
+    } else if (streaming) {
       accumulate_pv_streaming(s.scores.data(), rows, n, vb, D, s.acc.data());
     } else {
       gemm_nn_accumulate(s.scores.data(), n, vb, D, s.acc.data(), D, rows, D, n);
@@ -163,7 +187,7 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
       const OnlineSoftmax& st = s.state[r];
       float* dst = a.out_partial + o * D;
       from_float(s.acc.data() + r * D, dst, D);
-      scale_in_place(dst, D, st.sum > 0.f ? 1.f / st.sum : 0.f);
+      scale_in_place(dst, D, st.inv_sum());
       a.lse_partial[o] = st.lse();
     }
   }
@@ -185,7 +209,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
 
   PartialArgs args{sh,
                    num_splits,
-                   static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(sh.head_dim)))),
+                   attention_scale(op, scale, sh.head_dim),
                    lens.data_ptr<int64_t>(),
                    mask.data_ptr<int64_t>(),
                    mask.size(2),
@@ -228,20 +252,24 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& 
       for (int64_t row = begin; row < end; ++row) {
         const float* lses = pl + row * S;
         float max_lse = neg_inf();
-        for (int64_t s = 0; s < S; ++s) max_lse = lses[s] > max_lse ? lses[s] : max_lse;
-        std::fill(acc.begin(), acc.end(), 0.f);
+        bool poisoned = false;
+        for (int64_t s = 0; s < S; ++s) {
+          poisoned |= poisons(lses[s]);
+          max_lse = lses[s] > max_lse ? lses[s] : max_lse;
+        }
+        std::fill(acc.begin(), acc.end(), poisoned ? quiet_nan() : 0.f);
         float total = 0.f;
-        if (max_lse != neg_inf()) {
+        if (!poisoned && max_lse != neg_inf()) {
           for (int64_t s = 0; s < S; ++s) {
+            if (lses[s] == neg_inf()) continue;  // an empty split: its output is not read
             const float w = merge_weight(lses[s], max_lse);
-            if (w == 0.f) continue;
             total += w;
             axpy(acc.data(), po + (row * S + s) * D, D, w);
           }
           scale_in_place(acc.data(), D, 1.f / total);
         }
         from_float(acc.data(), pout + row * D, D);
-        plse[row] = total > 0.f ? max_lse + std::log(total) : neg_inf();
+        plse[row] = poisoned ? quiet_nan() : total > 0.f ? max_lse + std::log(total) : neg_inf();
       }
     });
   });

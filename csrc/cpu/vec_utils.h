@@ -32,8 +32,19 @@ inline float max_of(const float* x, int64_t n) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + i));
   float m = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, acc);
-  for (; i < n; ++i) m = x[i] > m ? x[i] : m;
-  return m;
+  for (; i < n; ++i) m = (x[i] > m || x[i] != x[i]) ? x[i] : m;
+  return m;  // NaN if any x[i] is NaN (at::vec::maximum propagates it too)
+}
+
+// Is every x[i] finite? (x * 0 is NaN exactly for infinities and NaNs.)
+inline bool all_finite(const float* x, int64_t n) {
+  Vec acc(0.f);
+  const Vec zero(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(x + i), zero, acc);
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) sum += x[i] * 0.f;
+  return sum == 0.f;
 }
 
 // x[i] = exp(x[i] - shift) in place; returns the sum. Fast exp (ATen's exp_u20): for

@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "jakiro/softmax.h"
 #include "jakiro/tree.h"
 #include "ops.h"
 
@@ -29,23 +30,32 @@ struct SamplingParams {
 };
 
 // Writes the filtered target distribution (unnormalised weights) to `w`, returns its total
-// mass. Top-k keeps every token whose logit reaches the k-th largest (ties kept); top-p keeps
+// mass, or -1 when the logits give no distribution (a NaN or +inf logit, or all -inf). Top-k keeps every token whose logit reaches the k-th largest (ties kept); top-p keeps
 // tokens, most probable first (ties: lower id first), while the mass before them is < top_p.
 template <typename scalar_t>
 double filtered_distribution(const scalar_t* logits, int64_t V, const SamplingParams& sp, std::vector<double>& w,
                              std::vector<int64_t>& order) {
   w.resize(V);
-  for (int64_t i = 0; i < V; ++i) w[i] = static_cast<double>(static_cast<float>(logits[i])) / sp.temperature;
+  // Scaled from the largest logit, (logit - max) / temperature is never above 0: a temperature
+  // so small that logit / temperature would overflow gives the limit, the argmax distribution.
+  float max_logit = neg_inf();
+  for (int64_t i = 0; i < V; ++i) {
+    const float x = static_cast<float>(logits[i]);
+    if (poisons(x)) return -1.0;  // a NaN or +inf logit: no distribution
+    max_logit = x > max_logit ? x : max_logit;
+  }
+  if (max_logit == neg_inf()) return -1.0;  // every logit -inf
+  for (int64_t i = 0; i < V; ++i)
+    w[i] = (static_cast<double>(static_cast<float>(logits[i])) - max_logit) / sp.temperature;
   double threshold = -std::numeric_limits<double>::infinity();
   if (sp.top_k > 0 && sp.top_k < V) {
     std::vector<double> copy(w);
     std::nth_element(copy.begin(), copy.begin() + (sp.top_k - 1), copy.end(), std::greater<double>());
     threshold = copy[sp.top_k - 1];
   }
-  const double mx = *std::max_element(w.begin(), w.end());
   double sum = 0.0;
   for (int64_t i = 0; i < V; ++i) {
-    w[i] = w[i] >= threshold ? std::exp(w[i] - mx) : 0.0;
+    w[i] = w[i] >= threshold ? std::exp(w[i]) : 0.0;
     sum += w[i];
   }
   for (int64_t i = 0; i < V; ++i) w[i] /= sum;
@@ -99,6 +109,7 @@ int64_t sampling_walk(const int64_t* parents, const int64_t* tokens, int64_t T, 
   path[length++] = 0;
   while (true) {
     double total = filtered_distribution(logits + node * V, V, sp, w, order);
+    if (total < 0.0) return abandon_walk(path, length, bonus);
     int64_t accepted = -1, last_tried = -1;
     for (int64_t c = next_child(parents, T, node, node); c >= 0; c = next_child(parents, T, node, c)) {
       if (is_duplicate_sibling(parents, tokens, node, c)) continue;
@@ -126,18 +137,21 @@ int64_t sampling_walk(const int64_t* parents, const int64_t* tokens, int64_t T, 
   }
 }
 
+// The target's greedy token (ties: the lowest id), or -1 when the row gives no distribution
+// (a NaN or +inf logit, or every logit -inf).
 template <typename scalar_t>
 int64_t argmax_at(const scalar_t* row, int64_t V) {
   int64_t best = 0;
   float best_v = static_cast<float>(row[0]);
-  for (int64_t i = 1; i < V; ++i) {
+  for (int64_t i = 0; i < V; ++i) {
     const float v = static_cast<float>(row[i]);
+    if (poisons(v)) return -1;
     if (v > best_v) {
       best_v = v;
       best = i;
     }
   }
-  return best;
+  return best_v == neg_inf() ? -1 : best;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(const at::Tensor& parents,
@@ -173,6 +187,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_cpu(const at::Tensor&
       }
     });
   });
+  check_verify_result(target_logits, accept_len);
   return {path, accept_len, bonus};
 }
 

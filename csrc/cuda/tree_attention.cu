@@ -30,7 +30,7 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
   auto mask = tree_mask.contiguous();
   auto out = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits, sh.head_dim}, q.options().dtype(at::kFloat));
   auto lse = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits}, q.options().dtype(at::kFloat));
-  const float sc = static_cast<float>(scale.value_or(1.0 / std::sqrt(static_cast<double>(sh.head_dim))));
+  const float sc = attention_scale(op, scale, sh.head_dim);
   JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_gpu", [&] {
     using kv_t = device_t<scalar_t>;
     const TreeAttentionParams<kv_t> p{device_ptr<scalar_t>(qc),

@@ -45,6 +45,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_gpu(const at::Tensor&
     launch_verify_tree<device_t<scalar_t>>(p, scope.stream());
   });
   check_launch();
+  check_verify_result(target_logits, accept_len);  // host tensors (the emulator) only: no sync
   return {path, accept_len, bonus};
 }
 

@@ -153,6 +153,15 @@ __global__ void contrastive_logits_kernel(ContrastiveParams p, int64_t row0, int
   }
 }
 
+// A row without a distribution (a NaN or +inf logit, or every logit -inf): NaN log-probabilities
+// and token -1, as the CPU kernel gives.
+JAKIRO_DEVICE void write_no_distribution(float* out_lp, int64_t* out_id, int64_t k) {
+  for (int64_t rank = threadIdx.x; rank < k; rank += blockDim.x) {
+    out_lp[rank] = quiet_nan();
+    out_id[rank] = -1;
+  }
+}
+
 // One block per feature row of the chunk: log-sum-exp and top-k of its logits.
 template <int KMAX, int THREADS>
 __global__ void __launch_bounds__(THREADS) contrastive_row_topk_kernel(ContrastiveParams p, int64_t row0) {
@@ -162,17 +171,22 @@ __global__ void __launch_bounds__(THREADS) contrastive_row_topk_kernel(Contrasti
   const float* l = p.logits + static_cast<int64_t>(blockIdx.x) * V;
 
   auto load = [&](int64_t i) { return l[i]; };
-  float m = neg_inf();
-  strided_for<THREADS>(V, load, [&](int64_t, float x) { m = fmaxf(m, x); });
+  float m = neg_inf(), bad = 0.f;
+  strided_for<THREADS>(V, load, [&](int64_t, float x) {
+    m = fmaxf(m, x);
+    if (poisons(x)) bad = 1.f;
+  });
   OnlineSoftmax st;
   st.max = block_max(m, red);
+  const bool poisoned = block_max(bad, red) > 0.f;  // a NaN or +inf logit
   float s = 0.f;
-  if (st.max != neg_inf()) strided_for<THREADS>(V, load, [&](int64_t, float x) { s += expf(x - st.max); });
+  if (!poisoned && st.max != neg_inf()) strided_for<THREADS>(V, load, [&](int64_t, float x) { s += expf(x - st.max); });
   st.sum = block_sum(s, red);
   const float lse = st.lse();
 
   float* out_lp = p.logprobs + row * k;
   int64_t* out_id = p.token_ids + row * k;
+  if (poisoned || st.sum == 0.f) return write_no_distribution(out_lp, out_id, k);  // block-uniform
   block_topk<KMAX, THREADS>(
       V, k,
       [&](int64_t i, float& v) {
@@ -202,9 +216,16 @@ __global__ void contrastive_split_topk_kernel(ContrastiveParams p) {
   const float* l = p.logits + row * V + begin;
 
   auto load = [&](int64_t i) { return l[i]; };
-  float m = neg_inf();
-  strided_for<kThreads>(n, load, [&](int64_t, float x) { m = fmaxf(m, x); });
+  float m = neg_inf(), bad = 0.f;
+  strided_for<kThreads>(n, load, [&](int64_t, float x) {
+    m = fmaxf(m, x);
+    if (poisons(x)) bad = 1.f;
+  });
   m = block_max(m, red);
+  if (block_max(bad, red) > 0.f) {  // a NaN or +inf logit: the merge gives the row NaN / -1
+    if (threadIdx.x == 0) p.split_max[row * p.splits + slice] = p.split_sum[row * p.splits + slice] = quiet_nan();
+    return;  // block-uniform
+  }
   float s = 0.f;
   if (m != neg_inf()) strided_for<kThreads>(n, load, [&](int64_t, float x) { s += expf(x - m); });
   s = block_sum(s, red);
@@ -241,7 +262,11 @@ __global__ void contrastive_split_merge_kernel(ContrastiveParams p, int64_t row0
   const float* maxes = p.split_max + row * splits;
   const float* sums = p.split_sum + row * splits;
   OnlineSoftmax st;  // merged in every thread alike (a few slices)
-  for (int64_t j = 0; j < splits; ++j) st.max = fmaxf(st.max, maxes[j]);
+  bool poisoned = false;
+  for (int64_t j = 0; j < splits; ++j) {
+    st.max = fmaxf(st.max, maxes[j]);
+    poisoned |= sums[j] != sums[j];
+  }
   for (int64_t j = 0; j < splits; ++j) st.sum += sums[j] * merge_weight(maxes[j], st.max);
   const float lse = st.lse();
 
@@ -249,6 +274,7 @@ __global__ void contrastive_split_merge_kernel(ContrastiveParams p, int64_t row0
   const int64_t* ids = p.split_indices + row * splits * k;
   float* out_lp = p.logprobs + (row0 + row) * k;
   int64_t* out_id = p.token_ids + (row0 + row) * k;
+  if (poisoned || !(st.sum > 0.f)) return write_no_distribution(out_lp, out_id, k);  // block-uniform
   block_topk<KMAX, kThreads>(
       splits * k, k,
       [&](int64_t j, float& v) {

@@ -19,24 +19,27 @@ __global__ void merge_attention_states_kernel(MergeParams p) {
   const int64_t row = blockIdx.x;
   const float* lses = p.lse_partial + row * p.splits;
   float max_lse = neg_inf();
-  for (int64_t s = 0; s < p.splits; ++s) max_lse = fmaxf(max_lse, lses[s]);
+  bool poisoned = false;  // a split saw a NaN or +inf score: the row is NaN
+  for (int64_t s = 0; s < p.splits; ++s) {
+    max_lse = fmaxf(max_lse, lses[s]);
+    poisoned |= poisons(lses[s]);
+  }
   float total = 0.f;
-  if (max_lse != neg_inf()) {
+  if (!poisoned && max_lse != neg_inf()) {
     for (int64_t s = 0; s < p.splits; ++s) total += merge_weight(lses[s], max_lse);
   }
   out_t* out = static_cast<out_t*>(p.out);
   for (int64_t d = threadIdx.x; d < p.dim; d += blockDim.x) {
-    float acc = 0.f;
+    float acc = poisoned ? quiet_nan() : 0.f;
     if (total > 0.f) {
-      for (int64_t s = 0; s < p.splits; ++s) {
-        const float w = merge_weight(lses[s], max_lse);
-        if (w != 0.f) acc += w * p.out_partial[(row * p.splits + s) * p.dim + d];
+      for (int64_t s = 0; s < p.splits; ++s) {  // an empty split (lse -inf) is not read
+        if (lses[s] != neg_inf()) acc += merge_weight(lses[s], max_lse) * p.out_partial[(row * p.splits + s) * p.dim + d];
       }
       acc /= total;
     }
     out[row * p.dim + d] = from_float<out_t>(acc);
   }
-  if (threadIdx.x == 0) p.lse[row] = total > 0.f ? max_lse + logf(total) : neg_inf();
+  if (threadIdx.x == 0) p.lse[row] = poisoned ? quiet_nan() : total > 0.f ? max_lse + logf(total) : neg_inf();
 }
 
 template <typename out_t>

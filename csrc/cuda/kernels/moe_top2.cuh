@@ -12,7 +12,7 @@
 
 #include "cuda/device.h"
 #include "cuda/kernels/skinny_gemm.cuh"
-#include "jakiro/topk.h"
+#include "jakiro/router.h"
 
 namespace jakiro::gpu {
 
@@ -87,24 +87,12 @@ __global__ void moe_router_kernel(MoeParams p) {
       for (int wi = 1; wi < num_warps(); ++wi) sum += partial[wi][e];
       logit[e] = sum;
     }
-    float mx = logit[0];
-    for (int e = 1; e < N; ++e) mx = fmaxf(mx, logit[e]);
-    float probs[kMoeMaxExperts], sum = 0.f;
-    for (int e = 0; e < N; ++e) sum += (probs[e] = expf(logit[e] - mx));
-    float top_v[2];
-    int64_t top_i[2];
-    TopK top(top_v, top_i, 2);  // larger first, ties: the lower expert first
-    for (int e = 0; e < N; ++e) top.push(probs[e] / sum, e);
-    const float norm = p.renormalize ? top_v[0] + top_v[1] : 1.f;
+    const Top2Route route = route_top2(logit, N, p.renormalize);
     for (int s = 0; s < 2; ++s) {
-      p.expert_idx[m * 2 + s] = top_i[s];
-      p.expert_score[m * 2 + s] = top_v[s] / norm;
+      p.expert_idx[m * 2 + s] = route.expert[s];
+      p.expert_score[m * 2 + s] = route.score[s];
+      p.contrast_weight[m * 2 + s] = route.contrast_weight[s];
     }
-    // Contrastive weights: softmax of the two extra logits, larger first.
-    const float c0 = logit[N], c1 = logit[N + 1], cm = fmaxf(c0, c1);
-    const float e0 = expf(c0 - cm), e1 = expf(c1 - cm);
-    p.contrast_weight[m * 2] = fmaxf(e0, e1) / (e0 + e1);
-    p.contrast_weight[m * 2 + 1] = fminf(e0, e1) / (e0 + e1);
   }
 }
 
@@ -190,6 +178,13 @@ __global__ void moe_combine_kernel(MoeParams p) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t m = i / H, d = i - m * H;
+    if (p.expert_idx[m * 2] < 0) {  // no routing (non-finite router logits): NaN outputs
+      const scalar_t nan = from_float<scalar_t>(quiet_nan());
+      static_cast<scalar_t*>(p.expert_out)[(m * 2) * H + d] = nan;
+      static_cast<scalar_t*>(p.expert_out)[(m * 2 + 1) * H + d] = nan;
+      out[i] = nan;
+      continue;
+    }
     float acc = to_float(x[i]);
     acc += p.expert_score[m * 2] * to_float(eo[(m * 2) * H + d]);
     acc += p.expert_score[m * 2 + 1] * to_float(eo[(m * 2 + 1) * H + d]);

@@ -121,6 +121,12 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
     // Online softmax per row; this lane's probability goes to p_s for the P @ V product.
     float factor[R];
     for (int r = 0; r < R; ++r) {
+      if (warp_max(poisons(score[r]) ? 1.f : 0.f) > 0.f) {  // a NaN or +inf score: the row is NaN
+        state[r].poison();
+        factor[r] = 1.f;
+        p_s[r * kWarp + lane] = 0.f;
+        continue;  // warp-uniform
+      }
       const float block_max = warp_max(score[r]);
       factor[r] = state[r].rescale_for(block_max);
       const float prob = score[r] == neg_inf() ? 0.f : expf(score[r] - state[r].max);
@@ -133,10 +139,20 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
     const int64_t keys = hi - key0 < kWarp ? hi - key0 : kWarp;
     for (int64_t j = 0; j < keys; ++j) {
       const kv_t* v_row = v_base + (key0 + j) * D;
+      // A row reads the values it attends to only: a NaN in a tree node's value it does not
+      // see must not reach it (0 * NaN is NaN).
+      bool sees[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = row0 + r;
+        sees[r] = key0 + j < prefix ||
+                  (row < rows && mask_bit(p.tree_mask + (b * p.tree_len + row / group) * p.mask_stride,
+                                          key0 + j - prefix));
+      }
       for (int i = 0; i < kDimsPerLane; ++i) {
         const int64_t d = lane + i * kWarp;
         const float v = d < D ? to_float(v_row[d]) : 0.f;
-        for (int r = 0; r < R; ++r) acc[r][i] += p_s[r * kWarp + j] * v;
+        for (int r = 0; r < R; ++r)
+          if (sees[r]) acc[r][i] += p_s[r * kWarp + j] * v;
       }
     }
     warp_sync();
@@ -170,15 +186,19 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
     const int64_t row = row0 + r;
     if (row >= rows) continue;
     float m = neg_inf();
-    for (int w = 0; w < warps; ++w) m = fmaxf(m, max_s[w * R + r]);
+    bool poisoned = false;  // some warp saw a NaN or +inf score
+    for (int w = 0; w < warps; ++w) {
+      m = fmaxf(m, max_s[w * R + r]);
+      poisoned |= sum_s[w * R + r] != sum_s[w * R + r];
+    }
     float total = 0.f;
     for (int w = 0; w < warps; ++w)
       total += sum_s[w * R + r] > 0.f ? sum_s[w * R + r] * merge_weight(max_s[w * R + r], m) : 0.f;
     const int64_t t = row / group, h = kvh * group + row % group;
     const int64_t out_row = ((b * p.tree_len + t) * p.q_heads + h) * p.splits + split;
     for (int64_t d = threadIdx.x; d < D; d += blockDim.x)
-      p.out_partial[out_row * D + d] = total > 0.f ? q_s[r * D + d] / total : 0.f;
-    if (threadIdx.x == 0) p.lse_partial[out_row] = total > 0.f ? m + logf(total) : neg_inf();
+      p.out_partial[out_row * D + d] = poisoned ? quiet_nan() : total > 0.f ? q_s[r * D + d] / total : 0.f;
+    if (threadIdx.x == 0) p.lse_partial[out_row] = poisoned ? quiet_nan() : total > 0.f ? m + logf(total) : neg_inf();
   }
 }
 

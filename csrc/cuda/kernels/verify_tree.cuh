@@ -1,8 +1,8 @@
 // GPU kernels of tree verification (the CPU kernel and its rules: cpu/verify.cpp).
 //
 // Greedy (temperature 0): the target's argmax at every (sequence, node) in parallel, a block
-// each (ties: lowest index, NaN ignored unless at index 0, like the CPU's argmax_at); then
-// jakiro::greedy_walk, one thread per sequence.
+// each (ties: lowest index; -1 for a row with a NaN or +inf logit or only -inf, like the CPU's
+// argmax_at); then jakiro::greedy_walk, one thread per sequence.
 // Sampling: one block per sequence walks its tree. At each visited node the block builds the
 // filtered distribution in a float64 scratch row w[V] exactly like the CPU's
 // filtered_distribution (top-k threshold and the top-p set by the block selection of
@@ -65,21 +65,23 @@ template <typename scalar_t>
 __global__ void verify_argmax_kernel(VerifyParams p) {
   __shared__ float sv[verify::kMaxThreads / kWarp];
   __shared__ int64_t si[verify::kMaxThreads / kWarp];
+  __shared__ float red[verify::kMaxThreads / kWarp];
   const scalar_t* row = static_cast<const scalar_t*>(p.logits) + static_cast<int64_t>(blockIdx.x) * p.vocab;
-  float best_v = 0.f;
+  float best_v = 0.f, bad = 0.f;
   int64_t best_i = -1;
   for (int64_t i = threadIdx.x; i < p.vocab; i += blockDim.x) {
     const float v = to_float(row[i]);
-    if (v == v && (best_i < 0 || v > best_v)) {  // v == v: not NaN
+    if (poisons(v)) bad = 1.f;
+    if (best_i < 0 || v > best_v) {
       best_v = v;
       best_i = i;
     }
   }
+  const bool poisoned = block_max(bad, red) > 0.f;
   block_best(best_v, best_i, sv, si);
   if (threadIdx.x == 0) {
-    const float first = to_float(row[0]);
-    // The CPU's scan starts from index 0 and never replaces a NaN there.
-    p.choice[blockIdx.x] = (best_i < 0 || first != first) ? 0 : best_i;
+    // -1: no distribution (a NaN or +inf logit, or every logit -inf); greedy_walk abandons.
+    p.choice[blockIdx.x] = (poisoned || best_i < 0 || best_v == neg_inf()) ? -1 : best_i;
   }
 }
 
@@ -123,7 +125,7 @@ JAKIRO_DEVICE double block_exclusive_sum(double v, double* scratch) {
 }
 
 // The filtered target distribution of one node (unnormalised weights) into w, returns its
-// total mass: CPU filtered_distribution. Block-wide.
+// total mass, or -1 when the logits give none: CPU filtered_distribution. Block-wide.
 template <int THREADS, typename scalar_t>
 JAKIRO_DEVICE double filtered_distribution(const scalar_t* l, int64_t V, const VerifyParams& p, double* w,
                                            VerifyShared<THREADS>& sh) {
@@ -133,13 +135,18 @@ JAKIRO_DEVICE double filtered_distribution(const scalar_t* l, int64_t V, const V
   // selection asks for the same indices), so these passes need no barrier between them.
   auto load_logit = [&](int64_t i) { return to_float(l[i]); };
   auto load_w = [&](int64_t i) { return w[i]; };
-  double m = neg_inf_d();
-  strided_for<THREADS>(V, load_logit, [&](int64_t i, float x) {
-    const double z = static_cast<double>(x) / temperature;
-    w[i] = z;
-    m = z > m ? z : m;
+  // Scaled from the largest logit, z = (logit - max) / temperature is never above 0: a
+  // temperature so small that logit / temperature would overflow gives the argmax distribution.
+  double m = neg_inf_d(), bad = 0.0;
+  strided_for<THREADS>(V, load_logit, [&](int64_t, float x) {
+    if (poisons(x)) bad = 1.0;
+    m = x > m ? x : m;
   });
-  const double mx = block_reduce(m, sh.red_d, [](double a, double b) { return a > b ? a : b; });
+  const double max_logit = block_reduce(m, sh.red_d, [](double a, double b) { return a > b ? a : b; });
+  if (block_sum(bad, sh.red_d) > 0.0 || max_logit == neg_inf_d()) return -1.0;  // no distribution
+  strided_for<THREADS>(V, load_logit, [&](int64_t i, float x) {
+    w[i] = (static_cast<double>(x) - max_logit) / temperature;
+  });
 
   // Top-k: keep the tokens reaching the k-th largest z (ties kept). z = logit / temperature is
   // monotone in the float logit, so the k-th largest z is that of the k-th largest logit.
@@ -175,12 +182,12 @@ JAKIRO_DEVICE double filtered_distribution(const scalar_t* l, int64_t V, const V
       }
       kth = from_order_key(lo);
     }
-    threshold = static_cast<double>(kth) / temperature;
+    threshold = (static_cast<double>(kth) - max_logit) / temperature;
   }
 
   double s = 0.0;
   strided_for<THREADS>(V, load_w, [&](int64_t i, double z) {
-    const double e = z >= threshold ? exp(z - mx) : 0.0;
+    const double e = z >= threshold ? exp(z) : 0.0;
     w[i] = e;
     s += e;
   });
@@ -297,6 +304,10 @@ __global__ void __launch_bounds__(THREADS) verify_sampling_kernel(VerifyParams p
   int64_t node = 0, length = 1;  // the same in every thread
   while (true) {
     const double total = filtered_distribution(logits + node * V, V, p, w, sh);
+    if (total < 0.0) {  // block-uniform
+      if (threadIdx.x == 0) p.accept_len[b] = abandon_walk(path, length, p.bonus + b) - 1;
+      break;
+    }
     if (threadIdx.x == 0) {
       double left = total;
       int64_t accepted = -1, last_tried = -1;

@@ -10,6 +10,11 @@
 namespace jakiro {
 
 JAKIRO_HOST_DEVICE float neg_inf() { return -std::numeric_limits<float>::infinity(); }
+JAKIRO_HOST_DEVICE float quiet_nan() { return std::numeric_limits<float>::quiet_NaN(); }
+
+// NaN semantics of every softmax (README, "Non-finite values"): a NaN or +inf score poisons
+// its row, whose outputs become NaN; -inf scores are masked out and contribute nothing.
+JAKIRO_HOST_DEVICE bool poisons(float score) { return !(score < std::numeric_limits<float>::infinity()); }
 
 // Running state of a softmax over a stream of scores: max seen and sum of exp(score - max).
 struct OnlineSoftmax {
@@ -28,8 +33,14 @@ struct OnlineSoftmax {
     return factor;
   }
 
-  // log-sum-exp of every score seen; -inf if none (or all masked).
-  JAKIRO_HOST_DEVICE float lse() const { return sum > 0.f ? max + logf(sum) : neg_inf(); }
+  // A poisoned state (it saw a NaN or +inf score) keeps sum = NaN through every rescale.
+  JAKIRO_HOST_DEVICE void poison() { sum = quiet_nan(); }
+  JAKIRO_HOST_DEVICE bool poisoned() const { return sum != sum; }
+
+  // log-sum-exp of every score seen; -inf if none (or all masked); NaN once poisoned.
+  JAKIRO_HOST_DEVICE float lse() const { return sum == 0.f ? neg_inf() : max + logf(sum); }
+  // Factor that normalises the accumulated values: 1 / sum (NaN once poisoned), 0 if empty.
+  JAKIRO_HOST_DEVICE float inv_sum() const { return sum == 0.f ? 0.f : 1.f / sum; }
 };
 
 // Weights for merging split-KV partial results: partial s contributes

@@ -28,9 +28,18 @@ JAKIRO_HOST_DEVICE bool is_duplicate_sibling(const int64_t* parents, const int64
   return false;
 }
 
+// A walk that reached a node whose target logits give no distribution (a NaN or +inf logit, or
+// every logit -inf): the sequence's result is no path (-1), bonus -1 and length 0, so
+// accept_len = -1, never a token (README, "Non-finite values"). Returns 0.
+JAKIRO_HOST_DEVICE int64_t abandon_walk(int64_t* path, int64_t length, int64_t* bonus) {
+  for (int64_t i = 0; i < length; ++i) path[i] = -1;
+  *bonus = -1;
+  return 0;
+}
+
 // Greedy verification of one sequence's tree: follow, from the root, the child whose token
 // equals the target's choice at its parent. `target_choice(node)` gives the target's token
-// at a node (its argmax). Writes the accepted node indices (root first) to `path` and
+// at a node (its argmax; -1 when its logits give none: the walk is abandoned). Writes the accepted node indices (root first) to `path` and
 // returns their count; `*bonus` gets the target's token at the last accepted node.
 template <class TargetChoice>
 JAKIRO_HOST_DEVICE int64_t greedy_walk(const int64_t* parents, const int64_t* tokens, int64_t num_nodes,
@@ -40,6 +49,7 @@ JAKIRO_HOST_DEVICE int64_t greedy_walk(const int64_t* parents, const int64_t* to
   path[length++] = 0;
   while (true) {
     const int64_t want = target_choice(node);
+    if (want < 0) return abandon_walk(path, length, bonus);
     int64_t next = -1;
     for (int64_t c = next_child(parents, num_nodes, node, node); c >= 0; c = next_child(parents, num_nodes, node, c)) {
       if (tokens[c] == want) {

@@ -2,18 +2,24 @@
 
 ``demo`` (the default) generates an answer on the embedded default model with plain decoding and
 with Jakiro, checks that the tokens are identical, and prints both runs' statistics.
+
+Bad options and files are one line on stderr, ``error: ...``, and exit status 2; the generation
+options are checked before any model is loaded.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-from jakiro_ext.engine import CPU_TREE, GPU_TREE, METHODS, GenerationOutput, TreeConfig, speculative_generate
+from jakiro_ext.engine import (CPU_TREE, GPU_TREE, METHODS, GenerationOutput, TreeConfig, check_sampling_options,
+                               speculative_generate)
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -39,7 +45,7 @@ def load_head(kind: str, path: Optional[str], target, model_name: str):
     if path is not None:
         head = DraftHead.load(path, target)
         if head.config.kind != kind:
-            raise SystemExit(f"error: {path} holds a {head.config.kind} head, but a {kind} head is needed")
+            raise ValueError(f"{path} holds a {head.config.kind} head, but a {kind} head is needed")
         return head
     print(f"warning: no trained {kind} head for {model_name} (looked in {shipped}); using a RANDOMLY initialised "
           f"head: the output is still exact, but almost no draft token will be accepted. Pass --{kind.replace('_', '-')}-head.",
@@ -71,17 +77,41 @@ def tree_from_args(args) -> TreeConfig:
                       pick(args.top_k_draft, base.top_k))
 
 
+def set_threads(threads: int) -> None:
+    """--threads: 0 keeps torch's default; more than 4 per core only slows down (and far more crashes torch)."""
+    most = 4 * (os.cpu_count() or 1)
+    if not 0 <= threads <= most:
+        raise ValueError(f"--threads must be in [0, {most}] (0: torch's default), got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def check_generation_args(args) -> TreeConfig:
+    """Every generation option, checked before a model is loaded (the same checks as the API's);
+    returns the draft tree."""
+    check_sampling_options(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
+    prompt = getattr(args, "prompt", None)
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8 reach argv as surrogate escapes
+            raise ValueError("the prompt is not valid UTF-8 text") from None
+    limit = getattr(args, "limit", None)
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {limit}")
+    return tree_from_args(args)
+
+
 class Runner:
     """The target, its tokenizer and the heads the requested methods need, loaded once."""
 
-    def __init__(self, args, methods: List[str]):
+    def __init__(self, args, methods: List[str], tree: TreeConfig):
         from jakiro_ext.models.default import DEFAULT_MODEL
 
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        set_threads(args.threads)
         self.args = args
+        self.tree = tree
         self.target, self.tokenizer = load_target(args.dtype)
-        self.tree = tree_from_args(args)
         self.heads: Dict[str, object] = {}
         for kind in sorted({HEAD_KIND[m] for m in methods if m != "ar"}):
             self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, DEFAULT_MODEL)
@@ -105,7 +135,7 @@ def print_stats(method: str, out: GenerationOutput) -> None:
 
 # ----------------------------------------------------------------------------- commands
 def cmd_generate(args) -> int:
-    runner = Runner(args, [args.method])
+    runner = Runner(args, [args.method], check_generation_args(args))
     ids = chat_ids(runner.tokenizer, args.prompt, not args.no_chat_template)
     tokens: List[int] = []
     shown = [""]
@@ -127,26 +157,34 @@ def cmd_generate(args) -> int:
 
 
 def read_prompts(path: Path, limit: Optional[int]) -> List[dict]:
-    """``{"prompt": ...}`` lines or Spec-Bench ``{"turns": [...]}`` lines (first turn)."""
+    """``{"prompt": ...}`` lines or Spec-Bench ``{"turns": [...]}`` lines (first turn); any
+    other content is a ValueError naming the file and line."""
+    try:
+        content = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(content.splitlines(), 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise SystemExit(f"error: {path}:{n}: not a JSON object: {exc}") from None
+            raise ValueError(f"{path}:{n}: not a JSON object: {exc}") from None
         if isinstance(row, dict) and isinstance(row.get("prompt"), str):
             text = row["prompt"]
-        elif isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
+        elif (isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]
+              and isinstance(row["turns"][0], str)):
             text = row["turns"][0]
         else:
             got = sorted(row) if isinstance(row, dict) else type(row).__name__
-            raise SystemExit(f"error: {path}:{n}: expected a 'prompt' string or a non-empty 'turns' list, got {got}")
+            raise ValueError(f"{path}:{n}: expected a 'prompt' string or a non-empty 'turns' list of strings, got {got}")
+        if not isinstance(row.get("category", ""), str):
+            raise ValueError(f"{path}:{n}: 'category' must be a string, got {row['category']!r}")
         prompts.append(dict(id=row.get("question_id", n), category=row.get("category", ""), prompt=text))
     prompts = prompts[:limit] if limit else prompts
     if not prompts:
-        raise SystemExit(f"error: {path} holds no prompts")
+        raise ValueError(f"{path} holds no prompts")
     return prompts
 
 
@@ -165,8 +203,9 @@ def cmd_bench(args) -> int:
     if "ar" in methods:  # first, so every other run of a prompt is compared with it
         methods.remove("ar")
         methods.insert(0, "ar")
+    tree = check_generation_args(args)
     prompts = read_prompts(Path(args.prompts), args.limit)
-    runner = Runner(args, methods)
+    runner = Runner(args, methods, tree)
     for m in methods:  # untimed warm-up: the first call of each path pays one-off costs
         runner.run(m, chat_ids(runner.tokenizer, prompts[0]["prompt"], not args.no_chat_template), max_new_tokens=4)
     per_prompt = []
@@ -226,7 +265,7 @@ def cmd_demo(args) -> int:
     """Plain decoding and Jakiro on one prompt: the same tokens, and each run's statistics."""
     if args.temperature != 0:
         raise ValueError("demo compares greedy decodings (temperature 0); use generate to sample")
-    runner = Runner(args, ["ar", "jakiro"])
+    runner = Runner(args, ["ar", "jakiro"], check_generation_args(args))
     ids = chat_ids(runner.tokenizer, args.prompt, True)
     print(f"prompt: {args.prompt!r} ({ids.numel()} tokens), SmolLM2-135M-Instruct {args.dtype}, greedy\n")
     ar = runner.run("ar", ids)
@@ -253,8 +292,7 @@ def cmd_train(args) -> int:
     from jakiro_ext.train import TrainConfig, train_head
     from jakiro_ext.trainset import build_trainset, load_trainset, select_draft_vocab
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if args.target:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -348,11 +386,24 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's errors as one line (``error: ...``, exit status 2), like every other bad option."""
+
+    def error(self, message):
+        print(f"error: {self.prog}: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+# What a user can cause (bad options, files, too large a request): one line, exit status 2.
+# Anything else is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, TypeError, OSError, MemoryError)
+
+
 def main(argv=None) -> int:
     from jakiro_ext.ops_demo import ops_demo, show_config
 
-    parser = argparse.ArgumentParser(prog="python -m jakiro_ext", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog="python -m jakiro_ext", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
     p = sub.add_parser("demo", help="plain vs Jakiro decoding on the default model (the default command)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
@@ -416,6 +467,6 @@ def main(argv=None) -> int:
     command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo, "train": cmd_train}[args.command]
     try:
         return command(args)
-    except ValueError as exc:  # bad options or arguments: the message says what was expected
-        print(f"error: {exc}", file=sys.stderr)
+    except USER_ERRORS as exc:  # the message says what was expected and what was given
+        print("error: " + re.sub(r"\s*\n\s*", " ", str(exc).strip()), file=sys.stderr)
         return 2

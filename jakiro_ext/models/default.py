@@ -70,11 +70,19 @@ def default_model_dir() -> Path:
 
 
 def load_default_hf(dtype: torch.dtype = torch.float32):
-    """The default model as a transformers model, and its tokenizer."""
+    """The default model as a transformers model, and its tokenizer. Quietly: the CLI's
+    stderr is for its own messages (a bad option is one line there)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     path = default_model_dir()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def load_default_target(dtype: torch.dtype = torch.float32) -> Tuple[LlamaModel, object]:

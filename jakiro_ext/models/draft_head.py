@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -62,6 +62,46 @@ class DraftConfig:
                    num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=width,
                    num_experts=num_experts if kind == "jakiro" else 0, rope_theta=target.rope_theta,
                    rms_norm_eps=target.rms_norm_eps, target=target_name)
+
+    @classmethod
+    def from_json(cls, file: Path) -> "DraftConfig":
+        """The config saved in ``file``; anything malformed is a ValueError naming the file."""
+        try:
+            raw = json.loads(Path(file).read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{file}: not a JSON config ({exc})") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(raw) - set(known)
+        if unknown:
+            raise ValueError(f"{file}: unknown keys {sorted(unknown)} (expected a subset of {sorted(known)})")
+        missing = [name for name, f in known.items() if f.default is MISSING and name not in raw]
+        if missing:
+            raise ValueError(f"{file}: missing keys {missing}")
+        for name, value in raw.items():
+            kind = known[name].type  # a string: the module uses postponed annotations
+            ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+                  "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+                  "bool": isinstance(value, bool), "str": isinstance(value, str)}[kind]
+            if not ok:
+                raise ValueError(f"{file}: {name} must be a JSON {kind}, got {value!r}")
+        config = cls(**raw)
+        sizes = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
+        problems = [f"{name} must be >= 1, got {getattr(config, name)}" for name in sizes if getattr(config, name) < 1]
+        if config.num_experts == 1 or config.num_experts < 0:
+            problems.append(f"num_experts must be 0 (dense) or >= 2, got {config.num_experts}")
+        if not 0 <= config.draft_vocab_size <= config.vocab_size:
+            problems.append(f"draft_vocab_size must be in [0, vocab_size {config.vocab_size}], got {config.draft_vocab_size}")
+        if config.num_kv_heads >= 1 and config.num_heads % config.num_kv_heads:
+            problems.append(f"num_heads {config.num_heads} must be a multiple of num_kv_heads {config.num_kv_heads}")
+        if not (math.isfinite(config.rope_theta) and config.rope_theta > 0 and math.isfinite(config.rms_norm_eps)
+                and config.rms_norm_eps > 0):
+            problems.append(f"rope_theta and rms_norm_eps must be finite and > 0, got {config.rope_theta}, "
+                            f"{config.rms_norm_eps}")
+        if problems:
+            raise ValueError(f"{file}: " + "; ".join(problems))
+        return config
 
     def attention_config(self) -> LlamaConfig:
         """The one-layer geometry the draft's KV cache is shaped by."""
@@ -156,14 +196,19 @@ class DraftHead(nn.Module):
         """Target token ids of draft-vocabulary ids (the identity without a reduced vocabulary)."""
         return self.draft_to_target[draft_ids] if self.config.draft_vocab_size else draft_ids
 
-    def bind(self, target: LlamaModel) -> "DraftHead":
-        """Share the target's embedding and LM head (its draft-vocabulary rows); a head made for
-        another target is an error."""
+    def check_target(self, target: LlamaModel) -> None:
+        """A head made for another target (hidden size, vocabulary) is a ValueError."""
         c, t = self.config, target.config
         for name, mine, theirs in (("hidden_size", c.hidden_size, t.hidden_size), ("vocab_size", c.vocab_size, t.vocab_size)):
             if mine != theirs:
                 raise ValueError(f"the draft head was made for a target with {name} {mine}, but this target has "
                                  f"{name} {theirs}" + (f" (the head's target: {c.target})" if c.target else ""))
+
+    def bind(self, target: LlamaModel) -> "DraftHead":
+        """Share the target's embedding and LM head (its draft-vocabulary rows); a head made for
+        another target is an error."""
+        self.check_target(target)
+        c = self.config
         self.embed_weight = target.embed_tokens.weight.detach()  # shared, frozen
         lm_head = target.lm_head.weight.detach()
         device = lm_head.device
@@ -186,28 +231,54 @@ class DraftHead(nn.Module):
 
     @classmethod
     def load(cls, path, target: Optional[LlamaModel] = None) -> "DraftHead":
-        """Load a saved head (and bind it to ``target`` when given)."""
+        """Load a saved head (and bind it to ``target`` when given). A missing file is a
+        FileNotFoundError, a malformed one a ValueError, each naming the file; a head made for
+        another target is refused before its weights are read."""
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"draft head directory {path} not found: a draft head directory holds {CONFIG_FILE} "
+                                    f"and {WEIGHTS_FILE}")
         for name in (CONFIG_FILE, WEIGHTS_FILE):
-            if not (path / name).exists():
+            if not (path / name).is_file():
                 raise FileNotFoundError(f"{path / name} not found: a draft head directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
-        raw = json.loads((path / CONFIG_FILE).read_text())
-        known = {f.name for f in fields(DraftConfig)}
-        unknown = set(raw) - known
-        if unknown:
-            raise ValueError(f"{path / CONFIG_FILE}: unknown keys {sorted(unknown)} (expected a subset of {sorted(known)})")
-        head = cls(DraftConfig(**raw))
-        state = load_file(str(path / WEIGHTS_FILE))
+        head = cls(DraftConfig.from_json(path / CONFIG_FILE))
+        if target is not None:
+            try:
+                head.check_target(target)
+            except ValueError as exc:
+                raise ValueError(f"{path / CONFIG_FILE}: {exc}") from None
+        weights = path / WEIGHTS_FILE
+        try:
+            state = load_file(str(weights))
+        except SafetensorError as exc:
+            raise ValueError(f"{weights}: not a readable safetensors file ({exc})") from None
         mine = head.state_dict()
-        head.load_state_dict({k: v.to(mine[k].dtype) if k in mine else v for k, v in state.items()})
+        missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+        problems = ([f"missing tensors {missing[:3]}"] if missing else []) + (
+            [f"unexpected tensors {unexpected[:3]}"] if unexpected else [])
+        problems += [f"{k} has shape {list(v.shape)}, expected {list(mine[k].shape)}"
+                     for k, v in state.items() if k in mine and v.shape != mine[k].shape][:3]
+        problems += [f"{k} holds non-finite values" for k, v in state.items()
+                     if v.is_floating_point() and not bool(torch.isfinite(v).all())][:3]
+        if problems:
+            raise ValueError(f"{weights} does not fit its {CONFIG_FILE}: " + "; ".join(problems))
+        head.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()})
+        if head.config.draft_vocab_size:
+            try:
+                head.set_draft_vocab(head.draft_to_target.clone())
+            except ValueError as exc:
+                raise ValueError(f"{weights}: draft_to_target: {exc}") from None
         head.eval()
         return head.bind(target) if target is not None else head
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
+        """A KV cache of ``capacity`` positions, growing on demand up to ``max_capacity`` (default: fixed)."""
         w = self.fc.weight
-        return KVCache(self.config.attention_config(), 1, capacity, dtype=w.dtype, device=w.device)
+        return KVCache(self.config.attention_config(), 1, capacity, dtype=w.dtype, device=w.device,
+                       max_capacity=max_capacity)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()
@@ -221,7 +292,8 @@ class DraftHead(nn.Module):
         features : [B, T, H], f_t of each row (the target's, or a draft-predicted one).
         positions : [B, T] int64 RoPE positions.
         cache : the draft's KV cache. The rows' keys/values are written at
-            [lengths, lengths + T) (not committed: the caller advances ``cache.lengths``).
+            [lengths, lengths + T) (the cache grows when it must; not committed: the caller
+            advances ``cache.lengths``).
         tree_mask : [B, T, ceil(T / 64)] which new rows each row sees (a chain: causal; one tree
             layer: itself only), besides the whole committed prefix.
         ancestors : keys/values of earlier draft-tree layers and which of them each row sees;
@@ -234,6 +306,7 @@ class DraftHead(nn.Module):
         q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
         k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
         v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
+        cache.reserve(int(cache.lengths.max()) + T)
         k_cache, v_cache = cache.kv[0, 0], cache.kv[0, 1]
         slots = cache.lengths.unsqueeze(1) + torch.arange(T, device=tokens.device)
         batch_idx = torch.arange(B, device=tokens.device).unsqueeze(1)

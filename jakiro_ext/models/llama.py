@@ -5,6 +5,7 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -31,6 +32,7 @@ class LlamaConfig:
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     sliding_window: Optional[int] = None  # Mistral: caches beyond it are refused, not silently wrong
+    max_position_embeddings: Optional[int] = None  # the context limit: positions the model was made for
 
     @classmethod
     def from_hf(cls, hf) -> "LlamaConfig":
@@ -58,32 +60,78 @@ class LlamaConfig:
                    num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads, head_dim=head_dim,
                    rope_theta=float(theta), rms_norm_eps=hf.rms_norm_eps, qkv_bias=qkv_bias,
                    tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-                   sliding_window=getattr(hf, "sliding_window", None) if use_window else None)
+                   sliding_window=getattr(hf, "sliding_window", None) if use_window else None,
+                   max_position_embeddings=getattr(hf, "max_position_embeddings", None))
 
 
 class KVCache(nn.Module):
     """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one
-    ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B]."""
+    ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B].
+
+    The buffer starts at ``capacity`` positions and grows on demand (:meth:`reserve`, called by
+    the forwards) up to ``max_capacity`` (default ``capacity``: a fixed cache), so a caller sizes
+    it by what can happen and pays for what does."""
 
     def __init__(self, config: LlamaConfig, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
-                 device=None):
+                 device=None, max_capacity: Optional[int] = None):
         super().__init__()
-        if config.sliding_window is not None and capacity > config.sliding_window:
-            raise ValueError(f"cache capacity {capacity} exceeds the model's sliding window {config.sliding_window}, "
-                             "which this implementation does not apply")
-        shape = (config.num_layers, 2, batch, config.num_kv_heads, capacity, config.head_dim)
-        self.register_buffer("kv", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.config, self.batch = config, batch
+        self.max_capacity = capacity if max_capacity is None else max_capacity
+        if not 1 <= capacity <= self.max_capacity:
+            raise ValueError(f"cache capacity must be in [1, max_capacity {self.max_capacity}], got {capacity}")
+        if config.sliding_window is not None and self.max_capacity > config.sliding_window:
+            raise ValueError(f"cache capacity {self.max_capacity} exceeds the model's sliding window "
+                             f"{config.sliding_window}, which this implementation does not apply")
+        self.register_buffer("kv", self._new_buffer(capacity, dtype, device), persistent=False)
         self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
 
     @property
     def capacity(self) -> int:
         return self.kv.shape[-2]
 
+    def _new_buffer(self, capacity: int, dtype: torch.dtype, device) -> torch.Tensor:
+        c = self.config
+        shape = (c.num_layers, 2, self.batch, c.num_kv_heads, capacity, c.head_dim)
+        try:
+            return torch.zeros(shape, dtype=dtype, device=device)
+        except RuntimeError as exc:  # torch.OutOfMemoryError included
+            nbytes = math.prod(shape) * dtype.itemsize
+            raise MemoryError(f"a KV cache of {capacity} positions ({list(shape)}, {dtype}) needs {nbytes} bytes "
+                              f"({nbytes / 2**30:.2f} GiB), which could not be allocated") from exc
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` positions per sequence: the buffer grows to at least twice
+        its size (at most ``max_capacity``), keeping the committed entries."""
+        if positions <= self.capacity:
+            return
+        if positions > self.max_capacity:
+            raise ValueError(f"{positions} cache positions needed, beyond the cache capacity {self.max_capacity}")
+        kv = self._new_buffer(min(max(positions, 2 * self.capacity), self.max_capacity), self.kv.dtype, self.kv.device)
+        used = int(self.lengths.max())
+        kv[..., :used, :] = self.kv[..., :used, :]
+        self.kv = kv
+
+
+def packed_bit_ranges(first: torch.Tensor, last: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Rows with bits first[i]..last[i] set (inclusive; first > last: none), packed as
+    :func:`jakiro_ext.ops.pack_bits` packs them: [T, ceil(num_bits / 64)] int64, built without
+    a [T, num_bits] tensor."""
+    starts = torch.arange((num_bits + 63) // 64, device=first.device) * 64  # first bit of each word
+
+    def low_bits(n: torch.Tensor) -> torch.Tensor:
+        """Words with bits 0..n-1 set, n in [0, 64]: ~(-1 << n), and -1 for n = 64 (no shift by 64,
+        no signed overflow: -1 << 63 is the int64 minimum, whose complement is 2**63 - 1)."""
+        return torch.where(n >= 64, -1, ~(-1 << n.clamp(max=63)))
+
+    return (low_bits((last.unsqueeze(1) + 1 - starts).clamp(0, 64))
+            & ~low_bits((first.unsqueeze(1) - starts).clamp(0, 64)))
+
 
 def causal_tree_mask(batch: int, num_tokens: int, device=None) -> torch.Tensor:
-    """Bit-packed mask of a chain of tokens (each sees itself and every earlier one)."""
-    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=device).tril()
-    return ops.pack_bits(causal).unsqueeze(0).expand(batch, -1, -1).contiguous()
+    """Bit-packed mask [batch, T, ceil(T/64)] of a chain of tokens (each sees itself and every
+    earlier one), built packed: 8 MB, not a dense [T, T], for an 8,000-token prompt."""
+    rows = torch.arange(num_tokens, device=device)
+    return packed_bit_ranges(torch.zeros_like(rows), rows, num_tokens).unsqueeze(0).expand(batch, -1, -1).contiguous()
 
 
 class RMSNorm(nn.Module):
@@ -168,8 +216,11 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache(self.config, batch, capacity, dtype=self.lm_head.weight.dtype, device=self.lm_head.weight.device)
+    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
+        """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
+        (default: fixed)."""
+        w = self.lm_head.weight
+        return KVCache(self.config, batch, capacity, dtype=w.dtype, device=w.device, max_capacity=max_capacity)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,
@@ -179,8 +230,8 @@ class LlamaModel(nn.Module):
         Parameters
         ----------
         tokens : [B, T] int64.
-        cache : their keys/values are written at [lengths[b], lengths[b] + T); ``cache.lengths``
-            is not advanced (the caller commits what it keeps).
+        cache : their keys/values are written at [lengths[b], lengths[b] + T) (the cache grows
+            when it must); ``cache.lengths`` is not advanced (the caller commits what it keeps).
         tree_mask : [B, T, ceil(T/64)] bit-packed ancestor mask; default causal (a chain).
         depths : [B, T] int64 depth of each token in its tree (position = length + depth);
             default 0..T-1 (a chain).
@@ -195,9 +246,10 @@ class LlamaModel(nn.Module):
             raise ValueError(f"tokens must be [B, T] with B = {cache.lengths.shape[0]} (the cache's batch), "
                              f"got {tuple(tokens.shape)}")
         longest = int(cache.lengths.max()) + T
-        if longest > cache.capacity:
+        if longest > cache.max_capacity:
             raise ValueError(f"{T} new tokens after a prefix of {int(cache.lengths.max())} need {longest} cache "
-                             f"positions, beyond the cache capacity {cache.capacity}")
+                             f"positions, beyond the cache capacity {cache.max_capacity}")
+        cache.reserve(longest)
         device = tokens.device
         if tree_mask is None:
             tree_mask = causal_tree_mask(B, T, device)

@@ -482,10 +482,10 @@ def test_cli_bench_limit_must_be_positive(cli, limit):
     assert (status, err, loaded) == (2, [f"error: --limit must be >= 1, got {limit}"], False)
 
 
-def test_cli_non_utf8_prompt_is_one_line():
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+def test_cli_non_utf8_prompt_is_one_line(tmp_path):
+    # cwd outside the repository: `-m` runs the installed package, as every test uses.
     run = subprocess.run([sys.executable, "-m", "jakiro_ext", "generate", b"caf\xe9 \xff\xfe"], capture_output=True,
-                         env=env, timeout=300)
+                         cwd=tmp_path, timeout=300)
     assert run.returncode == 2 and run.stderr.decode().splitlines() == ["error: the prompt is not valid UTF-8 text"]
 
 

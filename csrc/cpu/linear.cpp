@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu/bf16_dot.h"
 #include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
 #include "ops.h"
@@ -29,22 +30,37 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   const bool is_float = x.scalar_type() == at::kFloat;
   if (M == 0 || (is_float && M > kLinearStreamRows)) return at::linear(x, weight, bias);
 
-  auto xf = x2.to(at::kFloat).contiguous();
   auto w = weight.contiguous();
-  auto y = at::empty({M, N}, xf.options());
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* py = y.data_ptr<float>();
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  JAKIRO_DISPATCH_FLOAT_BF16(weight.scalar_type(), "linear_cpu", [&] {
-    const scalar_t* pw = w.data_ptr<scalar_t>();
-    const float* px = xf.data_ptr<float>();
-    float* py = y.data_ptr<float>();
+  // Each task owns a block of output columns for every row: W is read once, by one thread.
+  auto over_column_blocks = [&](auto&& product) {
     for (int64_t m0 = 0; m0 < M; m0 += kLinearStreamRows) {
       const int64_t rows = std::min(kLinearStreamRows, M - m0);
       at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
         const int64_t j0 = b0 * kColumnBlock, j1 = std::min(N, b1 * kColumnBlock);
-        skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, py + m0 * N + j0, N);
+        product(m0, rows, j0, j1, py + m0 * N + j0);
       });
     }
-  });
+  };
+  if (!is_float && bf16_dot_enabled()) {  // native bf16 dot products (AVX512-BF16)
+    auto xb = x2.contiguous();
+    const auto* px = reinterpret_cast<const c10::BFloat16*>(xb.data_ptr());
+    const auto* pw = reinterpret_cast<const c10::BFloat16*>(w.data_ptr());
+    over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* out) {
+      skinny_gemm_nt_bf16_dot(px + m0 * K, rows, K, pw, K, K, j0, j1, out, N);
+    });
+  } else {
+    auto xf = x2.to(at::kFloat).contiguous();
+    const float* px = xf.data_ptr<float>();
+    JAKIRO_DISPATCH_FLOAT_BF16(weight.scalar_type(), "linear_cpu", [&] {
+      const scalar_t* pw = w.data_ptr<scalar_t>();
+      over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* out) {
+        skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, out, N);
+      });
+    });
+  }
   if (bias.has_value()) y.add_(bias->to(at::kFloat));
   return y.to(x.scalar_type()).view(out_shape);
 }

@@ -1,18 +1,26 @@
-// Y[m, j] = sum_k X[m, k] * W[j, k] for a few rows of X (draft-step sizes, up to 15 rows for
-// float32 weights, any number for bf16; see rows_times_weight in cpu/gemm.h) and a
-// large weight W [N, K] in float32 or bf16: the LM head, the experts. Such products are
-// bound by reading W, so W is streamed exactly once, four rows at a time (a bf16 block is
-// widened once into an L1 scratch), against every row of X, which stays in L1/L2; W is
-// prefetched several blocks ahead so that reading it overlaps the arithmetic. No packing and
-// no dispatch per call, unlike a BLAS GEMM at these shapes.
+// Y[m, j] = sum_k X[m, k] * W[j, k] for a few rows of X (decoding, tree verification, draft
+// steps: up to kLinearStreamRows) and a large weight W [N, K] in float32 or bf16: the
+// projections, the LM head, the experts. Such products are bound by reading W, so W is read
+// exactly once, with no packing and no dispatch per call (unlike a BLAS GEMM at these shapes).
+//
+// How W is read matters more than the arithmetic (measured on a 2-core AMD EPYC, fp32, 1 row):
+// one sequential stream, a W row after the other, reads at the bandwidth of a plain sum
+// (26 GB/s on one core); four rows read side by side reach 15, and software prefetching made
+// either slower. So up to kOneStreamRows rows of X a W row is dotted with every X row (held in
+// L1) before the next one; beyond that the product becomes compute-bound and register tiles of
+// kTile W rows x kTile X rows reuse each load four times.
+//
+// Every Y[m, j] is computed in the same order whatever M and the tile: one vector accumulator
+// over k, its fixed horizontal reduction, then the scalar tail with fused multiply-adds. So a
+// row's result does not depend on how many rows share the call.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 
+#include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "cpu/vec_utils.h"
 
@@ -20,47 +28,70 @@ namespace jakiro::cpu {
 
 namespace skinny_detail {
 
-constexpr int64_t kRows = 4;              // rows of W per block
-constexpr int64_t kPrefetchBlocks = 8;     // how far ahead W is prefetched, in blocks
+constexpr int64_t kOneStreamRows = 8;  // X rows up to which W is read as one stream
+constexpr int kTile = 4;               // W rows x X rows of a register tile beyond that
 
-// Rows [0, R) of float W (row stride ldw) against rows [0, MT) of X (MT <= 3).
-template <int R, int MT>
-inline void block(const float* X, int64_t ldx, const float* W, int64_t ldw, int64_t K, float* Y, int64_t ldy) {
-  Vec acc[R][MT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < MT; ++t) acc[r][t] = Vec(0.f);
+// Vec::size() consecutive weights as floats (bf16 widening is exact).
+inline Vec load_widened(const float* p) { return Vec::loadu(p); }
+inline Vec load_widened(const c10::BFloat16* p) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(_MSC_VER)
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+#else
+  float tmp[Vec::size()];
+  for (int i = 0; i < Vec::size(); ++i) tmp[i] = static_cast<float>(p[i]);
+  return Vec::loadu(tmp);
+#endif
+}
+
+// The tile: rows [0, NR) of W against rows [0, MR) of X.
+template <int NR, int MR, typename scalar_t>
+inline void tile(const float* X, int64_t ldx, const scalar_t* W, int64_t ldw, int64_t K, float* Y, int64_t ldy) {
+  Vec acc[NR][MR];
+  for (int r = 0; r < NR; ++r)
+    for (int m = 0; m < MR; ++m) acc[r][m] = Vec(0.f);
   int64_t k = 0;
   for (; k + Vec::size() <= K; k += Vec::size()) {
-    Vec w[R];
-    for (int r = 0; r < R; ++r) w[r] = Vec::loadu(W + r * ldw + k);
-    for (int t = 0; t < MT; ++t) {
-      const Vec x = Vec::loadu(X + t * ldx + k);
-      for (int r = 0; r < R; ++r) acc[r][t] = at::vec::fmadd(x, w[r], acc[r][t]);
+    Vec w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = load_widened(W + r * ldw + k);
+    for (int m = 0; m < MR; ++m) {
+      const Vec x = Vec::loadu(X + m * ldx + k);
+      for (int r = 0; r < NR; ++r) acc[r][m] = at::vec::fmadd(x, w[r], acc[r][m]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int t = 0; t < MT; ++t) {
-      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][t]);
-      for (int64_t kk = k; kk < K; ++kk) s += X[t * ldx + kk] * W[r * ldw + kk];
-      Y[t * ldy + r] = s;
+  for (int r = 0; r < NR; ++r) {
+    for (int m = 0; m < MR; ++m) {
+      float s = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc[r][m]);
+      for (int64_t kk = k; kk < K; ++kk) s = std::fma(X[m * ldx + kk], static_cast<float>(W[r * ldw + kk]), s);
+      Y[m * ldy + r] = s;
     }
   }
 }
 
-template <int R>
-inline void all_rows_of_x(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K, float* Y,
-                          int64_t ldy) {
-  int64_t m = 0;
-  for (; m + 3 <= M; m += 3) block<R, 3>(X + m * ldx, ldx, W, ldw, K, Y + m * ldy, ldy);
-  if (M - m == 2) block<R, 2>(X + m * ldx, ldx, W, ldw, K, Y + m * ldy, ldy);
-  if (M - m == 1) block<R, 1>(X + m * ldx, ldx, W, ldw, K, Y + m * ldy, ldy);
-}
-
+// One W row (NR = 1) against MR in [1, kOneStreamRows] rows of X.
 template <typename scalar_t>
-inline void prefetch_rows(const scalar_t* W, int64_t rows, int64_t ldw, int64_t K) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const char* p = reinterpret_cast<const char*>(W + r * ldw);
-    for (int64_t off = 0; off < K * static_cast<int64_t>(sizeof(scalar_t)); off += 64) __builtin_prefetch(p + off);
+inline void row_against(const float* X, int64_t MR, int64_t ldx, const scalar_t* W, int64_t K, float* Y, int64_t ldy) {
+  switch (MR) {
+    case 8: return tile<1, 8>(X, ldx, W, 0, K, Y, ldy);
+    case 7: return tile<1, 7>(X, ldx, W, 0, K, Y, ldy);
+    case 6: return tile<1, 6>(X, ldx, W, 0, K, Y, ldy);
+    case 5: return tile<1, 5>(X, ldx, W, 0, K, Y, ldy);
+    case 4: return tile<1, 4>(X, ldx, W, 0, K, Y, ldy);
+    case 3: return tile<1, 3>(X, ldx, W, 0, K, Y, ldy);
+    case 2: return tile<1, 2>(X, ldx, W, 0, K, Y, ldy);
+    default: return tile<1, 1>(X, ldx, W, 0, K, Y, ldy);
+  }
+}
+
+// NR in [1, kTile] rows of W against MR in [1, kTile] rows of X.
+template <int NR, typename scalar_t>
+inline void rows_against(const float* X, int64_t MR, int64_t ldx, const scalar_t* W, int64_t ldw, int64_t K, float* Y,
+                         int64_t ldy) {
+  switch (MR) {
+    case 4: return tile<NR, 4>(X, ldx, W, ldw, K, Y, ldy);
+    case 3: return tile<NR, 3>(X, ldx, W, ldw, K, Y, ldy);
+    case 2: return tile<NR, 2>(X, ldx, W, ldw, K, Y, ldy);
+    default: return tile<NR, 1>(X, ldx, W, ldw, K, Y, ldy);
   }
 }
 
@@ -72,28 +103,23 @@ template <typename scalar_t>
 void skinny_gemm_nt(const float* X, int64_t M, int64_t ldx, const scalar_t* W, int64_t ldw, int64_t K, int64_t j0,
                     int64_t j1, float* Y, int64_t ldy) {
   using namespace skinny_detail;
-  constexpr bool is_float = std::is_same_v<scalar_t, float>;
-  std::vector<float> widened(is_float ? 0 : kRows * K);
-  for (int64_t j = j0; j < j1; j += kRows) {
-    const int64_t R = std::min(kRows, j1 - j);
-    const int64_t ahead = j + kPrefetchBlocks * kRows;
-    if (ahead < j1) prefetch_rows(W + ahead * ldw, std::min(kRows, j1 - ahead), ldw, K);
-    const float* w;
-    int64_t ld;
-    if constexpr (is_float) {
-      w = W + j * ldw;
-      ld = ldw;
-    } else {
-      for (int64_t r = 0; r < R; ++r) to_float(W + (j + r) * ldw, widened.data() + r * K, K);
-      w = widened.data();
-      ld = K;
-    }
-    float* y = Y + (j - j0);
-    switch (R) {
-      case 4: all_rows_of_x<4>(X, M, ldx, w, ld, K, y, ldy); break;
-      case 3: all_rows_of_x<3>(X, M, ldx, w, ld, K, y, ldy); break;
-      case 2: all_rows_of_x<2>(X, M, ldx, w, ld, K, y, ldy); break;
-      default: all_rows_of_x<1>(X, M, ldx, w, ld, K, y, ldy); break;
+  if (M <= kOneStreamRows) {
+    for (int64_t j = j0; j < j1; ++j) row_against(X, M, ldx, W + j * ldw, K, Y + (j - j0), ldy);
+    return;
+  }
+  for (int64_t j = j0; j < j1; j += kTile) {
+    const int64_t NR = std::min<int64_t>(kTile, j1 - j);
+    for (int64_t m = 0; m < M; m += kTile) {
+      const int64_t MR = std::min<int64_t>(kTile, M - m);
+      const float* x = X + m * ldx;
+      const scalar_t* w = W + j * ldw;
+      float* y = Y + m * ldy + (j - j0);
+      switch (NR) {
+        case 4: rows_against<4>(x, MR, ldx, w, ldw, K, y, ldy); break;
+        case 3: rows_against<3>(x, MR, ldx, w, ldw, K, y, ldy); break;
+        case 2: rows_against<2>(x, MR, ldx, w, ldw, K, y, ldy); break;
+        default: rows_against<1>(x, MR, ldx, w, ldw, K, y, ldy); break;
+      }
     }
   }
 }

@@ -167,42 +167,46 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
+    """GQA attention with q, k and v projected by one fused weight ``qkv_proj`` ([q | k | v]
+    rows, as the checkpoints' three weights concatenated): one pass over the weights, one call."""
+
     def __init__(self, c: LlamaConfig, layer: int):
         super().__init__()
         self.c, self.layer = c, layer
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache: KVCache, slots: Tuple[torch.Tensor, torch.Tensor], tree_mask):
         B, T, _ = x.shape
         c = self.c
-        q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
-        k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-        v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        k_cache, v_cache = cache.kv[self.layer, 0], cache.kv[self.layer, 1]
+        Hq, Hkv = c.num_heads, c.num_kv_heads
+        qkv = project(self.qkv_proj, x).view(B, T, Hq + 2 * Hkv, c.head_dim)
+        qkv[:, :, : Hq + Hkv] = rotary(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads rotated together
+        kv_cache = cache.kv[self.layer]  # [2, B, Hkv, S, D]
         batch_idx, seq_idx = slots  # the new tokens go right after each sequence's committed prefix
-        k_cache[batch_idx, :, seq_idx] = k.to(k_cache.dtype)
-        v_cache[batch_idx, :, seq_idx] = v.to(v_cache.dtype)
-        out, _ = ops.tree_attention(q.to(k_cache.dtype), k_cache, v_cache, cache.lengths, tree_mask)
+        kv_cache[:, batch_idx, :, seq_idx] = qkv[:, :, Hq:].view(B, T, 2, Hkv, c.head_dim).to(kv_cache.dtype)
+        out, _ = ops.tree_attention(qkv[:, :, :Hq].to(kv_cache.dtype), kv_cache[0], kv_cache[1], cache.lengths,
+                                    tree_mask)
         return project(self.o_proj, out.to(x.dtype).reshape(B, T, -1))
 
 
 class Block(nn.Module):
+    """A decoder layer; gate and up are one fused weight ``gate_up_proj`` ([gate | up] rows)."""
+
     def __init__(self, c: LlamaConfig, layer: int):
         super().__init__()
+        self.intermediate_size = c.intermediate_size
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, cache, slots, tree_mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, tree_mask)
-        h = self.post_attention_layernorm(x)
-        return x + project(self.down_proj, F.silu(project(self.gate_proj, h)) * project(self.up_proj, h))
+        gate_up = project(self.gate_up_proj, self.post_attention_layernorm(x))
+        I = self.intermediate_size
+        return x + project(self.down_proj, F.silu(gate_up[..., :I]) * gate_up[..., I:])
 
 
 class LlamaModel(nn.Module):
@@ -272,15 +276,26 @@ class LlamaModel(nn.Module):
         config = LlamaConfig.from_hf(hf_model.config)
         model = cls(config)
         src = hf_model.state_dict()
+
+        def weight(hf_name: str) -> torch.Tensor:
+            if hf_name not in src:
+                raise KeyError(f"no weight {hf_name!r} in the transformers model")
+            return src[hf_name]
+
+        # Our names -> the checkpoint's (several: concatenated along the output rows).
+        fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                 "gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "down_proj": ("mlp.down_proj",)}
         dst = {}
         for name in model.state_dict():
-            hf_name = "model." + name
-            hf_name = hf_name.replace(".gate_proj", ".mlp.gate_proj").replace(".up_proj", ".mlp.up_proj")
-            hf_name = hf_name.replace(".down_proj", ".mlp.down_proj").replace("model.lm_head", "lm_head")
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                hf_name = "model.embed_tokens.weight"
-            if hf_name not in src:
-                raise KeyError(f"{name}: no weight {hf_name!r} in the transformers model")
-            dst[name] = src[hf_name]
+            if name == "lm_head.weight":
+                dst[name] = weight("model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight")
+                continue
+            module, _, kind = name.rpartition(".")  # kind: weight or bias
+            if module.startswith("layers."):  # layers.<i>.<local> -> model.layers.<i>.<checkpoint names>
+                _, index, local = module.split(".", 2)
+                prefix = f"model.layers.{index}."
+            else:  # embed_tokens, norm
+                local, prefix = module, "model."
+            dst[name] = torch.cat([weight(f"{prefix}{part}.{kind}") for part in fused.get(local, (local,))])
         model.load_state_dict(dst)
         return model.to(dtype or next(hf_model.parameters()).dtype).eval()

@@ -29,6 +29,9 @@ inline void define_ops(torch::Library& m) {
   m.def(
       "contrastive_topk(Tensor h_a, Tensor? h_b, Tensor? contrast_weight, Tensor lm_head, int k) "
       "-> (Tensor logprobs, Tensor token_ids)");
+  // RMSNorm of s = x (+ residual) times weight, as the Llama checkpoints' code computes it (the sum
+  // in x's dtype, the norm in float32, rounded to x's dtype, then times weight); returns (out, s).
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor out, Tensor sum)");
   // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   // Accept the longest valid path of a draft tree against the target's logits (greedy or lossless sampling).

@@ -49,6 +49,10 @@ struct MoeOutputs {
 };
 MoeOutputs empty_moe_outputs(const at::Tensor& x);
 
+// x [..., H] with H >= 1; weight [H]; residual like x or absent; eps finite and >= 0; one dtype
+// (float32 or bfloat16), one device.
+void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const std::optional<at::Tensor>& residual);
+
 // x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device.
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 // Float32 rows up to which jakiro::linear streams the weight itself (beyond: BLAS); measured

@@ -136,6 +136,23 @@ MoeOutputs empty_moe_outputs(const at::Tensor& x) {
           at::empty(with_last({2}), fopts), at::empty(with_last({2}), fopts)};
 }
 
+void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const std::optional<at::Tensor>& residual) {
+  const char* op = "jakiro::rms_norm";
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must have shape [..., H] with H >= 1, got ", x.sizes());
+  check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
+  check_dim(op, "weight", weight, 1, "[H]");
+  check_same_dtype(op, "weight", weight, "x", x);
+  check_same_device(op, "weight", weight, x);
+  check_size(op, "weight", weight, 0, x.size(-1), "hidden size H, as x.shape[-1]");
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes(), op, ": residual must have the shape of x ", x.sizes(), ", got ",
+                residual->sizes());
+    check_same_dtype(op, "residual", *residual, "x", x);
+    check_same_device(op, "residual", *residual, x);
+  }
+}
+
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "jakiro::linear";
   TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");

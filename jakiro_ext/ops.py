@@ -38,6 +38,7 @@ OP_NAMES = (
     "moe_top2",
     "contrastive_topk",
     "linear",
+    "rms_norm",
     "verify_tree",
     "compact_kv",
 )
@@ -105,6 +106,11 @@ if LOAD_ERROR is None:
     def _linear_fake(x, weight, bias=None):
         _same_device("linear", x=x, weight=weight, bias=bias)
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("jakiro::rms_norm")
+    def _rms_norm_fake(x, weight, eps, residual=None):
+        _same_device("rms_norm", x=x, weight=weight, residual=residual)
+        return x.new_empty(x.shape), x.new_empty(x.shape)
 
     @torch.library.register_fake("jakiro::verify_tree")
     def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
@@ -183,6 +189,14 @@ def linear(x, weight, bias=None):
     (up to 64 rows) the weight is streamed once and each row is computed in the same order
     whatever the number of rows; more rows go to BLAS. Accumulates in float32."""
     return _kernel("linear")(x, weight, bias)
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """RMSNorm with the residual add fused: s = x + residual (or x), out = RMSNorm(s) * weight
+    computed as the Llama checkpoints' code does (the add in x's dtype, the norm in float32,
+    rounded to x's dtype, then times weight). x, residual [..., H]; weight [H]; one dtype
+    (float32 or bfloat16). Returns (out, s): the layer input and the new residual stream."""
+    return _kernel("rms_norm")(x, weight, eps, residual)
 
 
 def verify_tree(parents, draft_tokens, target_logits, uniforms=None, temperature: float = 0.0,

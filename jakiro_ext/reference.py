@@ -122,6 +122,13 @@ def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
 
 
 # ----------------------------------------------------------------------------- projections
+def rms_norm(x, weight, eps: float, residual=None):
+    s = x if residual is None else x + residual
+    s32 = s.float()
+    out = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return out, s.clone()
+
+
 def linear(x, weight, bias=None):
     y = x.float() @ weight.float().T
     if bias is not None:

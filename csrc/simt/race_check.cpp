@@ -17,6 +17,7 @@
 #include "cuda/kernels/linear.cuh"
 #include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
+#include "cuda/kernels/rms_norm.cuh"
 #include "cuda/kernels/tree_attention.cuh"
 #include "cuda/kernels/verify_tree.cuh"
 
@@ -90,6 +91,17 @@ void linear(const char* name) {
   std::vector<elem_t> y(M * N);
   launch_linear<elem_t>(LinearParams{x.data(), w.data(), bias.data(), y.data(), M, K, N, 0}, nullptr);
   report(name, checksum(y));
+}
+
+template <typename elem_t>
+void rms_norm(const char* name) {
+  Random rng{7};
+  const int64_t rows = 3, H = 300;  // H not a multiple of the block: idle threads in the reduction
+  auto x = rng.values<elem_t>(rows * H), residual = rng.values<elem_t>(rows * H), w = rng.values<elem_t>(H);
+  std::vector<elem_t> out(rows * H), sum(rows * H);
+  launch_rms_norm<elem_t>(RmsNormParams{x.data(), residual.data(), w.data(), out.data(), sum.data(), rows, H, 1e-5f},
+                          nullptr);
+  report(name, checksum(out) ^ checksum(sum));
 }
 
 template <typename elem_t>
@@ -195,6 +207,8 @@ int main(int argc, char** argv) {
   compaction();
   linear<float>("linear float32");
   linear<bf16>("linear bfloat16");
+  rms_norm<float>("rms_norm float32");
+  rms_norm<bf16>("rms_norm bfloat16");
   moe<float>("moe_top2 float32");
   moe<bf16>("moe_top2 bfloat16");
   contrastive_head<float>("contrastive_topk float32");

@@ -141,8 +141,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return ops.rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual), x + residual) in one call (residual None: x alone)."""
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -202,11 +205,15 @@ class Block(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache, slots, tree_mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, tree_mask)
-        gate_up = project(self.gate_up_proj, self.post_attention_layernorm(x))
+    def forward(self, residual, delta, cos, sin, cache, slots, tree_mask):
+        """The residual stream is residual + delta (delta: the last sublayer's output, added here,
+        fused with the norm; residual None before the first layer). Returns the new pair."""
+        h, residual = self.input_layernorm.add_and_norm(delta, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(
+            self.self_attn(h, cos, sin, cache, slots, tree_mask), residual)
+        gate_up = project(self.gate_up_proj, h)
         I = self.intermediate_size
-        return x + project(self.down_proj, F.silu(gate_up[..., :I]) * gate_up[..., I:])
+        return residual, project(self.down_proj, F.silu(gate_up[..., :I]) * gate_up[..., I:])
 
 
 class LlamaModel(nn.Module):
@@ -264,10 +271,10 @@ class LlamaModel(nn.Module):
                                 self.embed_tokens.weight.dtype)
         slots = (torch.arange(B, device=device).unsqueeze(1).expand(B, T),
                  cache.lengths.unsqueeze(1) + torch.arange(T, device=device))
-        x = self.embed_tokens(tokens)
+        residual, delta = None, self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, slots, tree_mask)
-        hidden = self.norm(x)
+            residual, delta = layer(residual, delta, cos, sin, cache, slots, tree_mask)
+        hidden, _ = self.norm.add_and_norm(delta, residual)
         return project(self.lm_head, hidden[:, -1:] if last_logits_only else hidden), hidden
 
     @classmethod

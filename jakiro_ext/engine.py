@@ -564,6 +564,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
         drafter.catch_up(torch.cat([ids[1:], bonus]), hidden[0])
     stats.prefill_s = time.perf_counter() - t0
     done = emit([root])
+    root_mask = ops.build_tree_mask(root_parent.unsqueeze(0))  # plain decoding's one-node tree, every round
     while not done:
         if int(cache.lengths[0]) + tree_nodes > bound:  # only a max_cache_len smaller than the need
             stats.stop_reason = "cache_full"
@@ -572,7 +573,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
             tokens, parents, depths = drafter.draft(root)
         else:
             tokens, parents, depths = torch.tensor([root], device=device), root_parent, torch.zeros(1, dtype=torch.int64, device=device)
-        mask = ops.build_tree_mask(parents.unsqueeze(0))
+        mask = ops.build_tree_mask(parents.unsqueeze(0)) if drafter is not None else root_mask
         logits, hidden = target(tokens.unsqueeze(0), cache, mask, depths.unsqueeze(0))
         stats.target_forwards += 1
         path, accepted, bonus = verify(tokens, parents, logits)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jakiro_ext import ops
+from jakiro_ext import ops, reference
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -141,6 +141,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return reference.rms_norm(x, self.weight, self.eps)[0]  # training: the fused op has no backward
         return ops.rms_norm(x, self.weight, self.eps)[0]
 
     def add_and_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -266,9 +268,7 @@ class LlamaModel(nn.Module):
             tree_mask = causal_tree_mask(B, T, device)
         if depths is None:
             depths = torch.arange(T, device=device).expand(B, T)
-        c = self.config
-        cos, sin = rope_cos_sin(cache.lengths.unsqueeze(1) + depths, c.head_dim, c.rope_theta,
-                                self.embed_tokens.weight.dtype)
+        cos, sin = self._rope(cache.lengths.unsqueeze(1) + depths, cache.capacity)
         slots = (torch.arange(B, device=device).unsqueeze(1).expand(B, T),
                  cache.lengths.unsqueeze(1) + torch.arange(T, device=device))
         residual, delta = None, self.embed_tokens(tokens)
@@ -276,6 +276,19 @@ class LlamaModel(nn.Module):
             residual, delta = layer(residual, delta, cos, sin, cache, slots, tree_mask)
         hidden, _ = self.norm.add_and_norm(delta, residual)
         return project(self.lm_head, hidden[:, -1:] if last_logits_only else hidden), hidden
+
+    def _rope(self, positions: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, D] at positions [B, T] (< capacity), gathered from a table of
+        :func:`rope_cos_sin` over [0, capacity) kept with the model: one index op per forward
+        instead of ten, the same values."""
+        c, dtype = self.config, self.embed_tokens.weight.dtype
+        table = getattr(self, "_rope_table", None)
+        if table is None or table.shape[0] < capacity or table.dtype != dtype or table.device != positions.device:
+            cos, sin = rope_cos_sin(torch.arange(capacity, device=positions.device).unsqueeze(0), c.head_dim,
+                                    c.rope_theta, dtype)
+            table = self._rope_table = torch.cat([cos, sin], 2)[0]  # [capacity, 2, D]
+        both = table[positions]  # [B, T, 2, D]
+        return both[:, :, 0:1], both[:, :, 1:2]
 
     @classmethod
     def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":

@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/bf16_dot.h"
 #include "op_schemas.h"
 
 #ifndef TORCH_BUILD_VERSION
@@ -14,8 +15,19 @@ TORCH_LIBRARY(jakiro, m) { jakiro::define_ops(m); }
 
 // A plain Python module so that `import jakiro_ext._C` loads the library (and its op
 // registrations); it also records what it was built against.
+namespace {
+
+PyObject* cpu_bf16_dot(PyObject*, PyObject*) { return PyBool_FromLong(jakiro::cpu::bf16_dot_enabled()); }
+
+PyMethodDef methods[] = {
+    {"cpu_bf16_dot", cpu_bf16_dot, METH_NOARGS,
+     "Whether bf16 products on the CPU use native bf16 dot instructions (AVX512-BF16; off with JAKIRO_CPU_BF16_DOT=0)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "jakiro_ext compiled ops", -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", "jakiro_ext compiled ops", -1, methods};
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   PyModule_AddStringConstant(module, "torch_version", TORCH_BUILD_VERSION);

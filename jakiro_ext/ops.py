@@ -48,6 +48,12 @@ def compiled_available() -> bool:
     return LOAD_ERROR is None
 
 
+def cpu_bf16_dot() -> bool:
+    """Whether bf16 products on the CPU use the CPU's native bf16 dot instructions (AVX512-BF16,
+    detected at run time; ``JAKIRO_CPU_BF16_DOT=0`` turns them off) rather than widening to fp32."""
+    return bool(_C.cpu_bf16_dot()) if LOAD_ERROR is None else False
+
+
 def _kernel(name: str):
     if LOAD_ERROR is None:
         return getattr(torch.ops.jakiro, name)

@@ -62,3 +62,36 @@ def test_linear_bad_input_errors():
     for kwargs, message in cases:
         with pytest.raises(RuntimeError, match=message):
             ops.linear(**{"bias": None, **kwargs})
+
+
+BF16_DOT_CHECK = """
+import torch
+from jakiro_ext import ops, reference
+g = torch.Generator().manual_seed(0)
+x = torch.randn(70, 333, generator=g).bfloat16()  # K not a multiple of the 32-wide bf16 dot
+w = (torch.randn(97, 333, generator=g) * 333 ** -0.5).bfloat16()
+full = ops.linear(x, w)
+torch.testing.assert_close(full, reference.linear(x, w), atol=2e-2, rtol=2e-2)
+for rows in (1, 3, 8, 9, 64):  # both kernels' paths: one stream (<= 8 rows) and register tiles
+    assert torch.equal(ops.linear(x[:rows], w), full[:rows]), rows
+print(ops.cpu_bf16_dot())
+"""
+
+
+@pytest.mark.parametrize("setting", ["detected", "0"])
+def test_linear_bf16_native_dot_and_its_fallback(setting, tmp_path):
+    # bf16 x bf16 products use AVX512-BF16 where the CPU has it (chosen at run time), else bf16
+    # widened to fp32; JAKIRO_CPU_BF16_DOT=0 forces the fallback. Both stay correct and row-independent.
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("JAKIRO_CPU_BF16_DOT", None)
+    if setting == "0":
+        env["JAKIRO_CPU_BF16_DOT"] = "0"
+    out = subprocess.run([sys.executable, "-c", BF16_DOT_CHECK], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    native = setting != "0" and "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
+    assert out.stdout.split()[-1] == str(native)

@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--depth", type=int)
     ap.add_argument("--top-k-draft", type=int)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
+    ap.add_argument("--methods", nargs="+", choices=ENGINE_METHODS[1:], default=list(ENGINE_METHODS[1:]),
+                    help="speculative methods to run (plain decoding always runs: the reference)")
     ap.add_argument("--tag", default="end_to_end", help="output file name stem")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -107,7 +109,7 @@ def main():
         new = seq[ids.numel():].tolist()
         return new, len(new), dt, float("nan"), None
 
-    configs = [(m, t) for t in args.temperatures for m in ENGINE_METHODS]
+    configs = [(m, t) for t in args.temperatures for m in ("ar", *args.methods)]
     if not args.no_hf and 0.0 in args.temperatures:
         configs += [("hf_greedy", 0.0), ("hf_prompt_lookup", 0.0)]
     warm = chat_ids(tokenizer, "Say hello.")

@@ -79,7 +79,9 @@ cpu_arch = os.environ.get("JAKIRO_CPU_ARCH", "native")
 if cpu_arch not in ("native", "generic"):
     sys.exit(f"setup.py: JAKIRO_CPU_ARCH must be native or generic, got {cpu_arch!r}")
 
-cxx_flags = ["-std=c++20", "-fopenmp", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"]
+# No contraction into fused multiply-adds: kernels round where the eager code they replace rounds
+# (fused multiply-adds are written out where they are meant: at::vec::fmadd, std::fma).
+cxx_flags = ["-std=c++20", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-Wall", "-Wno-unused-function", "-Wno-unknown-pragmas"]
 cxx_flags += ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
 if cpu_arch == "native":
     cxx_flags.append("-march=native")

@@ -32,6 +32,10 @@ inline void define_ops(torch::Library& m) {
   // RMSNorm of s = x (+ residual) times weight, as the Llama checkpoints' code computes it (the sum
   // in x's dtype, the norm in float32, rounded to x's dtype, then times weight); returns (out, s).
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual=None) -> (Tensor out, Tensor sum)");
+  // RoPE (rotate-half layout) of the q and k heads of a fused qkv projection [B, T, Hq + 2 Hkv, D],
+  // k and v written to the cache [2, B, Hkv, S, D] at slots lengths[b] + t; returns the rotated q.
+  m.def(
+      "rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor lengths) -> Tensor q");
   // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   // Accept the longest valid path of a draft tree against the target's logits (greedy or lossless sampling).

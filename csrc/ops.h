@@ -53,6 +53,15 @@ MoeOutputs empty_moe_outputs(const at::Tensor& x);
 // (float32 or bfloat16), one device.
 void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, const std::optional<at::Tensor>& residual);
 
+struct RopeKvShape {
+  int64_t batch, tokens, q_heads, kv_heads, head_dim, capacity;
+};
+// qkv [B, T, Hq + 2 Hkv, D] (Hq >= 1, D even); cos, sin [B, T, D]; kv_cache [2, B, Hkv, S, D]
+// with contiguous [S, D] rows; lengths [B] int64 with lengths[b] + T <= S (read on the host);
+// one dtype (float32 or bfloat16) but lengths, one device.
+RopeKvShape check_rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& kv_cache, const at::Tensor& lengths);
+
 // x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device.
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
 // Float32 rows up to which jakiro::linear streams the weight itself (beyond: BLAS); measured

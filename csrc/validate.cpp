@@ -153,6 +153,45 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
   }
 }
 
+RopeKvShape check_rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& kv_cache, const at::Tensor& lengths) {
+  const char* op = "jakiro::rope_kv_write";
+  check_dim(op, "qkv", qkv, 4, "[B, T, Hq + 2 Hkv, D]");
+  check_dim(op, "kv_cache", kv_cache, 5, "[2, B, Hkv, S, D]");
+  check_dtype(op, "qkv", qkv, {at::kFloat, at::kBFloat16});
+  for (auto [name, t] : {std::pair{"cos", &cos}, std::pair{"sin", &sin}, std::pair{"kv_cache", &kv_cache}}) {
+    check_same_dtype(op, name, *t, "qkv", qkv);
+    check_same_device(op, name, *t, qkv);
+  }
+  check_same_device(op, "lengths", lengths, qkv);
+  const RopeKvShape s{qkv.size(0), qkv.size(1), qkv.size(2) - 2 * kv_cache.size(2), kv_cache.size(2), qkv.size(3),
+                      kv_cache.size(3)};
+  TORCH_CHECK(s.head_dim >= 2 && s.head_dim % 2 == 0, op, ": head dim (qkv.shape[3]) must be even and >= 2, got ",
+              s.head_dim);
+  TORCH_CHECK(s.kv_heads >= 1 && s.q_heads >= 1, op, ": qkv.shape[2] must be Hq + 2 Hkv with Hq >= 1 and Hkv = ",
+              "kv_cache.shape[2] >= 1, got qkv.shape[2] = ", qkv.size(2), " and Hkv = ", s.kv_heads);
+  check_size(op, "kv_cache", kv_cache, 0, 2, "keys and values");
+  check_size(op, "kv_cache", kv_cache, 1, s.batch, "batch, as qkv.shape[0]");
+  check_size(op, "kv_cache", kv_cache, 4, s.head_dim, "head dim, as qkv.shape[3]");
+  TORCH_CHECK(kv_cache.stride(4) == 1 && kv_cache.stride(3) == s.head_dim, op,
+              ": kv_cache must have contiguous [S, D] rows (strides [..., D, 1]), got strides ", kv_cache.strides());
+  const std::vector<int64_t> table{s.batch, s.tokens, s.head_dim};
+  for (auto [name, t] : {std::pair{"cos", &cos}, std::pair{"sin", &sin}}) {
+    TORCH_CHECK(t->sizes() == at::IntArrayRef(table), op, ": ", name, " must have shape [B, T, D] = ",
+                at::IntArrayRef(table), ", got ", t->sizes());
+  }
+  check_lengths(op, "lengths", lengths, s.batch);
+  if (host_readable(lengths)) {
+    auto lens = lengths.contiguous();
+    const int64_t* p = lens.data_ptr<int64_t>();
+    for (int64_t b = 0; b < s.batch; ++b) {
+      TORCH_CHECK(p[b] >= 0 && p[b] <= s.capacity - s.tokens, op, ": lengths[", b, "] + new tokens = ", p[b], " + ",
+                  s.tokens, " must be within [0, cache capacity ", s.capacity, " (kv_cache.shape[3])]");
+    }
+  }
+  return s;
+}
+
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "jakiro::linear";
   TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");

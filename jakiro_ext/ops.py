@@ -39,6 +39,7 @@ OP_NAMES = (
     "contrastive_topk",
     "linear",
     "rms_norm",
+    "rope_kv_write",
     "verify_tree",
     "compact_kv",
 )
@@ -117,6 +118,12 @@ if LOAD_ERROR is None:
     def _rms_norm_fake(x, weight, eps, residual=None):
         _same_device("rms_norm", x=x, weight=weight, residual=residual)
         return x.new_empty(x.shape), x.new_empty(x.shape)
+
+    @torch.library.register_fake("jakiro::rope_kv_write")
+    def _rope_kv_write_fake(qkv, cos, sin, kv_cache, lengths):
+        _same_device("rope_kv_write", qkv=qkv, cos=cos, sin=sin, kv_cache=kv_cache, lengths=lengths)
+        B, T, H, D = qkv.shape
+        return qkv.new_empty((B, T, H - 2 * kv_cache.shape[2], D))
 
     @torch.library.register_fake("jakiro::verify_tree")
     def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
@@ -203,6 +210,14 @@ def rms_norm(x, weight, eps: float, residual=None):
     rounded to x's dtype, then times weight). x, residual [..., H]; weight [H]; one dtype
     (float32 or bfloat16). Returns (out, s): the layer input and the new residual stream."""
     return _kernel("rms_norm")(x, weight, eps, residual)
+
+
+def rope_kv_write(qkv, cos, sin, kv_cache, lengths):
+    """The attention block's glue in one call: RoPE (rotate-half layout, rounded as the eager
+    ``x * cos + rotate_half(x) * sin``) of the q and k heads of a fused projection qkv
+    [B, T, Hq + 2 Hkv, D]; the rotated k and the v heads written into kv_cache [2, B, Hkv, S, D]
+    at slots lengths[b] + t (in place); returns the rotated q [B, T, Hq, D]. cos, sin [B, T, D]."""
+    return _kernel("rope_kv_write")(qkv, cos, sin, kv_cache, lengths)
 
 
 def verify_tree(parents, draft_tokens, target_logits, uniforms=None, temperature: float = 0.0,

@@ -129,6 +129,20 @@ def rms_norm(x, weight, eps: float, residual=None):
     return out, s.clone()
 
 
+def rope_kv_write(qkv, cos, sin, kv_cache, lengths):
+    B, T, _, D = qkv.shape
+    Hkv = kv_cache.shape[2]
+    Hq = qkv.shape[2] - 2 * Hkv
+    x = qkv[:, :, : Hq + Hkv]
+    rotated = torch.cat([-x[..., D // 2:], x[..., : D // 2]], -1)
+    qk = x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
+    rows = torch.arange(B, device=qkv.device).unsqueeze(1).expand(B, T)
+    slots = lengths.unsqueeze(1) + torch.arange(T, device=qkv.device)
+    kv_cache[0][rows, :, slots] = qk[:, :, Hq:]
+    kv_cache[1][rows, :, slots] = qkv[:, :, Hq + Hkv:]
+    return qk[:, :, :Hq].contiguous()
+
+
 def linear(x, weight, bias=None):
     y = x.float() @ weight.float().T
     if bias is not None:

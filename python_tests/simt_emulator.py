@@ -57,7 +57,7 @@ def emulated_ops(warp_size: int):
         sources=sources,
         # -fno-gnu-unique: the 32- and 64-wide libraries share one process; their inline and
         # template statics (the emulated __shared__ arrays, sized by the warp width) must not merge.
-        extra_cflags=["-std=c++20", "-O2", "-fno-math-errno", "-fno-gnu-unique", "-DSIMT_EMU",
+        extra_cflags=["-std=c++20", "-O2", "-fno-math-errno", "-ffp-contract=off", "-fno-gnu-unique", "-DSIMT_EMU",
                       f"-DSIMT_WARP_SIZE={warp_size}",
                       f"-DJAKIRO_SIMT_NAMESPACE={namespace}", "-Wno-unused-function"],
         extra_include_paths=[str(CSRC), str(CSRC / "include")],

@@ -112,6 +112,23 @@ JAKIRO_DEVICE float block_max(float v, float* scratch) {
   return block_reduce(v, scratch, [](float a, float b) { return fmaxf(a, b); });
 }
 
+// a * b and a + b, each rounded: never contracted into a fused multiply-add (nvcc contracts by
+// default), so that a kernel rounds where eager PyTorch code does.
+JAKIRO_DEVICE float mul_rn(float a, float b) {
+#if defined(SIMT_EMU)
+  return a * b;  // g++ -std=c++20 does not contract
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+JAKIRO_DEVICE float add_rn(float a, float b) {
+#if defined(SIMT_EMU)
+  return a + b;
+#else
+  return __fadd_rn(a, b);
+#endif
+}
+
 JAKIRO_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace jakiro::gpu

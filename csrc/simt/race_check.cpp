@@ -18,6 +18,7 @@
 #include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/rms_norm.cuh"
+#include "cuda/kernels/rope_kv_write.cuh"
 #include "cuda/kernels/tree_attention.cuh"
 #include "cuda/kernels/verify_tree.cuh"
 
@@ -102,6 +103,20 @@ void rms_norm(const char* name) {
   launch_rms_norm<elem_t>(RmsNormParams{x.data(), residual.data(), w.data(), out.data(), sum.data(), rows, H, 1e-5f},
                           nullptr);
   report(name, checksum(out) ^ checksum(sum));
+}
+
+template <typename elem_t>
+void rope_kv(const char* name) {
+  Random rng{8};
+  const int64_t B = 2, T = 3, Hq = 3, Hkv = 1, D = 64, S = 8;  // 5 heads x 64 > the block: strided loop
+  auto qkv = rng.values<elem_t>(B * T * (Hq + 2 * Hkv) * D), cos = rng.values<elem_t>(B * T * D),
+       sin = rng.values<elem_t>(B * T * D);
+  std::vector<elem_t> cache(2 * B * Hkv * S * D), q(B * T * Hq * D);
+  std::vector<int64_t> lengths{2, 5};
+  launch_rope_kv_write<elem_t>(RopeKvParams{qkv.data(), cos.data(), sin.data(), cache.data(), cache.data() + B * Hkv * S * D,
+                                            lengths.data(), q.data(), B, T, Hq, Hkv, D, Hkv * S * D, S * D},
+                               nullptr);
+  report(name, checksum(q) ^ checksum(cache));
 }
 
 template <typename elem_t>
@@ -209,6 +224,8 @@ int main(int argc, char** argv) {
   linear<bf16>("linear bfloat16");
   rms_norm<float>("rms_norm float32");
   rms_norm<bf16>("rms_norm bfloat16");
+  rope_kv<float>("rope_kv_write float32");
+  rope_kv<bf16>("rope_kv_write bfloat16");
   moe<float>("moe_top2 float32");
   moe<bf16>("moe_top2 bfloat16");
   contrastive_head<float>("contrastive_topk float32");

@@ -181,17 +181,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache, slots: Tuple[torch.Tensor, torch.Tensor], tree_mask):
+    def forward(self, x, cos, sin, cache: KVCache, tree_mask):
         B, T, _ = x.shape
         c = self.c
-        Hq, Hkv = c.num_heads, c.num_kv_heads
-        qkv = project(self.qkv_proj, x).view(B, T, Hq + 2 * Hkv, c.head_dim)
-        qkv[:, :, : Hq + Hkv] = rotary(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads rotated together
+        qkv = project(self.qkv_proj, x).view(B, T, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
         kv_cache = cache.kv[self.layer]  # [2, B, Hkv, S, D]
-        batch_idx, seq_idx = slots  # the new tokens go right after each sequence's committed prefix
-        kv_cache[:, batch_idx, :, seq_idx] = qkv[:, :, Hq:].view(B, T, 2, Hkv, c.head_dim).to(kv_cache.dtype)
-        out, _ = ops.tree_attention(qkv[:, :, :Hq].to(kv_cache.dtype), kv_cache[0], kv_cache[1], cache.lengths,
-                                    tree_mask)
+        # RoPE of q and k; k and v go right after each sequence's committed prefix.
+        q = ops.rope_kv_write(qkv.to(kv_cache.dtype), cos, sin, kv_cache, cache.lengths)
+        out, _ = ops.tree_attention(q, kv_cache[0], kv_cache[1], cache.lengths, tree_mask)
         return project(self.o_proj, out.to(x.dtype).reshape(B, T, -1))
 
 
@@ -207,12 +204,12 @@ class Block(nn.Module):
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, residual, delta, cos, sin, cache, slots, tree_mask):
+    def forward(self, residual, delta, cos, sin, cache, tree_mask):
         """The residual stream is residual + delta (delta: the last sublayer's output, added here,
         fused with the norm; residual None before the first layer). Returns the new pair."""
         h, residual = self.input_layernorm.add_and_norm(delta, residual)
         h, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(h, cos, sin, cache, slots, tree_mask), residual)
+            self.self_attn(h, cos, sin, cache, tree_mask), residual)
         gate_up = project(self.gate_up_proj, h)
         I = self.intermediate_size
         return residual, project(self.down_proj, F.silu(gate_up[..., :I]) * gate_up[..., I:])
@@ -269,16 +266,14 @@ class LlamaModel(nn.Module):
         if depths is None:
             depths = torch.arange(T, device=device).expand(B, T)
         cos, sin = self._rope(cache.lengths.unsqueeze(1) + depths, cache.capacity)
-        slots = (torch.arange(B, device=device).unsqueeze(1).expand(B, T),
-                 cache.lengths.unsqueeze(1) + torch.arange(T, device=device))
         residual, delta = None, self.embed_tokens(tokens)
         for layer in self.layers:
-            residual, delta = layer(residual, delta, cos, sin, cache, slots, tree_mask)
+            residual, delta = layer(residual, delta, cos, sin, cache, tree_mask)
         hidden, _ = self.norm.add_and_norm(delta, residual)
         return project(self.lm_head, hidden[:, -1:] if last_logits_only else hidden), hidden
 
     def _rope(self, positions: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, 1, D] at positions [B, T] (< capacity), gathered from a table of
+        """cos, sin [B, T, D] at positions [B, T] (< capacity), gathered from a table of
         :func:`rope_cos_sin` over [0, capacity) kept with the model: one index op per forward
         instead of ten, the same values."""
         c, dtype = self.config, self.embed_tokens.weight.dtype
@@ -288,7 +283,7 @@ class LlamaModel(nn.Module):
                                     c.rope_theta, dtype)
             table = self._rope_table = torch.cat([cos, sin], 2)[0]  # [capacity, 2, D]
         both = table[positions]  # [B, T, 2, D]
-        return both[:, :, 0:1], both[:, :, 1:2]
+        return both[:, :, 0], both[:, :, 1]
 
     @classmethod
     def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":

@@ -7,6 +7,7 @@
 #include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/rms_norm.cuh"
+#include "cuda/kernels/rope_kv_write.cuh"
 #include "cuda/kernels/tree_attention.cuh"
 #include "cuda/kernels/verify_tree.cuh"
 
@@ -17,6 +18,7 @@ namespace jakiro::gpu {
   template void launch_tree_attention_partial<T>(const TreeAttentionParams<T>&, cudaStream_t);    \
   template void launch_linear<T>(const LinearParams&, cudaStream_t);                               \
   template void launch_rms_norm<T>(const RmsNormParams&, cudaStream_t);                           \
+  template void launch_rope_kv_write<T>(const RopeKvParams&, cudaStream_t);                       \
   template void launch_moe_top2<T>(const MoeParams&, cudaStream_t);                               \
   template void launch_contrastive_topk<T>(const ContrastiveParams&, cudaStream_t);               \
   template void launch_verify_tree<T>(const VerifyParams&, cudaStream_t);

@@ -1,0 +1,90 @@
+"""rope_kv_write (RoPE of q and k, the KV cache write) on the CPU and every GPU backend against
+its reference, the eager code it replaces: bit for bit, since it rounds where that code rounds."""
+import pytest
+import torch
+
+from conftest import randn
+from jakiro_ext import ops, reference
+from jakiro_ext.models.llama import rope_cos_sin
+
+# (B, T, Hq, Hkv, D, S): decoding, a tree, GQA and MHA, odd head dims and counts, a full cache.
+SHAPES = [(1, 1, 9, 3, 64, 600), (2, 5, 4, 2, 8, 16), (3, 2, 1, 1, 2, 4), (1, 7, 6, 1, 128, 7), (2, 3, 3, 3, 6, 9)]
+
+
+def case(B, T, Hq, Hkv, D, S, dtype, seed=0):
+    qkv = randn(B, T, Hq + 2 * Hkv, D, seed=seed, dtype=dtype)
+    positions = torch.randint(0, 5000, (B, T), generator=torch.Generator().manual_seed(seed))
+    cos, sin = rope_cos_sin(positions, D, 10000.0, dtype)
+    cache = randn(2, B, Hkv, S, D, seed=seed + 1, dtype=dtype)
+    lengths = torch.randint(0, S - T + 1, (B,), generator=torch.Generator().manual_seed(seed + 2))
+    return qkv, cos[:, :, 0], sin[:, :, 0], cache, lengths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-Hq{}-Hkv{}-D{}-S{}".format(*s))
+def test_rope_kv_write_matches_reference_exactly(any_backend, shape, dtype):
+    qkv, cos, sin, cache, lengths = case(*shape, dtype)
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_write(qkv, cos, sin, want_cache, lengths)
+    got_cache = any_backend.to_device(cache.clone())
+    got_q = any_backend.ops.rope_kv_write(*(any_backend.to_device(t) for t in (qkv, cos, sin)), got_cache,
+                                          any_backend.to_device(lengths))
+    assert torch.equal(got_q.cpu(), want_q)
+    assert torch.equal(got_cache.cpu(), want_cache)  # the new slots written, every other slot untouched
+
+
+def test_rope_kv_write_matches_the_model_code():
+    # What the engine's eager code did: rotary() on q and k, then index_put of k and v.
+    from jakiro_ext.models.llama import rotary
+
+    B, T, Hq, Hkv, D, S = 2, 3, 6, 2, 16, 10
+    qkv, cos, sin, cache, lengths = case(B, T, Hq, Hkv, D, S, torch.float32, seed=5)
+    want = cache.clone()
+    q = rotary(qkv[:, :, :Hq], cos.unsqueeze(2), sin.unsqueeze(2))
+    k = rotary(qkv[:, :, Hq:Hq + Hkv], cos.unsqueeze(2), sin.unsqueeze(2))
+    rows, slots = torch.arange(B).unsqueeze(1), lengths.unsqueeze(1) + torch.arange(T)
+    want[0][rows, :, slots] = k
+    want[1][rows, :, slots] = qkv[:, :, Hq + Hkv:]
+    got = cache.clone()
+    assert torch.equal(ops.rope_kv_write(qkv, cos, sin, got, lengths), q)
+    assert torch.equal(got, want)
+
+
+def test_rope_kv_write_into_a_layer_of_a_bigger_cache():
+    # The model passes cache.kv[layer]: a view with an offset; other layers stay untouched.
+    qkv, cos, sin, _, lengths = case(1, 2, 3, 1, 8, 6, torch.float32, seed=7)
+    kv = randn(4, 2, 1, 1, 6, 8, seed=8)
+    before = kv.clone()
+    want = before[2].clone()
+    reference.rope_kv_write(qkv, cos, sin, want, lengths)
+    ops.rope_kv_write(qkv, cos, sin, kv[2], lengths)
+    assert torch.equal(kv[2], want) and torch.equal(kv[[0, 1, 3]], before[[0, 1, 3]])
+
+
+def test_rope_kv_write_opcheck():
+    qkv, cos, sin, cache, lengths = case(2, 3, 4, 2, 8, 8, torch.float32, seed=9)
+    torch.library.opcheck(torch.ops.jakiro.rope_kv_write.default, (qkv, cos, sin, cache, lengths))
+
+
+def test_rope_kv_write_bad_input_errors(any_backend):
+    qkv, cos, sin, cache, lengths = case(2, 3, 4, 2, 8, 8, torch.float32, seed=10)
+    cases = [
+        ((qkv[0], cos, sin, cache, lengths), r"qkv must have 4 dimensions \[B, T, Hq \+ 2 Hkv, D\]"),
+        ((qkv, cos, sin, cache[0], lengths), r"kv_cache must have 5 dimensions \[2, B, Hkv, S, D\]"),
+        ((qkv.double(), cos.double(), sin.double(), cache.double(), lengths), r"qkv must have dtype Float or BFloat16"),
+        ((qkv, cos.bfloat16(), sin, cache, lengths), r"cos must have the dtype of qkv"),
+        ((qkv, cos, sin, cache.bfloat16(), lengths), r"kv_cache must have the dtype of qkv"),
+        ((qkv[..., :7], cos[..., :7], sin[..., :7], cache[..., :7].contiguous(), lengths), r"head dim .* must be even"),
+        ((qkv[:, :, :4], cos, sin, cache, lengths), r"qkv.shape\[2\] must be Hq \+ 2 Hkv with Hq >= 1"),
+        ((qkv, cos, sin, torch.cat([cache, cache]), lengths), r"kv_cache.shape\[0\] \(keys and values\) must be 2"),
+        ((qkv, cos, sin, cache[:, :1], lengths), r"kv_cache.shape\[1\] \(batch, as qkv.shape\[0\]\) must be 2, got 1"),
+        ((qkv, cos[:, :2], sin, cache, lengths), r"cos must have shape \[B, T, D\] = \[2, 3, 8\], got \[2, 2, 8\]"),
+        ((qkv, cos, sin, cache.transpose(3, 4), lengths), r"kv_cache must have contiguous \[S, D\] rows"),
+        ((qkv, cos, sin, cache, lengths.int()), r"lengths must have dtype Long"),
+        ((qkv, cos, sin, cache, torch.tensor([0, 6])), r"lengths\[1\] \+ new tokens = 6 \+ 3 must be within \[0, cache "
+                                                       r"capacity 8"),
+        ((qkv, cos, sin, cache, torch.tensor([-1, 0])), r"lengths\[0\] \+ new tokens = -1 \+ 3"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            any_backend.run("rope_kv_write", *args)

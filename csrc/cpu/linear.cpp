@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "cpu/bf16_dot.h"
 #include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
@@ -31,38 +33,52 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   if (M == 0 || (is_float && M > kLinearStreamRows)) return at::linear(x, weight, bias);
 
   auto w = weight.contiguous();
-  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* py = y.data_ptr<float>();
+  auto out = at::empty({M, N}, x.options());
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  // Each task owns a block of output columns for every row: W is read once, by one thread.
+  // Each task owns a block of output columns for every row: W is read once, by one thread. The
+  // product lands in float32 (in `out` itself when it is float32), then the bias is added and the
+  // block is rounded to x's dtype, all inside the task: no further pass or call.
   auto over_column_blocks = [&](auto&& product) {
-    for (int64_t m0 = 0; m0 < M; m0 += kLinearStreamRows) {
-      const int64_t rows = std::min(kLinearStreamRows, M - m0);
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-        const int64_t j0 = b0 * kColumnBlock, j1 = std::min(N, b1 * kColumnBlock);
-        product(m0, rows, j0, j1, py + m0 * N + j0);
-      });
-    }
+    JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "linear_cpu_out", [&] {
+      scalar_t* po = out.data_ptr<scalar_t>();
+      const scalar_t* pb = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kLinearStreamRows) {
+        const int64_t rows = std::min(kLinearStreamRows, M - m0);
+        at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+          const int64_t j0 = b0 * kColumnBlock, j1 = std::min(N, b1 * kColumnBlock), n = j1 - j0;
+          std::vector<float> scratch(is_float ? 0 : rows * n);
+          float* y = is_float ? reinterpret_cast<float*>(po) + m0 * N + j0 : scratch.data();
+          const int64_t ldy = is_float ? N : n;
+          product(m0, rows, j0, j1, y, ldy);
+          for (int64_t r = 0; r < rows; ++r) {
+            for (int64_t j = 0; j < n; ++j) {
+              const float v = pb == nullptr ? y[r * ldy + j] : y[r * ldy + j] + static_cast<float>(pb[j0 + j]);
+              po[(m0 + r) * N + j0 + j] = static_cast<scalar_t>(v);
+            }
+          }
+        });
+      }
+    });
   };
   if (!is_float && bf16_dot_enabled()) {  // native bf16 dot products (AVX512-BF16)
     auto xb = x2.contiguous();
     const auto* px = reinterpret_cast<const c10::BFloat16*>(xb.data_ptr());
     const auto* pw = reinterpret_cast<const c10::BFloat16*>(w.data_ptr());
-    over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* out) {
-      skinny_gemm_nt_bf16_dot(px + m0 * K, rows, K, pw, K, K, j0, j1, out, N);
+    over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
+      skinny_gemm_nt_bf16_dot(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
     });
   } else {
     auto xf = x2.to(at::kFloat).contiguous();
     const float* px = xf.data_ptr<float>();
     JAKIRO_DISPATCH_FLOAT_BF16(weight.scalar_type(), "linear_cpu", [&] {
       const scalar_t* pw = w.data_ptr<scalar_t>();
-      over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* out) {
-        skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, out, N);
+      over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
+        skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
       });
     });
   }
-  if (bias.has_value()) y.add_(bias->to(at::kFloat));
-  return y.to(x.scalar_type()).view(out_shape);
+  return out.view(out_shape);
 }
 
 }  // namespace

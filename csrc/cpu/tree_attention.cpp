@@ -31,11 +31,19 @@ constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this man
 // (compute-bound) case of a large tree.
 constexpr int64_t kStreamingRows = 8;
 
+// Per-thread buffers. k and v hold a block of bf16 keys/values widened to float32; a float32
+// cache is read in place, so they stay empty (zeroing 2 x 128 KB a call cost more than the
+// attention of a decoding step).
 struct SplitScratch {
   std::vector<float> q, scores, acc, k, v;
   std::vector<OnlineSoftmax> state;
-  SplitScratch(int64_t rows, int64_t dim)
-      : q(rows * dim), scores(rows * kBlock), acc(rows * dim), k(kBlock * dim), v(kBlock * dim), state(rows) {}
+  SplitScratch(int64_t rows, int64_t dim, bool widens)
+      : q(rows * dim),
+        scores(rows * kBlock),
+        acc(rows * dim),
+        k(widens ? kBlock * dim : 0),
+        v(widens ? kBlock * dim : 0),
+        state(rows) {}
 };
 
 // The float32 rows [start, start + n) of one head's [S, D] cache: the cache itself when it
@@ -222,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
     const auto* vp = v_cache.data_ptr<scalar_t>();
     at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
       c10::InferenceMode worker_guard;  // for the GEMMs on scratch buffers; outputs are allocated outside
-      SplitScratch scratch(sh.group() * sh.tree_len, sh.head_dim);
+      SplitScratch scratch(sh.group() * sh.tree_len, sh.head_dim, !std::is_same_v<scalar_t, float>);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t split = task % num_splits, kvh = (task / num_splits) % sh.kv_heads;
         const int64_t b = task / (num_splits * sh.kv_heads);

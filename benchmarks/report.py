@@ -13,7 +13,6 @@ COLUMNS = {
                          "lm_head_gbs", "bandwidth_fraction", "max_abs_diff"],
     "linear": ["dtype", "weight", "rows", "ours_ms", "torch_ms", "speedup_vs_torch", "weight_gbs", "bandwidth_fraction",
                "max_abs_diff"],
-    "target_forward": ["dtype", "tree_tokens", "prefix", "forward_ms", "relative_to_one_token", "draft_layer_ms"],
     "verify_tree": ["mode", "batch", "accepted", "ours_ms", "reference_ms", "speedup_vs_reference", "max_abs_diff"],
     "compact_kv": ["dtype", "prefix", "moved", "ours_ms", "reference_ms", "eager_gather_ms", "speedup_vs_eager_gather",
                    "max_abs_diff"],
@@ -59,8 +58,35 @@ def end_to_end():
             print(f"| {c} | " + " | ".join(cells) + " |")
 
 
+# target_forward.csv holds several measurements (its "measure" column): one table each.
+TARGET_FORWARD = {
+    "decoding_step": ["dtype", "ms", "floor_ms", "floor_fraction", "loop_overhead_ms", "bandwidth_gbs"],
+    "tree_forward": ["dtype", "tree_tokens", "ms", "relative_to_one_token", "roofline_ms", "roofline_fraction",
+                     "bandwidth_gbs"],
+    "draft_layer": ["dtype", "tree_tokens", "draft_vocab", "ms", "relative_to_decoding_step"],
+    "batched_step": ["dtype", "tree_tokens", "ms", "gflops", "matmul_peak_gflops", "matmul_peak_fraction"],
+    "generate_tokens_per_s": ["dtype", "engine_tokens_per_s", "transformers_tokens_per_s", "speedup_vs_transformers"],
+}
+
+
+def target_forward():
+    path = os.path.join(RESULTS, "target_forward.csv")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    for measure, cols in TARGET_FORWARD.items():
+        print(f"\n**target_forward: {measure}** (`benchmarks/results/target_forward.csv`)\n")
+        print("| " + " | ".join(cols) + " |")
+        print("|" + "---|" * len(cols))
+        for r in rows:
+            if r["measure"] == measure:
+                print("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+
+
 def main():
     end_to_end()
+    target_forward()
     for name, cols in COLUMNS.items():
         path = os.path.join(RESULTS, f"{name}.csv")
         if not os.path.exists(path):

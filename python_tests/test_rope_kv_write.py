@@ -3,7 +3,7 @@ its reference, the eager code it replaces: bit for bit, since it rounds where th
 import pytest
 import torch
 
-from conftest import randn
+from conftest import GpuBackend, randn
 from jakiro_ext import ops, reference
 from jakiro_ext.models.llama import rope_cos_sin
 
@@ -20,17 +20,21 @@ def case(B, T, Hq, Hkv, D, S, dtype, seed=0):
     return qkv, cos[:, :, 0], sin[:, :, 0], cache, lengths
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-Hq{}-Hkv{}-D{}-S{}".format(*s))
-def test_rope_kv_write_matches_reference_exactly(any_backend, shape, dtype):
+def check_matches_reference(backend, shape, dtype):
     qkv, cos, sin, cache, lengths = case(*shape, dtype)
     want_cache = cache.clone()
     want_q = reference.rope_kv_write(qkv, cos, sin, want_cache, lengths)
-    got_cache = any_backend.to_device(cache.clone())
-    got_q = any_backend.ops.rope_kv_write(*(any_backend.to_device(t) for t in (qkv, cos, sin)), got_cache,
-                                          any_backend.to_device(lengths))
+    got_cache = backend.to_device(cache.clone())
+    got_q = backend.ops.rope_kv_write(*(backend.to_device(t) for t in (qkv, cos, sin)), got_cache,
+                                      backend.to_device(lengths))
     assert torch.equal(got_q.cpu(), want_q)
     assert torch.equal(got_cache.cpu(), want_cache)  # the new slots written, every other slot untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-Hq{}-Hkv{}-D{}-S{}".format(*s))
+def test_rope_kv_write_matches_reference_exactly(shape, dtype):
+    check_matches_reference(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_norm_rope.py
 
 
 def test_rope_kv_write_matches_the_model_code():

@@ -29,21 +29,31 @@ def fmt(value: str) -> str:
     return f"{x:.3g}" if abs(x) < 1e-2 or abs(x) >= 1e3 else f"{x:.2f}"
 
 
-def end_to_end():
-    """The end-to-end summary: overall per temperature and method, then per category."""
-    path = os.path.join(RESULTS, "end_to_end_summary.csv")
+def read_results(name: str):
+    """The rows of results/<name>.csv, or None when it has not been written."""
+    path = os.path.join(RESULTS, f"{name}.csv")
     if not os.path.exists(path):
-        return
+        return None
     with open(path) as f:
-        rows = list(csv.DictReader(f))
-    print("\n**end_to_end** (`benchmarks/results/end_to_end_summary.csv`; overall speedups are means over categories)\n")
-    cols = ["temperature", "method", "tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_hf_greedy",
-            "speedup_vs_hf_prompt_lookup", "all_same_tokens_as_ar"]
+        return list(csv.DictReader(f))
+
+
+def print_table(cols, rows):
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
-        if r["category"] == "overall":
-            print("| " + " | ".join(fmt(r[c]) for c in cols) + " |")
+        print("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+
+
+def end_to_end():
+    """The end-to-end summary: overall per temperature and method, then per category."""
+    rows = read_results("end_to_end_summary")
+    if rows is None:
+        return
+    print("\n**end_to_end** (`benchmarks/results/end_to_end_summary.csv`; overall speedups are means over categories)\n")
+    cols = ["temperature", "method", "tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_hf_greedy",
+            "speedup_vs_hf_prompt_lookup", "all_same_tokens_as_ar"]
+    print_table(cols, [r for r in rows if r["category"] == "overall"])
     methods = ["eagle2", "jakiro", "jakiro_star"]
     for t in sorted({r["temperature"] for r in rows}):
         cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "overall"] + ["overall"]
@@ -70,35 +80,20 @@ TARGET_FORWARD = {
 
 
 def target_forward():
-    path = os.path.join(RESULTS, "target_forward.csv")
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    for measure, cols in TARGET_FORWARD.items():
+    rows = read_results("target_forward")
+    for measure, cols in TARGET_FORWARD.items() if rows is not None else ():
         print(f"\n**target_forward: {measure}** (`benchmarks/results/target_forward.csv`)\n")
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in rows:
-            if r["measure"] == measure:
-                print("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
+        print_table(cols, [r for r in rows if r.get("measure") == measure])
 
 
 def main():
     end_to_end()
     target_forward()
     for name, cols in COLUMNS.items():
-        path = os.path.join(RESULTS, f"{name}.csv")
-        if not os.path.exists(path):
-            continue
-        with open(path) as f:
-            rows = list(csv.DictReader(f))
-        print(f"\n**{name}** (`benchmarks/results/{name}.csv`)\n")
-        print("| " + " | ".join(cols) + " |")
-        print("|" + "---|" * len(cols))
-        for r in rows:
-            print("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
-
+        rows = read_results(name)
+        if rows is not None:
+            print(f"\n**{name}** (`benchmarks/results/{name}.csv`)\n")
+            print_table(cols, rows)
 
 if __name__ == "__main__":
     main()

@@ -2,6 +2,8 @@
 // attributes, whatever the build's -march; bf16_dot_enabled() gates every call at run time.
 #include "cpu/bf16_dot.h"
 
+#include "cpu/skinny_gemm.h"
+
 #include <cstdlib>
 #include <cstring>
 
@@ -17,9 +19,8 @@ namespace {
 
 #define JAKIRO_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
-constexpr int64_t kLanes = 32;          // bf16 elements per 512-bit register
-constexpr int64_t kOneStreamRows = 8;   // as in cpu/skinny_gemm.h: W read as one stream up to 8 rows
-constexpr int kTile = 4;
+constexpr int64_t kLanes = 32;  // bf16 elements per 512-bit register
+constexpr int kTile = 4;         // 16 zmm accumulators
 
 JAKIRO_BF16_TARGET inline __m512bh load_bf16(const c10::BFloat16* p, __mmask32 mask) {
   return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, p));
@@ -56,31 +57,6 @@ JAKIRO_BF16_TARGET void tile(const c10::BFloat16* X, int64_t ldx, const c10::BFl
     for (int m = 0; m < MR; ++m) Y[m * ldy + r] = reduce_lanes(acc[r][m]);
 }
 
-JAKIRO_BF16_TARGET void row_against(const c10::BFloat16* X, int64_t MR, int64_t ldx, const c10::BFloat16* W,
-                                    int64_t K, float* Y, int64_t ldy) {
-  switch (MR) {
-    case 8: return tile<1, 8>(X, ldx, W, 0, K, Y, ldy);
-    case 7: return tile<1, 7>(X, ldx, W, 0, K, Y, ldy);
-    case 6: return tile<1, 6>(X, ldx, W, 0, K, Y, ldy);
-    case 5: return tile<1, 5>(X, ldx, W, 0, K, Y, ldy);
-    case 4: return tile<1, 4>(X, ldx, W, 0, K, Y, ldy);
-    case 3: return tile<1, 3>(X, ldx, W, 0, K, Y, ldy);
-    case 2: return tile<1, 2>(X, ldx, W, 0, K, Y, ldy);
-    default: return tile<1, 1>(X, ldx, W, 0, K, Y, ldy);
-  }
-}
-
-template <int NR>
-JAKIRO_BF16_TARGET void rows_against(const c10::BFloat16* X, int64_t MR, int64_t ldx, const c10::BFloat16* W,
-                                     int64_t ldw, int64_t K, float* Y, int64_t ldy) {
-  switch (MR) {
-    case 4: return tile<NR, 4>(X, ldx, W, ldw, K, Y, ldy);
-    case 3: return tile<NR, 3>(X, ldx, W, ldw, K, Y, ldy);
-    case 2: return tile<NR, 2>(X, ldx, W, ldw, K, Y, ldy);
-    default: return tile<NR, 1>(X, ldx, W, ldw, K, Y, ldy);
-  }
-}
-
 bool detect() {
   const char* env = std::getenv("JAKIRO_CPU_BF16_DOT");
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
@@ -98,25 +74,9 @@ bool bf16_dot_enabled() {
 
 void skinny_gemm_nt_bf16_dot(const c10::BFloat16* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw,
                              int64_t K, int64_t j0, int64_t j1, float* Y, int64_t ldy) {
-  if (M <= kOneStreamRows) {
-    for (int64_t j = j0; j < j1; ++j) row_against(X, M, ldx, W + j * ldw, K, Y + (j - j0), ldy);
-    return;
-  }
-  for (int64_t j = j0; j < j1; j += kTile) {
-    const int64_t NR = std::min<int64_t>(kTile, j1 - j);
-    for (int64_t m = 0; m < M; m += kTile) {
-      const int64_t MR = std::min<int64_t>(kTile, M - m);
-      const c10::BFloat16* x = X + m * ldx;
-      const c10::BFloat16* w = W + j * ldw;
-      float* y = Y + m * ldy + (j - j0);
-      switch (NR) {
-        case 4: rows_against<4>(x, MR, ldx, w, ldw, K, y, ldy); break;
-        case 3: rows_against<3>(x, MR, ldx, w, ldw, K, y, ldy); break;
-        case 2: rows_against<2>(x, MR, ldx, w, ldw, K, y, ldy); break;
-        default: rows_against<1>(x, MR, ldx, w, ldw, K, y, ldy); break;
-      }
-    }
-  }
+  skinny_traverse<kTile>(M, j0, j1, [&](int64_t j, int64_t m, auto nr, auto mr) {
+    tile<decltype(nr)::value, decltype(mr)::value>(X + m * ldx, ldx, W + j * ldw, ldw, K, Y + m * ldy + (j - j0), ldy);
+  });
 }
 
 #else  // no compiler support: the widening path everywhere

@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/vec_utils.h"
 
@@ -74,62 +75,52 @@ inline void tile(const float* X, int64_t ldx, const scalar_t* W, int64_t ldw, in
   }
 }
 
-// One W row (NR = 1) against MR in [1, kOneStreamRows] rows of X.
-template <typename scalar_t>
-inline void row_against(const float* X, int64_t MR, int64_t ldx, const scalar_t* W, int64_t K, float* Y, int64_t ldy) {
-  switch (MR) {
-    case 8: return tile<1, 8>(X, ldx, W, 0, K, Y, ldy);
-    case 7: return tile<1, 7>(X, ldx, W, 0, K, Y, ldy);
-    case 6: return tile<1, 6>(X, ldx, W, 0, K, Y, ldy);
-    case 5: return tile<1, 5>(X, ldx, W, 0, K, Y, ldy);
-    case 4: return tile<1, 4>(X, ldx, W, 0, K, Y, ldy);
-    case 3: return tile<1, 3>(X, ldx, W, 0, K, Y, ldy);
-    case 2: return tile<1, 2>(X, ldx, W, 0, K, Y, ldy);
-    default: return tile<1, 1>(X, ldx, W, 0, K, Y, ldy);
-  }
-}
-
-// NR in [1, kTile] rows of W against MR in [1, kTile] rows of X.
-template <int NR, typename scalar_t>
-inline void rows_against(const float* X, int64_t MR, int64_t ldx, const scalar_t* W, int64_t ldw, int64_t K, float* Y,
-                         int64_t ldy) {
-  switch (MR) {
-    case 5: return tile<NR, 5>(X, ldx, W, ldw, K, Y, ldy);
-    case 4: return tile<NR, 4>(X, ldx, W, ldw, K, Y, ldy);
-    case 3: return tile<NR, 3>(X, ldx, W, ldw, K, Y, ldy);
-    case 2: return tile<NR, 2>(X, ldx, W, ldw, K, Y, ldy);
-    default: return tile<NR, 1>(X, ldx, W, ldw, K, Y, ldy);
+// f(std::integral_constant<int, n>{}) for a run-time n in [1, Max]: a tile's shape as template
+// arguments, so that its accumulators live in registers.
+template <int Max, typename F>
+inline void with_static(int64_t n, F&& f) {
+  if constexpr (Max >= 1) {
+    if (n == Max) return f(std::integral_constant<int, Max>{});
+    with_static<Max - 1>(n, f);
   }
 }
 
 }  // namespace skinny_detail
+
+// The traversal shared by the skinny kernels (float32/widened bf16 here, native bf16 in
+// cpu/bf16_dot.cpp) over Y[:M, j0:j1): up to kOneStreamRows rows of X, a W row after the other
+// against all of them (one stream through W); beyond, Tile x Tile register tiles.
+// tile(j, m, NR, MR) computes W rows [j, j + NR) against X rows [m, m + MR), NR and MR as
+// std::integral_constant.
+template <int Tile, typename TileFn>
+inline void skinny_traverse(int64_t M, int64_t j0, int64_t j1, TileFn&& tile) {
+  using namespace skinny_detail;
+  using One = std::integral_constant<int, 1>;
+  if (M <= kOneStreamRows) {
+    with_static<kOneStreamRows>(M, [&](auto mr) {
+      for (int64_t j = j0; j < j1; ++j) tile(j, int64_t{0}, One{}, mr);
+    });
+    return;
+  }
+  for (int64_t j = j0; j < j1; j += Tile) {
+    with_static<Tile>(std::min<int64_t>(Tile, j1 - j), [&](auto nr) {
+      for (int64_t m = 0; m < M; m += Tile) {
+        with_static<Tile>(std::min<int64_t>(Tile, M - m), [&](auto mr) { tile(j, m, nr, mr); });
+      }
+    });
+  }
+}
+
 
 // Y[m, j - j0] = X[m, :] . W[j, :] for m < M, j in [j0, j1). X float32 [M, K] (row stride
 // ldx), W [N, K] (row stride ldw), Y float32 (row stride ldy).
 template <typename scalar_t>
 void skinny_gemm_nt(const float* X, int64_t M, int64_t ldx, const scalar_t* W, int64_t ldw, int64_t K, int64_t j0,
                     int64_t j1, float* Y, int64_t ldy) {
-  using namespace skinny_detail;
-  if (M <= kOneStreamRows) {
-    for (int64_t j = j0; j < j1; ++j) row_against(X, M, ldx, W + j * ldw, K, Y + (j - j0), ldy);
-    return;
-  }
-  for (int64_t j = j0; j < j1; j += kTile) {
-    const int64_t NR = std::min<int64_t>(kTile, j1 - j);
-    for (int64_t m = 0; m < M; m += kTile) {
-      const int64_t MR = std::min<int64_t>(kTile, M - m);
-      const float* x = X + m * ldx;
-      const scalar_t* w = W + j * ldw;
-      float* y = Y + m * ldy + (j - j0);
-      switch (NR) {
-        case 5: rows_against<5>(x, MR, ldx, w, ldw, K, y, ldy); break;
-        case 4: rows_against<4>(x, MR, ldx, w, ldw, K, y, ldy); break;
-        case 3: rows_against<3>(x, MR, ldx, w, ldw, K, y, ldy); break;
-        case 2: rows_against<2>(x, MR, ldx, w, ldw, K, y, ldy); break;
-        default: rows_against<1>(x, MR, ldx, w, ldw, K, y, ldy); break;
-      }
-    }
-  }
+  skinny_traverse<skinny_detail::kTile>(M, j0, j1, [&](int64_t j, int64_t m, auto nr, auto mr) {
+    skinny_detail::tile<decltype(nr)::value, decltype(mr)::value>(X + m * ldx, ldx, W + j * ldw, ldw, K,
+                                                                   Y + m * ldy + (j - j0), ldy);
+  });
 }
 
 }  // namespace jakiro::cpu

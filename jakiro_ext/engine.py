@@ -571,9 +571,10 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
             break
         if drafter is not None:
             tokens, parents, depths = drafter.draft(root)
+            mask = ops.build_tree_mask(parents.unsqueeze(0))
         else:
             tokens, parents, depths = torch.tensor([root], device=device), root_parent, torch.zeros(1, dtype=torch.int64, device=device)
-        mask = ops.build_tree_mask(parents.unsqueeze(0)) if drafter is not None else root_mask
+            mask = root_mask
         logits, hidden = target(tokens.unsqueeze(0), cache, mask, depths.unsqueeze(0))
         stats.target_forwards += 1
         path, accepted, bonus = verify(tokens, parents, logits)

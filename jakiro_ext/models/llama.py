@@ -197,7 +197,6 @@ class Block(nn.Module):
 
     def __init__(self, c: LlamaConfig, layer: int):
         super().__init__()
-        self.intermediate_size = c.intermediate_size
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c, layer)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -211,7 +210,7 @@ class Block(nn.Module):
         h, residual = self.post_attention_layernorm.add_and_norm(
             self.self_attn(h, cos, sin, cache, tree_mask), residual)
         gate_up = project(self.gate_up_proj, h)
-        I = self.intermediate_size
+        I = self.down_proj.in_features  # gate rows, then up rows
         return residual, project(self.down_proj, F.silu(gate_up[..., :I]) * gate_up[..., I:])
 
 

@@ -93,8 +93,8 @@ def main():
     mach = Machine()
     peaks = {dtype: Machine.matmul_peak(dtype) for dtype in (torch.float32, torch.bfloat16)}
     print(f"# matmul peak (torch.mm 2048^3): fp32 {peaks[torch.float32]:.0f} GFLOP/s, "
-          f"bf16 {peaks[torch.bfloat16]:.0f} GFLOP/s; bf16 dot products: "
-          f"{'native' if ops.cpu_bf16_dot() else 'widened to fp32'}")
+          f"bf16 {peaks[torch.bfloat16]:.0f} GFLOP/s; fp32 products on {512 if ops.cpu_avx512() else 256}-bit "
+          f"vectors; bf16 dot products: {'native' if ops.cpu_bf16_dot() else 'widened to fp32'}")
     rounds = 3 if args.quick else 7
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).replace("torch.", "")

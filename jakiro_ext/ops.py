@@ -49,9 +49,16 @@ def compiled_available() -> bool:
     return LOAD_ERROR is None
 
 
+def cpu_avx512() -> bool:
+    """Whether float32 products on the CPU (``linear``) run on 512-bit vectors (AVX-512, detected at
+    run time; ``JAKIRO_CPU_AVX512=0`` turns them off, and with them native bf16) rather than 256-bit."""
+    return bool(_C.cpu_avx512()) if LOAD_ERROR is None else False
+
+
 def cpu_bf16_dot() -> bool:
     """Whether bf16 products on the CPU use the CPU's native bf16 dot instructions (AVX512-BF16,
-    detected at run time; ``JAKIRO_CPU_BF16_DOT=0`` turns them off) rather than widening to fp32."""
+    detected at run time; ``JAKIRO_CPU_BF16_DOT=0`` or ``JAKIRO_CPU_AVX512=0`` turns them off) rather
+    than widening to fp32."""
     return bool(_C.cpu_bf16_dot()) if LOAD_ERROR is None else False
 
 

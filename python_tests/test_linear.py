@@ -64,34 +64,42 @@ def test_linear_bad_input_errors():
             ops.linear(**{"bias": None, **kwargs})
 
 
-BF16_DOT_CHECK = """
+KERNEL_CHECK = """
+import sys
 import torch
 from jakiro_ext import ops, reference
+dtype = getattr(torch, sys.argv[1])
 g = torch.Generator().manual_seed(0)
-x = torch.randn(70, 333, generator=g).bfloat16()  # K not a multiple of the 32-wide bf16 dot
-w = (torch.randn(97, 333, generator=g) * 333 ** -0.5).bfloat16()
+x = torch.randn(64, 333, generator=g).to(dtype)  # K not a multiple of any vector width; 64 rows:
+# beyond, float32 goes to BLAS
+w = (torch.randn(97, 333, generator=g) * 333 ** -0.5).to(dtype)
 full = ops.linear(x, w)
-torch.testing.assert_close(full, reference.linear(x, w), atol=2e-2, rtol=2e-2)
-for rows in (1, 3, 8, 9, 64):  # both kernels' paths: one stream (<= 8 rows) and register tiles
+tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+torch.testing.assert_close(full, reference.linear(x, w), atol=tol, rtol=tol)
+for rows in (1, 3, 6, 7, 8, 9, 25, 64):  # every tile shape's edges, one stream and register tiles
     assert torch.equal(ops.linear(x[:rows], w), full[:rows]), rows
-print(ops.cpu_bf16_dot())
+print(ops.cpu_avx512(), ops.cpu_bf16_dot())
 """
 
 
-@pytest.mark.parametrize("setting", ["detected", "0"])
-def test_linear_bf16_native_dot_and_its_fallback(setting, tmp_path):
-    # bf16 x bf16 products use AVX512-BF16 where the CPU has it (chosen at run time), else bf16
-    # widened to fp32; JAKIRO_CPU_BF16_DOT=0 forces the fallback. Both stay correct and row-independent.
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("setting", ["detected", "JAKIRO_CPU_AVX512=0", "JAKIRO_CPU_BF16_DOT=0"])
+def test_linear_cpu_kernel_choice_and_its_fallbacks(setting, dtype, tmp_path):
+    # float32 products run on 512-bit vectors and bf16 x bf16 on AVX512-BF16 dot products where the
+    # CPU has them (chosen at run time), else on the 256-bit kernels (bf16 widened to float32); the
+    # environment variables force the fallbacks. Every path stays correct and row-independent.
     import os
     import subprocess
     import sys
 
-    env = dict(os.environ)
-    env.pop("JAKIRO_CPU_BF16_DOT", None)
-    if setting == "0":
-        env["JAKIRO_CPU_BF16_DOT"] = "0"
-    out = subprocess.run([sys.executable, "-c", BF16_DOT_CHECK], env=env, cwd=tmp_path, capture_output=True, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("JAKIRO_CPU_AVX512", "JAKIRO_CPU_BF16_DOT")}
+    if setting != "detected":
+        name, value = setting.split("=")
+        env[name] = value
+    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK, dtype], env=env, cwd=tmp_path, capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stderr
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
-    native = setting != "0" and "avx512_bf16" in flags and "avx512bw" in flags and "avx512vl" in flags
-    assert out.stdout.split()[-1] == str(native)
+    avx512 = setting != "JAKIRO_CPU_AVX512=0" and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
+    bf16_dot = avx512 and setting != "JAKIRO_CPU_BF16_DOT=0" and "avx512_bf16" in flags
+    assert out.stdout.split()[-2:] == [str(avx512), str(bf16_dot)]

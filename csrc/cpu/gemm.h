@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 
+#include "cpu/skinny_avx512.h"
 #include "cpu/skinny_gemm.h"
 
 namespace jakiro::cpu {
@@ -43,6 +44,7 @@ void rows_times_weight(const float* X, int64_t M, int64_t ldx, const scalar_t* W
       gemm_nt(X, ldx, W + j0 * ldw, ldw, Y, ldy, M, j1 - j0, K);
       return;
     }
+    if (avx512_enabled()) return skinny_gemm_nt_avx512(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
   }
   skinny_gemm_nt(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
 }

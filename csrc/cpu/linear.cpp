@@ -1,7 +1,8 @@
 // CPU kernel of jakiro::linear, y = x @ W^T (+ b): the projections and LM heads of the target and
 // the draft. At decoding and tree-verification sizes the product is bound by reading W, and
 // BLAS's packing wastes most of that (measured: 3-10 GB/s on the LM head at 1-16 rows), so W is
-// streamed exactly once by skinny_gemm_nt, the threads splitting the output columns. Each output
+// streamed exactly once by a skinny kernel (cpu/skinny_avx512.h where the CPU has AVX-512, else
+// cpu/skinny_gemm.h), the threads splitting the output columns. Each output
 // row is computed in the same order whatever the number of rows, so a token's logits do not
 // depend on how many tree tokens share its forward. Many float32 rows (a prompt) go to ATen's linear.
 #include <ATen/ATen.h>
@@ -10,7 +11,7 @@
 
 #include <vector>
 
-#include "cpu/bf16_dot.h"
+#include "cpu/skinny_avx512.h"
 #include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
 #include "ops.h"
@@ -67,6 +68,13 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
     const auto* pw = reinterpret_cast<const c10::BFloat16*>(w.data_ptr());
     over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
       skinny_gemm_nt_bf16_dot(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
+    });
+  } else if (is_float && avx512_enabled()) {  // float32 on 512-bit vectors
+    auto xf = x2.contiguous();
+    const float* px = xf.data_ptr<float>();
+    const float* pw = w.data_ptr<float>();
+    over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
+      skinny_gemm_nt_avx512(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
     });
   } else {
     auto xf = x2.to(at::kFloat).contiguous();

@@ -1,0 +1,42 @@
+// The skinny products (cpu/skinny_gemm.h) on 512-bit vectors, chosen at run time: float32 with
+// fused multiply-adds on 16 lanes, bf16 x bf16 with the CPU's native bf16 dot products
+// (AVX512-BF16 vdpbf16ps: pairs of bf16 products accumulated into float32 lanes). The kernels
+// are compiled for those instructions whatever the build's -march (cpu/skinny_avx512_*.cpp)
+// and run only where the CPU has them; elsewhere, and when JAKIRO_CPU_AVX512=0 or
+// JAKIRO_CPU_BF16_DOT=0 (to test or compare the fallbacks), the 256-bit kernels of
+// cpu/skinny_gemm.h run, bf16 weights widened to float32.
+//
+// Like skinny_gemm_nt, W is read once and each Y[m, j] is computed in the same order whatever M:
+// 16 lane accumulators over k (the tail masked to zeros), then a fixed pairwise reduction.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+#define JAKIRO_HAVE_AVX512_KERNELS 1
+#endif
+
+namespace jakiro::cpu {
+
+// W rows x X rows of a register tile: 4 x 6 accumulators of the 32 vector registers (measured
+// against 1x16, 2x12, 3x8, 5x5, 6x4 and 4x7 at 4-32 rows on the default model's weights).
+constexpr int kAvx512Rows = 4;
+constexpr int kAvx512Cols = 6;
+
+// Does this CPU run the 512-bit float32 kernel, and is it enabled (JAKIRO_CPU_AVX512 != 0)?
+bool avx512_enabled();
+
+// Does this CPU run native bf16 dot products, and are they enabled (the above, and
+// JAKIRO_CPU_BF16_DOT != 0)?
+bool bf16_dot_enabled();
+
+// Y[m, j - j0] = X[m, :] . W[j, :] for m < M, j in [j0, j1), Y float32 (row stride ldy), X and W
+// (row strides ldx, ldw) float32 / bf16. Only call when avx512_enabled() / bf16_dot_enabled().
+void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K,
+                           int64_t j0, int64_t j1, float* Y, int64_t ldy);
+void skinny_gemm_nt_bf16_dot(const c10::BFloat16* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw,
+                             int64_t K, int64_t j0, int64_t j1, float* Y, int64_t ldy);
+
+}  // namespace jakiro::cpu

@@ -1,0 +1,89 @@
+// The float32 skinny product on 512-bit vectors (cpu/skinny_avx512.h), and the run-time checks
+// of both 512-bit kernels.
+#include "cpu/skinny_avx512.h"
+#include "cpu/skinny_gemm.h"
+
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+#include <cstdlib>
+#include <cstring>
+
+#ifdef JAKIRO_HAVE_AVX512_KERNELS
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+#include "cpu/skinny_avx512_kernel.h"
+
+namespace jakiro::cpu {
+namespace avx512 {
+
+// 16 float32 lanes, a fused multiply-add per step.
+struct Fp32Step {
+  using T = float;
+  using Reg = __m512;
+  static constexpr int64_t kElems = 16;
+  static inline __mmask32 mask(int64_t n) {
+    return n >= kElems ? __mmask32(0xFFFF) : (__mmask32(1) << n) - 1;
+  }
+  static inline Reg load(const T* p) { return _mm512_loadu_ps(p); }
+  static inline Reg load(const T* p, __mmask32 m) { return _mm512_maskz_loadu_ps(__mmask16(m), p); }
+  static inline __m512 acc(__m512 a, Reg x, Reg w) { return _mm512_fmadd_ps(x, w, a); }
+};
+
+}  // namespace avx512
+
+void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K,
+                           int64_t j0, int64_t j1, float* Y, int64_t ldy) {
+  avx512::skinny<avx512::Fp32Step, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
+}
+
+}  // namespace jakiro::cpu
+#pragma GCC pop_options
+#endif
+
+namespace jakiro::cpu {
+namespace {
+
+bool env_disabled(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, "0") == 0;
+}
+
+bool cpu_supports_avx512() {
+#ifdef JAKIRO_HAVE_AVX512_KERNELS
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool avx512_enabled() {
+  static const bool enabled = !env_disabled("JAKIRO_CPU_AVX512") && cpu_supports_avx512();
+  return enabled;
+}
+
+bool bf16_dot_enabled() {
+#ifdef JAKIRO_HAVE_AVX512_KERNELS
+  static const bool enabled =
+      avx512_enabled() && !env_disabled("JAKIRO_CPU_BF16_DOT") && __builtin_cpu_supports("avx512bf16");
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+#ifndef JAKIRO_HAVE_AVX512_KERNELS
+void skinny_gemm_nt_avx512(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float*,
+                           int64_t) {
+  std::abort();  // unreachable: callers check avx512_enabled()
+}
+#endif
+
+}  // namespace jakiro::cpu

@@ -184,7 +184,7 @@ class TreeConfig:
 
 # The published comparisons' tree, and the CPU default chosen by measurement (README, "Tree size").
 GPU_TREE = TreeConfig(60, 5, 10)
-CPU_TREE = TreeConfig(3, 2, 1)
+CPU_TREE = TreeConfig(6, 2, 2)
 
 
 @dataclass

@@ -44,8 +44,8 @@ void rows_times_weight(const float* X, int64_t M, int64_t ldx, const scalar_t* W
       gemm_nt(X, ldx, W + j0 * ldw, ldw, Y, ldy, M, j1 - j0, K);
       return;
     }
-    if (avx512_enabled()) return skinny_gemm_nt_avx512(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
   }
+  if (avx512_enabled()) return skinny_gemm_nt_avx512(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
   skinny_gemm_nt(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
 }
 

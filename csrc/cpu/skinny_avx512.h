@@ -36,6 +36,8 @@ bool bf16_dot_enabled();
 // (row strides ldx, ldw) float32 / bf16. Only call when avx512_enabled() / bf16_dot_enabled().
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K,
                            int64_t j0, int64_t j1, float* Y, int64_t ldy);
+void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw, int64_t K,
+                           int64_t j0, int64_t j1, float* Y, int64_t ldy);  // W widened to float32
 void skinny_gemm_nt_bf16_dot(const c10::BFloat16* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw,
                              int64_t K, int64_t j0, int64_t j1, float* Y, int64_t ldy);
 

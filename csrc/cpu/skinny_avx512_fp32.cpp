@@ -22,15 +22,27 @@ namespace avx512 {
 
 // 16 float32 lanes, a fused multiply-add per step.
 struct Fp32Step {
-  using T = float;
-  using Reg = __m512;
+  using TX = float;
+  using TW = float;
+  using RegW = __m512;
   static constexpr int64_t kElems = 16;
-  static inline __mmask32 mask(int64_t n) {
-    return n >= kElems ? __mmask32(0xFFFF) : (__mmask32(1) << n) - 1;
+  static inline __mmask32 mask(int64_t n) { return n >= kElems ? __mmask32(0xFFFF) : (__mmask32(1) << n) - 1; }
+  static inline __m512 load_x(const float* p) { return _mm512_loadu_ps(p); }
+  static inline __m512 load_x(const float* p, __mmask32 m) { return _mm512_maskz_loadu_ps(__mmask16(m), p); }
+  static inline __m512 load_w(const float* p) { return load_x(p); }
+  static inline __m512 load_w(const float* p, __mmask32 m) { return load_x(p, m); }
+  static inline __m512 acc(__m512 a, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, a); }
+};
+
+// float32 X against bf16 W widened in registers (exact: a bf16 is the top half of a float32).
+struct Bf16WidenStep : Fp32Step {
+  using TW = c10::BFloat16;
+  static inline __m512 widen(__m256i half) {  // (the zero-masked forms: see reduce_lanes)
+    constexpr __mmask16 all = 0xFFFF;
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, _mm512_maskz_cvtepu16_epi32(all, half), 16));
   }
-  static inline Reg load(const T* p) { return _mm512_loadu_ps(p); }
-  static inline Reg load(const T* p, __mmask32 m) { return _mm512_maskz_loadu_ps(__mmask16(m), p); }
-  static inline __m512 acc(__m512 a, Reg x, Reg w) { return _mm512_fmadd_ps(x, w, a); }
+  static inline __m512 load_w(const TW* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static inline __m512 load_w(const TW* p, __mmask32 m) { return widen(_mm256_maskz_loadu_epi16(__mmask16(m), p)); }
 };
 
 }  // namespace avx512
@@ -38,6 +50,11 @@ struct Fp32Step {
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K,
                            int64_t j0, int64_t j1, float* Y, int64_t ldy) {
   avx512::skinny<avx512::Fp32Step, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
+}
+
+void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw, int64_t K,
+                           int64_t j0, int64_t j1, float* Y, int64_t ldy) {
+  avx512::skinny<avx512::Bf16WidenStep, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
 }
 
 }  // namespace jakiro::cpu
@@ -83,6 +100,10 @@ bool bf16_dot_enabled() {
 void skinny_gemm_nt_avx512(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, int64_t, float*,
                            int64_t) {
   std::abort();  // unreachable: callers check avx512_enabled()
+}
+void skinny_gemm_nt_avx512(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t,
+                           float*, int64_t) {
+  std::abort();
 }
 #endif
 

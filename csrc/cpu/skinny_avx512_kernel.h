@@ -1,5 +1,7 @@
-// The skinny products' 512-bit kernel, generic over what one k step loads and accumulates
-// (a Step: float32 fused multiply-adds, bf16 dot products). Included only by
+// The skinny products' 512-bit kernel, generic over what one k step loads and accumulates (a
+// Step: X and W element types TX, TW; kElems elements of k per step, loaded by load_x / load_w,
+// masked to zeros past K by the mask(n) forms; acc(a, x, w) adds their products into 16 float
+// lanes). Included only by
 // cpu/skinny_avx512_fp32.cpp and cpu/skinny_avx512_bf16.cpp, after all other headers and inside
 // a `#pragma GCC target` region, so that everything here is compiled for those instructions
 // whatever the build's -march (and nothing from ATen's headers is).
@@ -21,27 +23,27 @@ inline float reduce_lanes(__m512 v) {
 // Rows [0, NR) of W against rows [0, MR) of X: one accumulator per output over k, then its
 // reduction, so every Y[m, j] takes the same path whatever the tile.
 template <typename Step, int NR, int MR>
-inline void tile(const typename Step::T* X, int64_t ldx, const typename Step::T* W,
-                                                int64_t ldw, int64_t K, float* Y, int64_t ldy) {
+inline void tile(const typename Step::TX* X, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K, float* Y,
+                 int64_t ldy) {
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + Step::kElems <= K; k += Step::kElems) {
-    typename Step::Reg w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = Step::load(W + r * ldw + k);
+    typename Step::RegW w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = Step::load_w(W + r * ldw + k);
     for (int r = 0; r < NR; ++r) skinny_detail::prefetch_weight(W + r * ldw + k);
     for (int m = 0; m < MR; ++m) {
-      const auto x = Step::load(X + m * ldx + k);
+      const auto x = Step::load_x(X + m * ldx + k);
       for (int r = 0; r < NR; ++r) acc[r][m] = Step::acc(acc[r][m], x, w[r]);
     }
   }
   if (k < K) {
     const __mmask32 mask = Step::mask(K - k);
-    typename Step::Reg w[NR];
-    for (int r = 0; r < NR; ++r) w[r] = Step::load(W + r * ldw + k, mask);
+    typename Step::RegW w[NR];
+    for (int r = 0; r < NR; ++r) w[r] = Step::load_w(W + r * ldw + k, mask);
     for (int m = 0; m < MR; ++m) {
-      const auto x = Step::load(X + m * ldx + k, mask);
+      const auto x = Step::load_x(X + m * ldx + k, mask);
       for (int r = 0; r < NR; ++r) acc[r][m] = Step::acc(acc[r][m], x, w[r]);
     }
   }
@@ -63,7 +65,7 @@ inline void with_static(int64_t n, F&& f) {
 // Y[:M, j0:j1) in tiles of NR W rows x up to MR X rows, the X rows innermost so that the NR W
 // rows are read from memory once.
 template <typename Step, int NR, int MR>
-void skinny(const typename Step::T* X, int64_t M, int64_t ldx, const typename Step::T* W, int64_t ldw, int64_t K,
+void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K,
             int64_t j0, int64_t j1, float* Y, int64_t ldy) {
   for (int64_t j = j0; j < j1; j += NR) {
     with_static<NR>(std::min<int64_t>(NR, j1 - j), [&](auto nr) {

@@ -69,22 +69,17 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
     over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
       skinny_gemm_nt_bf16_dot(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
     });
-  } else if (avx512_enabled()) {  // float32 on 512-bit vectors (bf16 weights widened)
+  } else {  // float32 products, bf16 weights widened: on 512-bit vectors where the CPU has AVX-512
     auto xf = x2.to(at::kFloat).contiguous();
     const float* px = xf.data_ptr<float>();
-    JAKIRO_DISPATCH_FLOAT_BF16(weight.scalar_type(), "linear_cpu_avx512", [&] {
-      const scalar_t* pw = w.data_ptr<scalar_t>();
-      over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
-        skinny_gemm_nt_avx512(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
-      });
-    });
-  } else {
-    auto xf = x2.to(at::kFloat).contiguous();
-    const float* px = xf.data_ptr<float>();
+    const bool wide = avx512_enabled();
     JAKIRO_DISPATCH_FLOAT_BF16(weight.scalar_type(), "linear_cpu", [&] {
       const scalar_t* pw = w.data_ptr<scalar_t>();
       over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
-        skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
+        if (wide)
+          skinny_gemm_nt_avx512(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
+        else
+          skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
       });
     });
   }

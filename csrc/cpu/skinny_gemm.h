@@ -100,9 +100,9 @@ inline void with_static(int64_t n, F&& f) {
 
 }  // namespace skinny_detail
 
-// The traversal shared by the skinny kernels (float32/widened bf16 here, native bf16 in
-// cpu/bf16_dot.cpp) over Y[:M, j0:j1): up to kOneStreamRows rows of X, a W row after the other
-// against all of them (one stream through W); beyond, Tile x Tile register tiles.
+// The 256-bit kernel's traversal over Y[:M, j0:j1) (the 512-bit one is in
+// cpu/skinny_avx512_kernel.h): up to kOneStreamRows rows of X, a W row after the other against
+// all of them (one stream through W); beyond, Tile x Tile register tiles.
 // tile(j, m, NR, MR) computes W rows [j, j + NR) against X rows [m, m + MR), NR and MR as
 // std::integral_constant.
 template <int Tile, typename TileFn>

@@ -105,15 +105,11 @@ def main():
         prompt = torch.tensor(tokenizer.encode(PROMPT_TEXT * 20)[:PREFIX], dtype=torch.int64)
         common = dict(dtype=name, prefix=PREFIX, weight_mb=weight_bytes / 1e6, matmul_peak_gflops=peaks[dtype])
 
-        # 1. The decoding step: the whole loop, per token.
-        def decode_ms():
-            out = speculative_generate(target, None, prompt, DECODE_TOKENS, method="ar")
-            s = out.stats
-            return (s.wall_time_s - s.prefill_s) / (s.new_tokens - 1) * 1e3
+        # 1. The decoding step: the whole loop, per token. What the loop adds besides the forward
+        # comes from the same runs: the target's forwards are timed where the loop calls them.
+        overheads = []
 
-        # What the loop adds per token besides the forward, measured inside the same runs: the
-        # target's forwards are timed where the loop calls them.
-        def loop_overhead_ms():
+        def decode_ms():
             times = []
             forward = target.forward
 
@@ -128,11 +124,14 @@ def main():
                 s = speculative_generate(target, None, prompt, DECODE_TOKENS, method="ar").stats
             finally:
                 del target.forward
-            return (s.wall_time_s - s.prefill_s - sum(times[1:])) / (s.new_tokens - 1) * 1e3  # times[0]: prefill
+            per_token = 1e3 / (s.new_tokens - 1)
+            overheads.append((s.wall_time_s - s.prefill_s - sum(times[1:])) * per_token)  # times[0]: the prefill
+            return (s.wall_time_s - s.prefill_s) * per_token
 
         decode_ms()  # warm-up
+        overheads.clear()
         step_ms, bw, pairs = paired(mach, decode_ms, rounds)
-        overhead_ms = statistics.median(loop_overhead_ms() for _ in range(rounds))
+        overhead_ms = statistics.median(overheads)
         floor_fraction = statistics.median(weight_bytes / (b * 1e9) * 1e3 / ms for ms, b in pairs)
 
         # The forward alone, on a cache holding the prompt.

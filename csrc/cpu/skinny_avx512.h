@@ -1,6 +1,7 @@
 // The skinny products (cpu/skinny_gemm.h) on 512-bit vectors, chosen at run time: float32 with
-// fused multiply-adds on 16 lanes, bf16 x bf16 with the CPU's native bf16 dot products
-// (AVX512-BF16 vdpbf16ps: pairs of bf16 products accumulated into float32 lanes). The kernels
+// fused multiply-adds on 16 lanes (bf16 weights widened to float32 in registers), bf16 x bf16
+// with the CPU's native bf16 dot products (AVX512-BF16 vdpbf16ps: pairs of bf16 products
+// accumulated into float32 lanes). The kernels
 // are compiled for those instructions whatever the build's -march (cpu/skinny_avx512_*.cpp)
 // and run only where the CPU has them; elsewhere, and when JAKIRO_CPU_AVX512=0 or
 // JAKIRO_CPU_BF16_DOT=0 (to test or compare the fallbacks), the 256-bit kernels of

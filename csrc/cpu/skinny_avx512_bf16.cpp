@@ -8,8 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <cstdlib>
+#include <type_traits>
 
 #ifdef JAKIRO_HAVE_AVX512_KERNELS
 #pragma GCC push_options
@@ -26,16 +26,14 @@ struct Bf16DotStep {
   using RegW = __m512bh;
   static constexpr int64_t kElems = 32;
   static inline __mmask32 mask(int64_t n) { return n >= kElems ? ~__mmask32(0) : (__mmask32(1) << n) - 1; }
-  static inline __m512bh load(const c10::BFloat16* p) {
+  static inline __m512bh load_x(const TX* p) {
     return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
   }
-  static inline __m512bh load(const c10::BFloat16* p, __mmask32 m) {
+  static inline __m512bh load_x(const TX* p, __mmask32 m) {
     return reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(m, p));
   }
-  static inline __m512bh load_x(const TX* p) { return load(p); }
-  static inline __m512bh load_x(const TX* p, __mmask32 m) { return load(p, m); }
-  static inline __m512bh load_w(const TW* p) { return load(p); }
-  static inline __m512bh load_w(const TW* p, __mmask32 m) { return load(p, m); }
+  static inline __m512bh load_w(const TW* p) { return load_x(p); }
+  static inline __m512bh load_w(const TW* p, __mmask32 m) { return load_x(p, m); }
   static inline __m512 acc(__m512 a, __m512bh x, __m512bh w) { return _mm512_dpbf16_ps(a, x, w); }
 };
 

@@ -1,5 +1,5 @@
-// The float32 skinny product on 512-bit vectors (cpu/skinny_avx512.h), and the run-time checks
-// of both 512-bit kernels.
+// The skinny products with float32 activations on 512-bit vectors (float32 and bf16 weights,
+// cpu/skinny_avx512.h), and the run-time checks of all the 512-bit kernels.
 #include "cpu/skinny_avx512.h"
 #include "cpu/skinny_gemm.h"
 
@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <type_traits>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #ifdef JAKIRO_HAVE_AVX512_KERNELS
 #pragma GCC push_options

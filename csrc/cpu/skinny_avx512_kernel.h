@@ -1,10 +1,9 @@
 // The skinny products' 512-bit kernel, generic over what one k step loads and accumulates (a
 // Step: X and W element types TX, TW; kElems elements of k per step, loaded by load_x / load_w,
 // masked to zeros past K by the mask(n) forms; acc(a, x, w) adds their products into 16 float
-// lanes). Included only by
-// cpu/skinny_avx512_fp32.cpp and cpu/skinny_avx512_bf16.cpp, after all other headers and inside
-// a `#pragma GCC target` region, so that everything here is compiled for those instructions
-// whatever the build's -march (and nothing from ATen's headers is).
+// lanes). Included only by cpu/skinny_avx512_fp32.cpp and cpu/skinny_avx512_bf16.cpp, after all
+// other headers and inside a `#pragma GCC target` region, so that everything here is compiled for
+// those instructions whatever the build's -march (and nothing from ATen's headers is).
 #pragma once
 
 namespace jakiro::cpu::avx512 {

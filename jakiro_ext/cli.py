@@ -1,4 +1,4 @@
-"""Command line: ``python -m jakiro_ext {demo,generate,bench,train,ops-demo,show-config}``.
+"""Command line: ``python -m jakiro_ext {demo,generate,bench,corpus,train,ops-demo,show-config}``.
 
 ``demo`` (the default) generates an answer on the embedded default model with plain decoding and
 with Jakiro, checks that the tokens are identical, and prints both runs' statistics.
@@ -280,6 +280,24 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_corpus(args) -> int:
+    """Generate (or extend, or resume) a self-distilled token corpus."""
+    from jakiro_ext.corpus import generate_corpus
+    from jakiro_ext.models.default import DEFAULT_MODEL
+    from jakiro_ext.trainset import feature_cache_dir
+
+    set_threads(args.threads)
+    target, tokenizer = load_target("float32")
+    meta = generate_corpus(args.out, target, tokenizer, DEFAULT_MODEL, args.answer_tokens,
+                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                           max_turns=args.max_turns, batch=args.generation_batch,
+                           feature_dir=None if args.no_feature_cache else feature_cache_dir(args.out))
+    shards = meta["shards"]
+    print(f"{args.out}: {len(shards)} shards, {sum(s['sequences'] for s in shards)} sequences, "
+          f"{sum(s['answer_tokens'] for s in shards)} answer tokens", file=sys.stderr)
+    return 0
+
+
 def cmd_train(args) -> int:
     """Build (or reuse) the training set of target features, then train one head and save it."""
     import time
@@ -331,6 +349,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
+                      ttt_steps=args.ttt_steps,
                       seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -339,7 +358,7 @@ def cmd_train(args) -> int:
 
     def on_step(step: int, record: dict) -> None:
         bar.n = step + 1
-        bar.set_postfix({k: f"{v:.3f}" for k, v in record.items() if k in ("loss", "acc1", "acc2_contrastive")})
+        bar.set_postfix({k: f"{v:.3f}" for k, v in record.items() if k in ("loss", "acc1", "acc2", "acc2_contrastive")})
         evals = {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")}
         if evals:
             bar.write(f"step {step + 1}: held-out top-1 {evals}")
@@ -448,12 +467,26 @@ def main(argv=None) -> int:
     p.add_argument("--w-feature2", type=float, default=0.5)
     p.add_argument("--w-token2", type=float, default=0.05)
     p.add_argument("--noise", type=float, default=0.2)
+    p.add_argument("--ttt-steps", type=int, default=0, help="training-time test: also train the head on its own "
+                                                            "features this many steps deeper (EAGLE-3; 0: off)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     p.add_argument("--eval-every-nth", type=int, default=50, help="hold out every n-th sequence (0: none)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints; a run resumes "
                                                                       "from --out/checkpoint.pt (0: none)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p = sub.add_parser("corpus", help="generate a self-distilled token corpus (the target's greedy answers to "
+                                      "ShareGPT user turns); resumes where it stopped")
+    p.add_argument("--out", required=True, help="corpus directory (corpus.json and shard-*.npz)")
+    p.add_argument("--answer-tokens", type=int, default=3_000_000, help="stop once the answers hold this many tokens")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer")
+    p.add_argument("--max-turns", type=int, default=3, help="user turns per conversation (later ones see the "
+                                                          "target's own earlier answers)")
+    p.add_argument("--generation-batch", type=int, default=64, help="sequences generated together")
+    p.add_argument("--no-feature-cache", action="store_true", help="do not keep the features the generation "
+                                                                   "computes (training recomputes them)")
     p.add_argument("--threads", type=int, default=0)
     sub.add_parser("ops-demo", help="every fused op on SmolLM2-135M shapes against its reference")
     sub.add_parser("show-config", help="what was built and what is loaded")
@@ -464,7 +497,8 @@ def main(argv=None) -> int:
         return ops_demo()
     if args.command is None:
         args = parser.parse_args(["demo"])
-    command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo, "train": cmd_train}[args.command]
+    command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo, "train": cmd_train,
+               "corpus": cmd_corpus}[args.command]
     try:
         return command(args)
     except USER_ERRORS as exc:  # the message says what was expected and what was given

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from jakiro_ext.models.draft_head import DraftHead
+from jakiro_ext.models.draft_head import DraftHead, DraftStep
 from jakiro_ext.models.llama import LlamaModel
 
 
@@ -47,6 +47,8 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 0  # steps between evaluations (0: only at the end)
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    ttt_steps: int = 0  # training-time test: extra steps unrolled on the head's own features (0: off)
+    ttt_decay: float = 0.8  # step s's loss weight is ttt_decay ** s
 
     def total_steps(self, num_examples: int) -> int:
         return self.steps or max(1, math.ceil(self.epochs * num_examples / self.batch_sequences))
@@ -119,52 +121,81 @@ def _branch_loss(head: DraftHead, pred: torch.Tensor, want: torch.Tensor, mask: 
     return loss, hits, int(mask.sum())
 
 
+def unroll(head: DraftHead, batch: Batch, steps: int, features: Optional[torch.Tensor] = None):
+    """The head run as drafting runs it, ``steps`` steps deep from every position (the
+    training-time test). Yields (s, DraftStep) for s = 0..steps-1: row i of step s has the
+    sequence's token x_{i+s+1} and, for s >= 1, the feature step s - 1 predicted for it, and must
+    predict f_{i+s+1} (the token x_{i+s+2}); its contrastive feature (Jakiro) f_{i+s+2}.
+    ``features``: step 0's input features (default: the batch's, f_0..f_{L-2})."""
+    tokens = batch.tokens
+    feats = batch.features[:, :-1] if features is None else features
+    unrolled: list = []
+    step = None
+    for s in range(steps):
+        if s == 0:
+            step = head.train_forward(tokens[:, 1:], feats, unrolled)
+        else:  # the rows past the end get token 0; their outputs are never scored
+            step = head.train_forward(F.pad(tokens[:, s + 1:], (0, s)), step.feature, unrolled)
+        yield s, step
+
+
+def _scored(batch: Batch, step: DraftStep, s: int, ahead: int):
+    """The rows of step s whose target lies ``ahead`` (1: the feature, 2: the contrastive
+    feature) tokens past the row's input: (rows kept, wanted features, loss mask, next tokens)."""
+    L = batch.tokens.shape[1]
+    n = L - s - ahead - 1
+    pred = (step.feature if ahead == 1 else step.contrastive_feature())[:, :max(n, 0)]
+    return (pred, batch.features[:, s + ahead: L - 1], batch.loss_mask[:, s + ahead + 1:],
+            batch.tokens[:, s + ahead + 1:])
+
+
 def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, generator: Optional[torch.Generator] = None):
-    """The training loss of a batch and its metrics (top-1 accuracy of each branch)."""
+    """The training loss of a batch and its metrics (top-1 accuracy of each branch at each step).
+    With ``cfg.ttt_steps`` the head is unrolled on its own features for that many extra steps,
+    step s's loss weighted by ``cfg.ttt_decay ** s`` (EAGLE-3's 0.8)."""
     L = batch.tokens.shape[1]
     feats = batch.features[:, :-1]
     if generator is not None and cfg.noise:
         feats = feats + (torch.rand(feats.shape, generator=generator) - 0.5) * (cfg.noise * 512 / L)
-    step = head.train_forward(batch.tokens[:, 1:], feats)
-    # Row i predicts f_{i+1}; it is learned where the token x_{i+2} it leads to is in the mask.
-    loss, hits1, n1 = _branch_loss(head, step.feature[:, : L - 2], batch.features[:, 1 : L - 1], batch.loss_mask[:, 2:],
-                                   batch.tokens[:, 2:], cfg.w_feature, cfg.w_token)
-    metrics = {"acc1": hits1 / max(n1, 1)}
-    if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
-        loss2, hits2, n2 = _branch_loss(head, step.contrastive_feature()[:, : L - 3], batch.features[:, 2 : L - 1],
-                                        batch.loss_mask[:, 3:], batch.tokens[:, 3:], cfg.w_feature2, cfg.w_token2)
-        loss = loss + loss2
-        metrics["acc2_contrastive"] = hits2 / max(n2, 1)
+    loss = batch.features.new_zeros(())
+    metrics = {}
+    for s, step in unroll(head, batch, 1 + cfg.ttt_steps, feats):
+        weight = cfg.ttt_decay ** s
+        part, hits, n = _branch_loss(head, *_scored(batch, step, s, 1), cfg.w_feature, cfg.w_token)
+        loss = loss + weight * part
+        metrics[f"acc{s + 1}"] = hits / max(n, 1)
+        if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
+            part, hits, n = _branch_loss(head, *_scored(batch, step, s, 2), cfg.w_feature2, cfg.w_token2)
+            loss = loss + weight * part
+            metrics[f"acc{s + 2}_contrastive"] = hits / max(n, 1)
     return loss, metrics
 
 
 @torch.no_grad()
-def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, batch_sequences: int = 16) -> Dict[str, float]:
-    """Top-1 accuracy of the head's draft token against the sequence's own next tokens, on the
-    learned positions: ``acc1`` one step ahead; ``acc2`` two steps ahead by running the head on
-    its own predicted features (as drafting does); ``acc2_contrastive`` (Jakiro) two steps ahead
-    from the contrastive feature of one forward."""
+def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, batch_sequences: int = 16,
+             steps: int = 4) -> Dict[str, float]:
+    """Top-1 accuracy of the head's draft token against the sequence's own tokens, on the learned
+    positions, drafting from the head's own features as the engine does: ``acc{s}`` for the token
+    s steps ahead (s = 1..steps; the tokens fed are the sequence's, so ``acc{s}`` is the accuracy
+    at depth s given the path so far was drafted right); ``acc{s+1}_contrastive`` (Jakiro) for
+    the contrastive feature of step s, which drafting uses for its parallel last step."""
     was_training = head.training
     head.eval()
     hits: Dict[str, int] = {}
     counts: Dict[str, int] = {}
 
-    def add(name, pred, mask, tokens):
+    def add(name, pred, _want, mask, tokens):
         pred, tokens = pred[mask], tokens[mask]
         best = head.target_ids((pred @ head.lm_head_weight.T).argmax(-1))
         hits[name] = hits.get(name, 0) + int((best == tokens).sum())
-        counts[name] = counts.get(name, 0) + int(mask.sum())
+        counts[name] = counts.get(name, 0) + int(tokens.numel())
 
     for i in range(0, len(examples), batch_sequences):
-        b = collate(examples[i : i + batch_sequences], cfg.max_seq_len)
-        L = b.tokens.shape[1]
-        step = head.train_forward(b.tokens[:, 1:], b.features[:, :-1])
-        add("acc1", step.feature[:, : L - 2], b.loss_mask[:, 2:], b.tokens[:, 2:])
-        # Second pass: row j gets (x_{j+2}, the predicted f_{j+1}) and predicts f_{j+2}.
-        step2 = head.train_forward(b.tokens[:, 2:], step.feature[:, : L - 2])
-        add("acc2", step2.feature[:, : L - 3], b.loss_mask[:, 3:], b.tokens[:, 3:])
-        if step.expert_out is not None:
-            add("acc2_contrastive", step.contrastive_feature()[:, : L - 3], b.loss_mask[:, 3:], b.tokens[:, 3:])
+        b = collate(examples[i: i + batch_sequences], cfg.max_seq_len)
+        for s, step in unroll(head, b, steps):
+            add(f"acc{s + 1}", *_scored(b, step, s, 1))
+            if step.expert_out is not None:
+                add(f"acc{s + 2}_contrastive", *_scored(b, step, s, 2))
     head.train(was_training)
     return {k: hits[k] / max(counts[k], 1) for k in hits}
 
@@ -197,6 +228,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         raise ValueError("bind the head to its target first (head.bind(target))")
     if not examples:
         raise ValueError("no training examples")
+    if cfg.ttt_steps < 0 or not cfg.ttt_decay > 0:
+        raise ValueError(f"ttt_steps must be >= 0 and ttt_decay > 0, got {cfg.ttt_steps} and {cfg.ttt_decay}")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     total = cfg.total_steps(len(examples))

@@ -31,6 +31,18 @@ from jakiro_ext.train import Example
 META_FILE = "meta.json"
 
 
+def feature_cache_dir(corpus_dir) -> Path:
+    """Where the features of a token corpus are cached: $JAKIRO_CACHE/features/<corpus name>-<hash of
+    its absolute path> (a cached shard also records its tokens, so a stale one is detected)."""
+    import hashlib
+
+    from jakiro_ext.models.default import cache_root
+
+    corpus_dir = Path(corpus_dir).resolve()
+    tag = hashlib.sha256(str(corpus_dir).encode()).hexdigest()[:10]
+    return cache_root() / "features" / f"{corpus_dir.name}-{tag}"
+
+
 # ----------------------------------------------------------------------------- generation
 @torch.no_grad()
 def generate_greedy_batched(target: LlamaModel, prompts: Iterable[Tuple[int, torch.Tensor]], max_prompt_tokens: int,
@@ -155,6 +167,28 @@ class TrainSetWriter:
         m["done"] += self.keys
         (self.path / META_FILE).write_text(json.dumps(m) + "\n")
         self._clear()
+
+
+def save_feature_shard(path, sequences, features: Sequence[torch.Tensor]) -> None:
+    """The features of a corpus shard's sequences, one row per token (a missing last row is
+    stored as zeros: the last token's feature is never used), with the tokens they belong to so
+    that a stale cache is detected."""
+    from safetensors.torch import save_file
+
+    rows = []
+    for q, f in zip(sequences, features):
+        n = q.tokens.numel()
+        if f.shape[0] == n - 1:
+            f = torch.cat([f, f.new_zeros(1, f.shape[1])])
+        if f.shape[0] != n:
+            raise ValueError(f"a sequence of {n} tokens has {f.shape[0]} feature rows")
+        rows.append(f.to("cpu", torch.bfloat16))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"features": torch.cat(rows), "tokens": torch.cat([q.tokens for q in sequences]).to(torch.int32)},
+              str(tmp))
+    tmp.replace(path)
 
 
 def load_trainset(path) -> Tuple[List[Example], dict]:

@@ -96,3 +96,29 @@ def test_loading_for_the_wrong_target_is_an_error(tmp_path):
         DraftHead.load(tmp_path / "nothing", other)
     with pytest.raises(ValueError, match=r"a Jakiro head needs num_experts >= 2"):
         DraftConfig.for_target(other.config, "jakiro", num_experts=1)
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+def test_training_time_test_unroll_is_what_drafting_computes(kind):
+    """Step s of the unroll, row i, equals the causal forward over the sequence's first i + 1
+    rows followed by the s draft rows of that anchor (their tokens and predicted features): the
+    draft's view at depth s. Checked for every anchor and step, with a nontrivial mask of past steps."""
+    from jakiro_ext.train import Batch, unroll
+
+    target = tiny_target()
+    head = make_head(target, kind, seed=5).double()  # float64: random heads' features grow step by step
+    head.embed_weight = head.embed_weight.double()
+    L, H, steps = 9, 64, 4
+    tokens = torch.randint(0, 211, (2, L), generator=gen(7))
+    feats = torch.randn(2, L, H, generator=gen(8), dtype=torch.float64)
+    batch = Batch(tokens, feats, torch.ones(2, L, dtype=torch.bool))
+    outs = [step for _, step in unroll(head, batch, steps)]
+    for s in range(steps):
+        for i in range(L - 1 - s):
+            seq_tok = torch.stack([tokens[:, 1 + j] for j in range(i + 1)] + [tokens[:, i + 1 + d] for d in range(1, s + 1)], 1)
+            seq_feat = torch.cat([feats[:, : i + 1]] + [outs[d - 1].feature[:, i : i + 1] for d in range(1, s + 1)], 1)
+            want = head.train_forward(seq_tok, seq_feat)
+            for name in ("feature", "residual") + (("expert_out",) if kind == "jakiro" else ()):
+                got = getattr(outs[s], name)[:, i]
+                torch.testing.assert_close(got, getattr(want, name)[:, -1], rtol=1e-6, atol=1e-6,  # the router computes in fp32
+                                           msg=f"step {s} row {i} {name}")

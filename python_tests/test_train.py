@@ -130,10 +130,11 @@ def make_examples(target, count=6):
     return out
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
-def test_training_learns_and_resumes_bit_exactly(target, kind, tmp_path):
+@pytest.mark.parametrize("kind,ttt_steps", [("eagle2", 0), ("jakiro", 0), ("eagle2", 3), ("jakiro", 3)])
+def test_training_learns_and_resumes_bit_exactly(target, kind, ttt_steps, tmp_path):
     examples = make_examples(target)
-    cfg = TrainConfig(steps=8, lr=3e-3, warmup_steps=2, batch_sequences=3, checkpoint_every=4, eval_every=4)
+    cfg = TrainConfig(steps=8, lr=3e-3, warmup_steps=2, batch_sequences=3, checkpoint_every=4, eval_every=4,
+                      ttt_steps=ttt_steps)
 
     def fresh():
         return DraftHead(DraftConfig.for_target(target.config, kind, num_experts=4, intermediate_size=32)).init_weights(0).bind(target)
@@ -144,8 +145,13 @@ def test_training_learns_and_resumes_bit_exactly(target, kind, tmp_path):
     assert history[-1]["loss"] < history[0]["loss"]
     assert "eval_acc1" in history[3] and "eval_acc1" in history[-1] and "eval_acc1" not in history[0]
     assert history[-1]["eval_acc1"] > before["acc1"]
+    # Training reports every unrolled step's accuracy; the evaluation always drafts 4 steps deep.
+    assert {f"acc{s}" for s in range(1, ttt_steps + 2)} <= set(history[-1])
+    assert f"acc{ttt_steps + 2}" not in history[-1]
+    assert {f"eval_acc{s}" for s in range(1, 5)} <= set(history[-1])
     if kind == "jakiro":
-        assert {"acc2_contrastive", "eval_acc2_contrastive", "eval_acc2"} <= set(history[-1])
+        assert {f"acc{s}_contrastive" for s in range(2, ttt_steps + 3)} <= set(history[-1])
+        assert {f"eval_acc{s}_contrastive" for s in range(2, 6)} <= set(history[-1])
 
     class Stop(Exception):
         pass
@@ -205,7 +211,8 @@ def test_train_command_builds_data_trains_saves_and_resumes(tmp_path, monkeypatc
     summary = json.loads((out / "training.json").read_text())
     assert summary["data"]["sequences"] == 5 and summary["train"]["total_steps"] == 4
     assert summary["draft_vocab"]["size"] == 256 and summary["draft_vocab"]["coverage"] == 1.0
-    assert set(summary["final_eval"]) == {"eval_acc1", "eval_acc2", "eval_acc2_contrastive"}
+    assert set(summary["final_eval"]) == ({f"eval_acc{s}" for s in range(1, 5)}
+                                          | {f"eval_acc{s}_contrastive" for s in range(2, 6)})
     target, tokenizer = load_default_target()
     head = DraftHead.load(out, target)
     assert head.config.num_experts == 4 and head.config.intermediate_size == target.config.intermediate_size // 4

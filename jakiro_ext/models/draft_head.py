@@ -327,20 +327,32 @@ class DraftHead(nn.Module):
         return DraftStep(feature, u, expert_out, score, contrast)
 
 
-    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor) -> DraftStep:
-        """The differentiable counterpart of :meth:`forward` for training: whole sequences with a
-        causal mask, in plain PyTorch (the fused ops have no backward). tokens [B, T] (token
-        t+1 of each row), features [B, T, H] (f_t); positions 0..T-1. Same math as ``forward``."""
+    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor,
+                      unrolled: Optional[list] = None) -> DraftStep:
+        """The differentiable counterpart of :meth:`forward` for training: whole sequences, in plain
+        PyTorch (the fused ops have no backward). tokens [B, T] (token t+1 of each row), features
+        [B, T, H] (f_t). Same math as ``forward``.
+
+        ``unrolled`` (the training-time test): a list that collects each call's keys/values. The
+        call made with it empty is step 0: row i at position i, causal (the committed prefix, as
+        the draft's cache holds it). The call made with s entries is step s: row i is the draft
+        row s steps after row i's anchor, at position i + s; it sees step 0's rows 0..i and its own
+        row of steps 1..s (its draft ancestors), exactly what drafting at depth s sees."""
         c = self.config
         B, T = tokens.shape
+        step = len(unrolled) if unrolled is not None else 0
         x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
-        positions = torch.arange(T, device=tokens.device).unsqueeze(0)
+        positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin)
-        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim)
-        attn = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                              enable_gqa=True)
+        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
+        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if unrolled is not None:
+            unrolled.append((k, v))
+        if step == 0:
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            attn = _unrolled_attention(q, unrolled)
         u = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
         normed = self.post_attention_layernorm(u)
         if not c.num_experts:
@@ -366,6 +378,23 @@ class DraftHead(nn.Module):
         expert_out = expert_out.view(B, T, 2, c.hidden_size)
         feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
         return DraftStep(feature, u, expert_out, score, contrast)
+
+
+def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:
+    """Attention of step s = len(unrolled) - 1 of the training-time test: q [B, Hq, T, D]; row i
+    sees step 0's keys 0..i (causal) and row i of every step 1..s (diagonal)."""
+    B, Hq, T, D = q.shape
+    group = Hq // unrolled[0][0].shape[1]
+    keys = [k.repeat_interleave(group, dim=1) for k, _ in unrolled]  # [B, Hq, T, D] each
+    values = [v.repeat_interleave(group, dim=1) for _, v in unrolled]
+    scale = 1.0 / math.sqrt(D)
+    prefix = (q @ keys[0].transpose(-1, -2)) * scale  # [B, Hq, T, T]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    prefix = prefix.masked_fill(~causal, -math.inf)
+    own = torch.stack([(q * k).sum(-1) for k in keys[1:]], -1) * scale  # [B, Hq, T, s]
+    probs = torch.softmax(torch.cat([prefix, own], -1), -1)
+    out = probs[..., :T] @ values[0]
+    return out + (probs[..., T:].unsqueeze(-1) * torch.stack(values[1:], -2)).sum(-2)
 
 
 class TreeKV:

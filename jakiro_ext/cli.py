@@ -322,13 +322,27 @@ def cmd_train(args) -> int:
     else:
         target, tokenizer = load_target("float32")
         name = DEFAULT_MODEL
-    data_dir = Path(args.data or cache_root() / "trainsets" / f"{name}-{args.source}")
+    from jakiro_ext.corpus import CORPUS_META
+    from jakiro_ext.trainset import corpus_examples
+
     t0 = time.perf_counter()
-    build_trainset(data_dir, target, tokenizer, name, args.source, args.max_tokens, args.max_prompt_tokens,
-                   args.max_new_tokens, args.generation_batch, args.corpus)
-    examples, meta = load_trainset(data_dir)
-    held_out = examples[:: args.eval_every_nth] if args.eval_every_nth else []
-    train = [ex for i, ex in enumerate(examples) if not args.eval_every_nth or i % args.eval_every_nth]
+    if args.data and (Path(args.data) / CORPUS_META).exists():  # a token corpus: features cached or recomputed
+        data_dir = Path(args.data)
+        examples, corpus_meta = corpus_examples(data_dir, target)
+        shards = corpus_meta["shards"]
+        meta = dict(settings=dict(corpus_meta["settings"], corpus=str(data_dir)),
+                    sequences=len(examples), tokens=sum(int(ex.tokens.numel()) for ex in examples),
+                    learned_tokens=sum(int(ex.loss_mask.sum()) for ex in examples))
+        print(f"token corpus {data_dir}: {len(shards)} shards", file=sys.stderr)
+    else:
+        data_dir = Path(args.data or cache_root() / "trainsets" / f"{name}-{args.source}")
+        build_trainset(data_dir, target, tokenizer, name, args.source, args.max_tokens, args.max_prompt_tokens,
+                       args.max_new_tokens, args.generation_batch, args.corpus)
+        examples, meta = load_trainset(data_dir)
+    # Held out by conversation: a conversation's later turns contain its earlier ones.
+    n = args.eval_every_nth
+    held_out = [ex for ex in examples if n and ex.conversation % n == 0]
+    train = [ex for ex in examples if not n or ex.conversation % n]
     print(f"training set {data_dir}: {meta['sequences']} sequences, {meta['tokens']} tokens "
           f"({meta['learned_tokens']} learned); {len(train)} for training, {len(held_out)} held out", file=sys.stderr)
 
@@ -442,7 +456,8 @@ def main(argv=None) -> int:
     p.add_argument("--kind", choices=["jakiro", "eagle2"], default="jakiro")
     p.add_argument("--out", required=True, help="directory to save the head in (config.json, model.safetensors)")
     p.add_argument("--target", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--data", help="training-set directory (default: under $JAKIRO_CACHE/trainsets); built when missing")
+    p.add_argument("--data", help="a token corpus (made by the corpus command; its features are cached) or a "
+                                  "training-set directory (default: under $JAKIRO_CACHE/trainsets; built when missing)")
     p.add_argument("--source", choices=["self_distill", "teacher_forced"], default="self_distill",
                    help="self_distill: the target answers ShareGPT's first turns itself (default); "
                         "teacher_forced: ShareGPT's own answers")

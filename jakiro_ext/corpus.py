@@ -224,25 +224,29 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
         queue_next_turn(conv, turn, tokens)
     del last
 
-    def prompts() -> Iterator[Tuple[Tuple[int, int], torch.Tensor]]:
-        fresh = (i for i in range(len(conversations)) if (i, 0) not in done)
-        while True:
+    class Prompts:
+        """Follow-up turns first (their context is fresh), then first turns of new conversations.
+        Runs dry while follow-ups may still come: the generation asks again for empty rows."""
+
+        def __init__(self):
+            self.fresh = (i for i in range(len(conversations)) if (i, 0) not in done)
+
+        def __iter__(self):
+            return self
+
+        def __next__(self) -> Tuple[Tuple[int, int], torch.Tensor]:
             if follow_ups:
                 conv, turn, ids = follow_ups.popleft()
-                yield (conv, turn), ids
-                continue
-            i = next(fresh, None)
-            if i is None:
-                if follow_ups:
-                    continue
-                return
-            ids = _encode(tokenizer, conversations[i][:1], True)
-            if len(ids) <= max_prompt_tokens:
-                yield (i, 0), torch.tensor(ids, dtype=torch.int64)
+                return (conv, turn), ids
+            for i in self.fresh:
+                ids = _encode(tokenizer, conversations[i][:1], True)
+                if len(ids) <= max_prompt_tokens:
+                    return (i, 0), torch.tensor(ids, dtype=torch.int64)
+            raise StopIteration
 
     bar = tqdm(total=answer_tokens, initial=writer.answer_tokens, unit="tok", desc="answers", disable=not progress)
     for (conv, turn), n_prompt, tokens, features in generate_greedy_batched(
-            target, prompts(), max_prompt_tokens, max_new_tokens, batch, [eos]):
+            target, Prompts(), max_prompt_tokens, max_new_tokens, batch, [eos]):
         tokens = tokens.cpu()
         writer.add(CorpusSequence(conv, turn, tokens, n_prompt), features.to("cpu", torch.bfloat16))
         done.add((conv, turn))

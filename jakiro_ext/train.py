@@ -59,6 +59,7 @@ class Example:
     tokens: torch.Tensor  # [n] int64
     features: torch.Tensor  # [n, H] the target's final hidden states (the last row is never used)
     loss_mask: torch.Tensor  # [n] bool: the tokens that are learned (the assistant turns')
+    conversation: int = -1  # the source conversation (its turns share prefixes: held out together)
 
 
 @torch.no_grad()

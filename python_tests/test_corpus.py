@@ -1,0 +1,118 @@
+"""The self-distilled token corpus on the default model: answers are the target's greedy ones,
+later turns continue the conversation with the target's own answers, shards resume, the settings
+and the target are checked, and the features (cached while generating or recomputed by batched
+prefill) are the target's."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from jakiro_ext.corpus import CorpusSequence, CorpusWriter, generate_corpus, read_corpus, read_corpus_meta
+from jakiro_ext.engine import speculative_generate
+from jakiro_ext.train import target_features
+from jakiro_ext.trainset import corpus_examples, prefill_features
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
+     {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"},
+     {"role": "user", "content": "And 4+4?"}, {"role": "assistant", "content": "8"}],
+    [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "red"}],
+    [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"},
+     {"role": "user", "content": "Again."}, {"role": "assistant", "content": "hi"}],
+]
+
+
+@pytest.fixture(scope="module")
+def default():
+    from jakiro_ext.models.default import load_default_target
+
+    return load_default_target()
+
+
+def generate(default, path, answer_tokens, **kw):
+    target, tokenizer = default
+    settings = dict(max_new_tokens=24, max_turns=2, batch=2, shard_answer_tokens=20, progress=False)
+    settings.update(kw)
+    return generate_corpus(path, target, tokenizer, "SmolLM2", answer_tokens, conversations=CONVERSATIONS, **settings)
+
+
+def test_corpus_answers_turns_shards_and_resume(tmp_path, default):
+    target, tokenizer = default
+    eos = tokenizer.eos_token_id
+    meta = generate(default, tmp_path / "c", 10_000, feature_dir=tmp_path / "f")
+    seqs = {(q.conversation, q.turn): q for q in read_corpus(tmp_path / "c")}
+    assert len(meta["shards"]) >= 2 and meta["settings"]["target_sha256"]
+    # Every first turn; a second turn only after an answer that ended on EOS, and not beyond max_turns.
+    assert {(0, 0), (1, 0), (2, 0)} <= set(seqs) and all(t < 2 for _, t in seqs)
+    assert (0, 1) in seqs, "the 2+2 answer ends on EOS within 24 tokens, so its next turn must be there"
+    for (conv, turn), q in seqs.items():
+        # The answer is the target's own greedy continuation of the prompt.
+        want = speculative_generate(target, None, q.tokens[: q.prompt_length], 24, eos_token_id=eos).token_ids
+        assert q.answer.tolist() == want
+        if turn:
+            before = seqs[(conv, turn - 1)].tokens
+            assert before[-1] == eos and torch.equal(q.tokens[: before.numel()], before)
+            text = tokenizer.decode(q.tokens[before.numel(): q.prompt_length])
+            assert CONVERSATIONS[conv][2 * turn]["content"] in text
+    # Resuming with a larger goal adds nothing twice; other settings are refused.
+    n_before = sum(s["sequences"] for s in meta["shards"])
+    meta2 = generate(default, tmp_path / "c", 20_000, feature_dir=tmp_path / "f")
+    assert sum(s["sequences"] for s in meta2["shards"]) == n_before  # all conversations were done
+    with pytest.raises(ValueError, match="other settings"):
+        generate(default, tmp_path / "c", 20_000, max_new_tokens=25)
+    # Tokens fit uint16 and are stored compressed.
+    with np.load(tmp_path / "c" / meta["shards"][0]["name"]) as z:
+        assert z["tokens"].dtype == np.uint16
+    assert json.loads((tmp_path / "c" / "corpus.json").read_text()) == meta2
+
+
+def test_interrupted_generation_resumes_with_the_same_result(tmp_path, default):
+    full = generate(default, tmp_path / "full", 10_000)
+    generate(default, tmp_path / "part", 25)  # stops after the first shard or two
+    assert len(read_corpus_meta(tmp_path / "part")["shards"]) < len(full["shards"])
+    generate(default, tmp_path / "part", 10_000)
+    key = lambda q: (q.conversation, q.turn)
+    got = sorted(((key(q), q.tokens.tolist()) for q in read_corpus(tmp_path / "part")))
+    want = sorted(((key(q), q.tokens.tolist()) for q in read_corpus(tmp_path / "full")))
+    assert got == want
+
+
+def test_corpus_features_cached_or_recomputed_are_the_targets(tmp_path, default):
+    target, _ = default
+    generate(default, tmp_path / "c", 10_000, feature_dir=tmp_path / "f")
+    cached, _ = corpus_examples(tmp_path / "c", target, tmp_path / "f", progress=False)
+    fresh, _ = corpus_examples(tmp_path / "c", target, tmp_path / "empty", batch_tokens=64, progress=False)
+    assert len(cached) == len(fresh) == sum(1 for _ in read_corpus(tmp_path / "c"))
+    for a, b in zip(cached, fresh):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.loss_mask, b.loss_mask)
+        want = target_features(target, a.tokens)
+        # bf16 storage; the last row of a generated sequence is never computed (stored as zeros).
+        for ex in (a, b):
+            torch.testing.assert_close(ex.features[:-1].float(), want[:-1], atol=0.05, rtol=0.02)
+        assert int(a.loss_mask.sum()) == a.tokens.numel() - int((~a.loss_mask).sum()) > 0
+    # The recomputed features were cached: a second read finds them.
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == sorted(
+        s["name"].replace(".npz", ".safetensors") for s in read_corpus_meta(tmp_path / "c")["shards"])
+
+
+def test_batched_prefill_matches_one_sequence_at_a_time(default):
+    target, _ = default
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (5, 17, 3, 30, 12)]
+    for got, seq in zip(prefill_features(target, seqs, batch_tokens=40), seqs):
+        # Other row counts take other kernel paths: equal up to float32 rounding.
+        torch.testing.assert_close(got, target_features(target, seq), atol=1e-3, rtol=1e-3)
+
+
+def test_corpus_of_another_target_and_bad_tokens_are_errors(tmp_path, default):
+    target, _ = default
+    w = CorpusWriter(tmp_path / "c", dict(vocab_size=100, target_sha256="0" * 64), shard_answer_tokens=1)
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 100\)"):
+        w.add(CorpusSequence(0, 0, torch.tensor([1, 2, 300]), 2))
+    w = CorpusWriter(tmp_path / "d", dict(vocab_size=100, target_sha256="0" * 64), shard_answer_tokens=1)
+    w.add(CorpusSequence(0, 0, torch.tensor([1, 2, 3]), 2))
+    with pytest.raises(ValueError, match="generated by another target"):
+        corpus_examples(tmp_path / "d", target, tmp_path / "f", progress=False)
+    with pytest.raises(FileNotFoundError, match="not a token corpus"):
+        read_corpus_meta(tmp_path / "nothing")

@@ -65,7 +65,9 @@ def main():
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--total-tokens", type=int)
+    ap.add_argument("--jakiro-head", help="a Jakiro head directory (default: the shipped one)")
+    ap.add_argument("--eagle2-head", help="an EAGLE-2 head directory (default: the shipped one)")
+    ap.add_argument("--total-tokens", type=int, help="a fixed tree (default: each head's tree chosen by measured cost)")
     ap.add_argument("--depth", type=int)
     ap.add_argument("--top-k-draft", type=int)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
@@ -81,19 +83,26 @@ def main():
     from jakiro_ext.engine import CPU_TREE, TreeConfig, speculative_generate
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
     from jakiro_ext.models.llama import LlamaModel
+    from jakiro_ext.tree_cost import auto_tree
 
     dtype = getattr(torch, args.dtype)
     hf, tokenizer = load_default_hf(dtype)
     target = LlamaModel.from_hf(hf, dtype)
-    heads = {k: load_head(k, None, target, DEFAULT_MODEL) for k in ("eagle2", "jakiro")}
-    tree = TreeConfig(args.total_tokens or CPU_TREE.total_tokens, args.depth or CPU_TREE.depth,
-                      args.top_k_draft or CPU_TREE.top_k)
+    heads = {k: load_head(k, getattr(args, f"{k}_head"), target, DEFAULT_MODEL) for k in ("eagle2", "jakiro")}
+    head_of = lambda method: heads["eagle2" if method == "eagle2" else "jakiro"]  # noqa: E731
+    if any(x is not None for x in (args.total_tokens, args.depth, args.top_k_draft)):
+        fixed = TreeConfig(args.total_tokens or CPU_TREE.total_tokens, args.depth or CPU_TREE.depth,
+                           args.top_k_draft or CPU_TREE.top_k)
+        trees = {m: fixed for m in args.methods}
+    else:
+        trees = {m: auto_tree(target, head_of(m), m) or CPU_TREE for m in args.methods}
+    print("trees: " + ", ".join(f"{m} {t.total_tokens}/{t.depth}/{t.top_k}" for m, t in trees.items()), flush=True)
     eos = tokenizer.eos_token_id
     questions = load_questions(args.per_category, args.categories)
 
     def run_engine(method, ids, temperature, seed):
-        head = heads.get("eagle2" if method == "eagle2" else "jakiro") if method != "ar" else None
-        out = speculative_generate(target, head, ids, args.max_new_tokens, method=method, tree=tree,
+        head = head_of(method) if method != "ar" else None
+        out = speculative_generate(target, head, ids, args.max_new_tokens, method=method, tree=trees.get(method),
                                    temperature=temperature, eos_token_id=eos, seed=seed)
         s = out.stats
         return out.token_ids, s.new_tokens, s.wall_time_s, s.tau, s.target_forwards
@@ -142,7 +151,7 @@ def main():
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    summary = summarize(rows, tree, args)
+    summary = summarize(rows, trees, args)
     with open(os.path.join(RESULTS, f"{args.tag}_summary.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(summary[0]))
         w.writeheader()
@@ -153,7 +162,7 @@ def main():
             print(r)
 
 
-def summarize(rows, tree, args):
+def summarize(rows, trees, args):
     """Pooled tokens/s, tau and speedups per (temperature, method, category) and overall; the
     overall speedups are the mean over categories of the per-category speedups."""
     groups = defaultdict(list)
@@ -186,7 +195,8 @@ def summarize(rows, tree, args):
         else:
             row["all_same_tokens_as_ar"] = ""
         row.update(dtype=args.dtype, max_new_tokens=args.max_new_tokens, threads=args.threads,
-                   tree=f"{tree.total_tokens}/{tree.depth}/{tree.top_k}")
+                   tree=f"{trees[method].total_tokens}/{trees[method].depth}/{trees[method].top_k}"
+                   if method in trees else "")
         out.append(row)
     return out
 

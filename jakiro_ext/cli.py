@@ -63,7 +63,9 @@ def chat_ids(tokenizer, prompt: str, chat_template: bool = True) -> torch.Tensor
     return ids[0].to(torch.int64)
 
 
-def tree_from_args(args) -> TreeConfig:
+def tree_from_args(args) -> Optional[TreeConfig]:
+    """The tree the options ask for; None for ``--tree auto`` without explicit settings (each
+    method's tree is then chosen by measured cost, see ``Runner.tree_for``)."""
     if args.static_tree:
         if any(x is not None for x in (args.total_tokens, args.depth, args.top_k_draft)):
             raise ValueError("--static-tree fixes the whole tree: drop --total-tokens, --depth and --top-k-draft")
@@ -71,10 +73,19 @@ def tree_from_args(args) -> TreeConfig:
             return TreeConfig(choices=json.loads(args.static_tree))
         except json.JSONDecodeError as exc:
             raise ValueError(f"--static-tree must be JSON like [[0], [1], [0, 0]], got {args.static_tree!r}: {exc}") from None
-    base = CPU_TREE if args.tree == "cpu" else GPU_TREE
+    explicit = [x for x in (args.total_tokens, args.depth, args.top_k_draft) if x is not None]
+    if args.tree == "auto" and not explicit:
+        return None
+    base = GPU_TREE if args.tree == "gpu" else CPU_TREE  # auto with explicit settings: they override the cpu preset
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is an error, not a default)
     return TreeConfig(pick(args.total_tokens, base.total_tokens), pick(args.depth, base.depth),
                       pick(args.top_k_draft, base.top_k))
+
+
+def tree_dict(tree: TreeConfig) -> dict:
+    if tree.choices is not None:
+        return dict(choices=tree.choices)
+    return dict(total_tokens=tree.total_tokens, depth=tree.depth, top_k=tree.top_k)
 
 
 def set_threads(threads: int) -> None:
@@ -86,7 +97,7 @@ def set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def check_generation_args(args) -> TreeConfig:
+def check_generation_args(args) -> Optional[TreeConfig]:
     """Every generation option, checked before a model is loaded (the same checks as the API's);
     returns the draft tree."""
     check_sampling_options(args.max_new_tokens, args.temperature, args.top_p, args.top_k, args.seed)
@@ -105,23 +116,38 @@ def check_generation_args(args) -> TreeConfig:
 class Runner:
     """The target, its tokenizer and the heads the requested methods need, loaded once."""
 
-    def __init__(self, args, methods: List[str], tree: TreeConfig):
+    def __init__(self, args, methods: List[str], tree: Optional[TreeConfig]):
         from jakiro_ext.models.default import DEFAULT_MODEL
 
         set_threads(args.threads)
         self.args = args
         self.tree = tree
+        self.trees: Dict[str, TreeConfig] = {}
         self.target, self.tokenizer = load_target(args.dtype)
         self.heads: Dict[str, object] = {}
         for kind in sorted({HEAD_KIND[m] for m in methods if m != "ar"}):
             self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, DEFAULT_MODEL)
+
+    def tree_for(self, method: str) -> TreeConfig:
+        """The asked tree, else the one chosen by measured cost for the method's head (when it
+        has an acceptance profile and runs on the CPU), else the device's preset."""
+        if self.tree is not None:
+            return self.tree
+        if method not in self.trees:
+            from jakiro_ext.tree_cost import auto_tree
+
+            head = self.heads.get(HEAD_KIND.get(method, ""))
+            on_cpu = self.target.lm_head.weight.device.type == "cpu"
+            chosen = auto_tree(self.target, head, method) if head is not None and on_cpu else None
+            self.trees[method] = chosen or (CPU_TREE if on_cpu else GPU_TREE)
+        return self.trees[method]
 
     def run(self, method: str, prompt_ids: torch.Tensor, on_tokens=None,
             max_new_tokens: Optional[int] = None) -> GenerationOutput:
         a = self.args
         head = self.heads.get(HEAD_KIND.get(method, ""))
         return speculative_generate(self.target, head, prompt_ids, max_new_tokens or a.max_new_tokens, method=method,
-                                    tree=self.tree,
+                                    tree=self.tree_for(method),
                                     temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                     eos_token_id=self.tokenizer.eos_token_id, seed=a.seed, on_tokens=on_tokens)
 
@@ -243,8 +269,7 @@ def cmd_bench(args) -> int:
             s["all_same_tokens_as_ar"] = all(r.get("same_tokens_as_ar", False) for r in runs[m])
     config = dict(prompts=str(args.prompts), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  tree=dict(choices=runner.tree.choices) if runner.tree.choices is not None else
-                  dict(total_tokens=runner.tree.total_tokens, depth=runner.tree.depth, top_k=runner.tree.top_k),
+                  tree={m: tree_dict(runner.tree_for(m)) for m in methods if m != "ar"},
                   threads=torch.get_num_threads())
     if args.json:
         print(json.dumps(dict(config=config, methods=summary, per_prompt=per_prompt)))
@@ -391,6 +416,11 @@ def cmd_train(args) -> int:
                    draft_vocab=dict(size=args.draft_vocab, coverage=round(coverage, 4)), final_eval=final,
                    eval_history=[{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
                                  for r in history if any(k.startswith("eval_") for k in r)])
+    if held_out:  # how often its drafts are accepted, by depth and rank: what the tree choice needs
+        from jakiro_ext.tree_cost import acceptance_profile
+
+        head.acceptance = dict(acceptance_profile(head, held_out, cfg.max_seq_len),
+                               data=f"{len(held_out)} held-out sequences of {data_dir.name}")
     head.save(out, getattr(torch, args.save_dtype))
     (out / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"saved {args.kind} head to {out} ({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training); "
@@ -409,9 +439,10 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--jakiro-head", help="directory of a trained Jakiro head (default: the shipped one)")
     p.add_argument("--eagle2-head", help="directory of a trained EAGLE-2 head (default: the shipped one)")
-    p.add_argument("--tree", choices=["cpu", "gpu"], default="cpu",
-                   help=f"dynamic tree preset: cpu {CPU_TREE.total_tokens}/{CPU_TREE.depth}/{CPU_TREE.top_k} (default), "
-                        f"gpu {GPU_TREE.total_tokens}/{GPU_TREE.depth}/{GPU_TREE.top_k} (total/depth/top-k)")
+    p.add_argument("--tree", choices=["auto", "cpu", "gpu"], default="auto",
+                   help=f"auto (default): on a CPU, chosen by this machine's measured costs and the head's acceptance "
+                        f"profile (costs measured once, cached); presets: cpu {CPU_TREE.total_tokens}/{CPU_TREE.depth}/"
+                        f"{CPU_TREE.top_k}, gpu {GPU_TREE.total_tokens}/{GPU_TREE.depth}/{GPU_TREE.top_k} (total/depth/top-k)")
     p.add_argument("--total-tokens", type=int, help="dynamic tree: nodes verified per round, root included")
     p.add_argument("--depth", type=int, help="dynamic tree: expansions (a path holds up to depth + 1 drafts)")
     p.add_argument("--top-k-draft", type=int, help="dynamic tree: children per node and frontier width")

@@ -245,16 +245,18 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
             raise StopIteration
 
     bar = tqdm(total=answer_tokens, initial=writer.answer_tokens, unit="tok", desc="answers", disable=not progress)
-    for (conv, turn), n_prompt, tokens, features in generate_greedy_batched(
-            target, Prompts(), max_prompt_tokens, max_new_tokens, batch, [eos]):
-        tokens = tokens.cpu()
-        writer.add(CorpusSequence(conv, turn, tokens, n_prompt), features.to("cpu", torch.bfloat16))
-        done.add((conv, turn))
-        if tokens[-1] == eos:
-            queue_next_turn(conv, turn, tokens)
-        bar.update(tokens.numel() - n_prompt)
-        if writer.answer_tokens >= answer_tokens:
-            break
-    bar.close()
-    writer.flush()
+    try:
+        for (conv, turn), n_prompt, tokens, features in generate_greedy_batched(
+                target, Prompts(), max_prompt_tokens, max_new_tokens, batch, [eos]):
+            tokens = tokens.cpu()
+            writer.add(CorpusSequence(conv, turn, tokens, n_prompt), features.to("cpu", torch.bfloat16))
+            done.add((conv, turn))
+            if tokens[-1] == eos:
+                queue_next_turn(conv, turn, tokens)
+            bar.update(tokens.numel() - n_prompt)
+            if writer.answer_tokens >= answer_tokens:
+                break
+    finally:  # also on Ctrl-C: the finished sequences are kept (those in flight are redone on resume)
+        bar.close()
+        writer.flush()
     return writer.meta

@@ -466,7 +466,9 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
         ``jakiro`` (the last layer from the contrastive branch, one draft forward fewer) or
         ``jakiro_star`` (each activated expert proposes its own children). Default: ``jakiro``
         for a MoE head, ``eagle2`` for a dense one, ``ar`` without a head.
-    tree : a :class:`TreeConfig`; default :data:`CPU_TREE` on CPU, :data:`GPU_TREE` elsewhere.
+    tree : a :class:`TreeConfig`. Default on CPU: chosen by measured cost for a head with an
+        acceptance profile (:mod:`jakiro_ext.tree_cost`; the machine's costs are measured once
+        and cached), else :data:`CPU_TREE`; elsewhere :data:`GPU_TREE`.
     temperature, top_p, top_k : finite temperature >= 0 (0: greedy), top_p in (0, 1], int top_k >= 0 (0: off).
     eos_token_id : None, an int or a list of ints that end the generation (included in the output).
     seed : an int in [0, 2**63): seeds the draws of sampling (temperature > 0).
@@ -506,6 +508,10 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     if method != "ar" and draft is None:
         raise ValueError(f"method {method!r} needs a draft head")
     device = target.lm_head.weight.device
+    if tree is None and device.type == "cpu" and method != "ar":
+        from jakiro_ext.tree_cost import auto_tree
+
+        tree = auto_tree(target, draft, method)
     if tree is None:
         tree = CPU_TREE if device.type == "cpu" else GPU_TREE
     n = ids.numel()

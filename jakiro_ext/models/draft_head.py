@@ -27,6 +27,22 @@ from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, p
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+ACCEPTANCE_FILE = "acceptance.json"  # optional: the head's acceptance profile (jakiro_ext.tree_cost)
+
+
+def _read_acceptance(file: Path) -> dict:
+    """An acceptance profile; a malformed one is a ValueError naming the file."""
+    try:
+        raw = json.loads(Path(file).read_text())
+        tables = [raw["depth_rank"]] + ([raw["contrastive_depth_rank"]] if "contrastive_depth_rank" in raw else [])
+        ok = all(isinstance(t, list) and t and all(isinstance(row, list) and row and
+                                                   all(isinstance(p, (int, float)) and 0 <= p <= 1 for p in row)
+                                                   for row in t) for t in tables)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: not an acceptance profile ({exc})") from None
+    if not ok:
+        raise ValueError(f"{file}: depth_rank must be a non-empty list of non-empty lists of probabilities in [0, 1]")
+    return raw
 
 
 @dataclass
@@ -164,6 +180,8 @@ class DraftHead(nn.Module):
             self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, dtype=torch.int64))
         self.embed_weight: Optional[torch.Tensor] = None  # the target's, set by bind()
         self.lm_head_weight: Optional[torch.Tensor] = None  # the target's rows of the draft vocabulary
+        # How often its drafts are accepted, by depth and rank (jakiro_ext.tree_cost; acceptance.json)
+        self.acceptance: Optional[dict] = None
 
     # ------------------------------------------------------------------ construction and storage
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "DraftHead":
@@ -228,6 +246,8 @@ class DraftHead(nn.Module):
         state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
                  for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", "kind": self.config.kind, **(metadata or {})})
+        if self.acceptance is not None:
+            (path / ACCEPTANCE_FILE).write_text(json.dumps(self.acceptance, indent=1) + "\n")
 
     @classmethod
     def load(cls, path, target: Optional[LlamaModel] = None) -> "DraftHead":
@@ -271,6 +291,8 @@ class DraftHead(nn.Module):
                 head.set_draft_vocab(head.draft_to_target.clone())
             except ValueError as exc:
                 raise ValueError(f"{weights}: draft_to_target: {exc}") from None
+        if (path / ACCEPTANCE_FILE).is_file():
+            head.acceptance = _read_acceptance(path / ACCEPTANCE_FILE)
         head.eval()
         return head.bind(target) if target is not None else head
 

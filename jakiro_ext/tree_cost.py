@@ -1,0 +1,223 @@
+"""The draft tree chosen by measured cost.
+
+A round of speculative decoding costs the drafting of a tree (the drafter's head forwards over
+the frontier and its LM-head passes), one target forward over the tree's N tokens with its
+verification, and the draft's catch-up over the accepted tokens; it yields 1 + (accepted drafted
+tokens). The tree (N, depth D, width K) that maximises the expected tokens per second
+
+    (1 + E(N, D, K)) / (c_verify(N) + c_draft(D, K) + c_catch_up(1 + E))
+
+depends on the machine (the c_*) and on the head (E):
+
+- the costs are measured once per machine, thread count, dtype, model shape and method, and cached
+  in ``$JAKIRO_CACHE/costs`` (:func:`load_costs`);
+- E comes from the head's acceptance profile, recorded with the head when it is trained
+  (``acceptance.json``): p[d][r], the probability that the target's token at depth d is the draft's
+  r-th candidate given the path before it was right, measured on held-out answers drafting from
+  the head's own features. The dynamic tree is modelled by the drafter's own rule with these
+  probabilities as scores: the K best nodes of a depth get K children each (for ``jakiro`` the last
+  layer comes from the contrastive branch under each frontier node's best child), and the N - 1 best
+  nodes are kept; E is the sum of their probabilities (a node is accepted when its whole path is).
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+ACCEPTANCE_FILE = "acceptance.json"
+SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # target forwards measured at these N
+DEPTHS = tuple(range(1, 7))  # jakiro's: one more (its last layer is the contrastive step's)
+WIDTHS = tuple(range(1, 9))
+CONTEXT = 256  # committed tokens behind the measured forwards (a typical chat position)
+
+
+# ----------------------------------------------------------------------------- expected acceptance
+def _prob(table: Sequence[Sequence[float]], depth: int, rank: int, first_depth: int) -> float:
+    i = depth - first_depth
+    return float(table[i][rank]) if 0 <= i < len(table) and rank < len(table[i]) else 0.0
+
+
+def expected_accepted(profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> float:
+    """Expected drafted tokens accepted per round by a dynamic tree (see the module's docstring).
+    ``profile``: {"depth_rank": [[p(d=1, r=0), p(1, 1), ...], [p(2, 0), ...], ...]} and, for
+    ``jakiro``, "contrastive_depth_rank" (the same from depth 2 on)."""
+    p = profile["depth_rank"]
+    pc = profile.get("contrastive_depth_rank") if method == "jakiro" else None
+    nodes: List[float] = []
+    layer = [_prob(p, 1, r, 1) for r in range(top_k)]
+    nodes += layer
+    expansions = depth - 1 if method == "jakiro" else depth
+    for d in range(1, expansions + 1):
+        frontier = sorted(layer, reverse=True)[:top_k]
+        layer = [v * _prob(p, d + 1, r, 1) for v in frontier for r in range(top_k)]
+        nodes += layer
+        if pc is not None and d == expansions:
+            nodes += [v * _prob(p, d + 1, 0, 1) * _prob(pc, d + 2, r, 2) for v in frontier for r in range(top_k)]
+    return float(sum(sorted(nodes, reverse=True)[: total_tokens - 1]))
+
+
+# ----------------------------------------------------------------------------- measured costs
+def _interpolate(curve: Dict[str, float], x: float) -> float:
+    points = sorted((float(k), v) for k, v in curve.items())
+    if x <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def measure_costs(target, head, method: str, repeats: int = 5) -> dict:
+    """The seconds of each part of a round on this machine (see the module's docstring), with
+    the target and the head as given (their dtype and device, torch's thread count)."""
+    from jakiro_ext import ops
+    from jakiro_ext.engine import Drafter, TreeConfig
+    from jakiro_ext.models.llama import causal_tree_mask
+
+    device = target.lm_head.weight.device
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
+    cache = target.new_cache(1, CONTEXT + max(SIZES))
+    _, hidden = target(prompt[:CONTEXT].unsqueeze(0), cache, last_logits_only=True)
+    cache.lengths += CONTEXT
+
+    def verify_once(n: int):
+        tokens = prompt[:n].unsqueeze(0)
+        parents = (torch.arange(n, device=device) - 1).unsqueeze(0)
+        logits, _ = target(tokens, cache, ops.build_tree_mask(parents))
+        ops.verify_tree(parents, tokens, logits, None, 0.0, 1.0, 0)
+
+    verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES}
+    draft, catch_up = {}, {}
+    for k in WIDTHS:
+        for d in (d + (method == "jakiro") for d in DEPTHS):
+            drafter = Drafter(head, method, TreeConfig(max(2, min(64, 1 + d * k)), d, k), CONTEXT + 16)
+            drafter.catch_up(prompt[1:CONTEXT + 1], hidden[0])
+            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(int(prompt[0])), repeats)
+    for rows in range(1, 9):
+        def run():
+            drafter.catch_up(prompt[:rows], hidden[0, :rows])
+            drafter.cache.lengths -= rows
+        catch_up[str(rows)] = _median_seconds(run, repeats)
+    return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT)
+
+
+def costs_key(target, head, method: str) -> str:
+    """What the costs depend on: the CPU (or GPU), the threads, the dtype and the shapes."""
+    from jakiro_ext.corpus import _cpu_name
+
+    device = target.lm_head.weight.device
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()) + \
+        f"-{torch.get_num_threads()}t"
+    t, h = target.config, head.config
+    shape = (f"h{t.hidden_size}-l{t.num_layers}-i{t.intermediate_size}-v{t.vocab_size}-"
+             f"e{h.num_experts}x{h.intermediate_size}-dv{h.draft_vocab_size}")
+    dtype = str(target.lm_head.weight.dtype).replace("torch.", "")
+    return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}")
+
+
+def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True) -> dict:
+    """The cached costs of this machine and setting, measured (a few seconds) when missing."""
+    from jakiro_ext.models.default import cache_root
+
+    path = Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method) + ".json")
+    if path.exists():
+        return json.loads(path.read_text())
+    if progress:
+        import sys
+
+        print(f"measuring this machine's round costs once for the tree choice (cached in {path})", file=sys.stderr)
+    costs = measure_costs(target, head, method)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(costs, indent=1) + "\n")
+    tmp.replace(path)
+    return costs
+
+
+# ----------------------------------------------------------------------------- the choice
+def rate(costs: dict, profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> Tuple[float, float]:
+    """(expected tokens per second, expected accepted drafted tokens per round) of a tree."""
+    accepted = expected_accepted(profile, total_tokens, depth, top_k, method)
+    seconds = (_interpolate(costs["verify"], total_tokens) + costs["draft"][f"{depth},{top_k}"]
+               + _interpolate(costs["catch_up"], 1 + accepted))
+    return (1 + accepted) / seconds, accepted
+
+
+def choose_tree(costs: dict, profile: dict, method: str):
+    """The dynamic tree with the highest expected tokens per second, and every candidate's
+    (tokens/s, accepted, N, D, K), best first."""
+    from jakiro_ext.engine import TreeConfig
+
+    rows = []
+    for key in costs["draft"]:
+        depth, top_k = map(int, key.split(","))
+        most = 1 + sum(top_k ** i for i in range(1, depth + 2))  # nodes the drafting can produce, root included
+        for n in SIZES[1:]:
+            if n <= most:
+                r, accepted = rate(costs, profile, n, depth, top_k, method)
+                rows.append((r, accepted, n, depth, top_k))
+    rows.sort(key=lambda row: -row[0])
+    _, _, n, depth, top_k = rows[0]
+    return TreeConfig(n, depth, top_k), rows
+
+
+def auto_tree(target, head, method: str):
+    """The tree for ``head`` on this machine: chosen by measured cost when the head has an
+    acceptance profile, else None (the caller's preset)."""
+    profile = getattr(head, "acceptance", None)
+    if not profile:
+        return None
+    return choose_tree(load_costs(target, head, method), profile, method)[0]
+
+
+# ----------------------------------------------------------------------------- the head's profile
+@torch.no_grad()
+def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, ranks: int = 8,
+                       batch_sequences: int = 16) -> dict:
+    """p[d][r] (see the module's docstring) on ``examples``' learned tokens, drafting from the
+    head's own features as the engine does; for a Jakiro head also its contrastive branch's."""
+    from jakiro_ext.train import _scored, collate, unroll
+
+    hits = torch.zeros(depth, ranks, dtype=torch.float64)
+    hits_c = torch.zeros(depth, ranks, dtype=torch.float64)
+    counts = torch.zeros(depth, dtype=torch.float64)
+    counts_c = torch.zeros(depth, dtype=torch.float64)
+
+    def add(table, count, s, pred, _want, mask, tokens):
+        pred, tokens = pred[mask], tokens[mask]
+        top = head.target_ids((pred @ head.lm_head_weight.T).topk(ranks, -1).indices)  # [n, ranks]
+        table[s] += (top == tokens.unsqueeze(-1)).double().sum(0)
+        count[s] += tokens.numel()
+
+    was_training = head.training
+    head.eval()
+    for i in range(0, len(examples), batch_sequences):
+        b = collate(examples[i: i + batch_sequences], max_seq_len)
+        for s, step in unroll(head, b, depth):
+            add(hits, counts, s, *_scored(b, step, s, 1))
+            if step.expert_out is not None:
+                add(hits_c, counts_c, s, *_scored(b, step, s, 2))
+    head.train(was_training)
+    out = dict(depth_rank=(hits / counts.clamp(min=1).unsqueeze(1)).tolist(), positions=int(counts[0]))
+    if head.config.num_experts:
+        out["contrastive_depth_rank"] = (hits_c / counts_c.clamp(min=1).unsqueeze(1)).tolist()
+    return out

@@ -1,0 +1,114 @@
+"""The tree chosen by measured cost: the expected acceptance of a dynamic tree from a head's
+acceptance profile, the choice against synthetic cost curves, the measured and cached costs, the
+profile recorded with a head, and decoding with the chosen tree (still lossless)."""
+import json
+
+import pytest
+import torch
+
+from jakiro_ext.engine import TreeConfig, speculative_generate
+from jakiro_ext.models.draft_head import DraftHead
+from jakiro_ext.train import TrainConfig, evaluate
+from jakiro_ext.tree_cost import (SIZES, acceptance_profile, auto_tree, choose_tree, expected_accepted, load_costs,
+                                  measure_costs)
+from test_generate import copy_head, prompt, tiny_target
+from test_train import make_examples
+
+
+def chain_profile(depth=6, ranks=4):
+    return dict(depth_rank=[[1.0] + [0.0] * (ranks - 1)] * depth)
+
+
+def test_expected_acceptance_of_dynamic_trees():
+    # A head that is always right with its best candidate: the chain, as long as the tree allows.
+    for n, d, k in [(2, 3, 2), (4, 3, 2), (8, 3, 2), (8, 5, 1), (30, 2, 3)]:
+        assert expected_accepted(chain_profile(), n, d, k, "eagle2") == min(n - 1, d + 1)
+        assert expected_accepted(chain_profile(), n, d, k, "jakiro") == min(n - 1, d)  # one layer fewer...
+    # contrastive_depth_rank starts at depth 2 (the root step's contrastive feature); the tree
+    # below uses depth 3's (that of the depth-1 nodes' step).
+    p = dict(depth_rank=[[0.6, 0.3], [0.5, 0.2]], contrastive_depth_rank=[[0.9, 0.9], [0.4, 0.1]])
+    # Depth 1: 0.6, 0.3; both expanded: 0.3, 0.12, 0.15, 0.06; the best three kept.
+    assert expected_accepted(p, 4, 1, 2, "eagle2") == pytest.approx(0.6 + 0.3 + 0.3)
+    assert expected_accepted(p, 99, 1, 1, "eagle2") == pytest.approx(0.6 + 0.3)
+    # Jakiro at depth 2: one MoE expansion of {0.6, 0.3}, plus contrastive nodes under each
+    # frontier node's best child: v * 0.5 * {0.4, 0.1}.
+    nodes = [0.6, 0.3, 0.3, 0.12, 0.15, 0.06, 0.12, 0.03, 0.06, 0.015]
+    assert expected_accepted(p, 99, 2, 2, "jakiro") == pytest.approx(sum(nodes))
+    assert expected_accepted(p, 5, 2, 2, "jakiro") == pytest.approx(0.6 + 0.3 + 0.3 + 0.15)
+    assert expected_accepted(dict(depth_rank=[[0.0, 0.0]]), 10, 3, 2, "eagle2") == 0.0
+    # More nodes never expect fewer tokens.
+    real = dict(depth_rank=[[0.5, 0.2, 0.1], [0.45, 0.2, 0.1], [0.4, 0.2, 0.1]])
+    values = [expected_accepted(real, n, 3, 3, "eagle2") for n in range(2, 40)]
+    assert values == sorted(values) and values[-1] > values[0]
+
+
+def synthetic_costs(per_token):
+    return dict(verify={str(n): 0.02 + per_token * n for n in SIZES},
+                draft={f"{d},{k}": 0.0005 * d * k for d in range(1, 7) for k in range(1, 9)},
+                catch_up={str(r): 0.001 for r in range(1, 9)})
+
+
+def test_the_choice_follows_the_costs_and_the_acceptance():
+    good = dict(depth_rank=[[0.8, 0.1, 0.05]] * 6)
+    flat, _ = choose_tree(synthetic_costs(0.0), good, "eagle2")
+    steep, rows = choose_tree(synthetic_costs(0.01), good, "eagle2")
+    assert flat.total_tokens >= 16 and flat.depth >= 4  # verifying is free: draft deep and wide
+    assert steep.total_tokens <= 6  # every node costs half a plain forward
+    assert rows[0][0] == max(r[0] for r in rows) and len(rows) > 100
+    weak = dict(depth_rank=[[0.3, 0.1, 0.05]] * 6)
+    assert choose_tree(synthetic_costs(0.001), weak, "eagle2")[0].depth < choose_tree(
+        synthetic_costs(0.001), good, "eagle2")[0].depth
+
+
+def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
+    target = tiny_target()
+    head = copy_head(target, "jakiro")
+    costs = load_costs(target, head, "jakiro", tmp_path, progress=False)
+    assert set(costs["verify"]) == {str(n) for n in SIZES} and all(v > 0 for v in costs["verify"].values())
+    assert len(costs["draft"]) == 6 * 8 and all(v > 0 for v in costs["catch_up"].values())
+    assert len(list(tmp_path.iterdir())) == 1
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("cached costs must not be measured again")
+
+    monkeypatch.setattr("jakiro_ext.tree_cost.measure_costs", no_measuring)
+    assert load_costs(target, head, "jakiro", tmp_path, progress=False) == costs
+
+
+def test_profile_recorded_with_the_head_and_used_by_default(tmp_path, monkeypatch):
+    target = tiny_target()
+    head = copy_head(target, "jakiro")
+    examples = make_examples(target, count=3)
+    profile = acceptance_profile(head, examples, depth=4, ranks=3)
+    table = torch.tensor(profile["depth_rank"])
+    assert table.shape == (4, 3) and bool(((table >= 0) & (table <= 1)).all())
+    assert bool((table.sum(-1) <= 1 + 1e-9).all()) and profile["positions"] > 0
+    assert torch.tensor(profile["contrastive_depth_rank"]).shape == (4, 3)
+    # Rank 0 at depth d is the evaluation's acc{d}.
+    acc = evaluate(head, examples, TrainConfig())
+    for d in range(1, 5):
+        assert table[d - 1, 0].item() == pytest.approx(acc[f"acc{d}"])
+    head.acceptance = profile
+    head.save(tmp_path / "head")
+    loaded = DraftHead.load(tmp_path / "head", target)
+    assert loaded.acceptance == json.loads((tmp_path / "head" / "acceptance.json").read_text())
+    # The engine's default tree on a CPU is the one chosen for it; decoding stays lossless.
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path / "cache"))
+    chosen = auto_tree(target, loaded, "jakiro")
+    assert isinstance(chosen, TreeConfig)
+    assert chosen == choose_tree(load_costs(target, loaded, "jakiro", progress=False), loaded.acceptance, "jakiro")[0]
+    x = prompt(9)
+    assert (speculative_generate(target, loaded, x, 20).token_ids
+            == speculative_generate(target, loaded, x, 20, tree=chosen).token_ids
+            == speculative_generate(target, None, x, 20).token_ids)
+    assert auto_tree(target, copy_head(target, "jakiro"), "jakiro") is None  # no profile: the caller's preset
+
+
+def test_malformed_acceptance_profile_is_an_error(tmp_path):
+    target = tiny_target()
+    head = copy_head(target, "eagle2")
+    head.save(tmp_path / "head")
+    for bad in ('{"depth_rank": [[1.5]]}', '{"depth_rank": []}', '{"other": 1}', "not json"):
+        (tmp_path / "head" / "acceptance.json").write_text(bad)
+        with pytest.raises(ValueError, match="acceptance"):
+            DraftHead.load(tmp_path / "head", target)

@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     ttt_steps: int = 0  # training-time test: extra steps unrolled on the head's own features (0: off)
     ttt_decay: float = 0.8  # step s's loss weight is ttt_decay ** s
+    token_loss_top: int = 32  # the token loss's soft labels: the target's top tokens (renormalised)
 
     def total_steps(self, num_examples: int) -> int:
         return self.steps or max(1, math.ceil(self.epochs * num_examples / self.batch_sequences))
@@ -101,23 +102,20 @@ def collate(examples: Sequence[Example], max_len: int) -> Batch:
     return Batch(tokens, features, mask)
 
 
-def _soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1).mean()
-
-
-def _branch_loss(head: DraftHead, pred: torch.Tensor, want: torch.Tensor, mask: torch.Tensor, next_tokens: torch.Tensor,
-                 w_feature: float, w_token: float):
+def _branch_loss(head: DraftHead, rows: "Scored", w_feature: float, w_token: float):
     """One branch's feature + token loss over the masked rows, and its top-1 hits and count
-    (the head's best draft token against the sequence's token)."""
-    pred, want, next_tokens = pred[mask], want[mask], next_tokens[mask]
+    (the head's best draft token against the sequence's token). The token loss is the cross
+    entropy against the target's distribution of the wanted feature (``rows.want_probs``)."""
+    mask = rows.mask
+    pred, want, next_tokens = rows.pred[mask], rows.want[mask], rows.tokens[mask]
     if pred.shape[0] == 0:
         return pred.sum() * 0.0, 0, 0
     loss = w_feature * F.smooth_l1_loss(pred, want)
     logits = pred @ head.lm_head_weight.T
-    if w_token:
-        with torch.no_grad():
-            target_logits = want @ head.lm_head_weight.T
-        loss = loss + w_token * _soft_ce(logits, target_logits)
+    if w_token:  # soft cross entropy against the target's top tokens: -sum p_j log q_j
+        probs, ids = rows.want_probs.probs[mask], rows.want_probs.ids[mask]
+        ce = -(probs * torch.log_softmax(logits, -1).gather(-1, ids)).sum(-1)  # log_softmax: one fused pass
+        loss = loss + w_token * ce.mean()
     hits = int((head.target_ids(logits.detach().argmax(-1)) == next_tokens).sum())
     return loss, hits, int(mask.sum())
 
@@ -140,14 +138,41 @@ def unroll(head: DraftHead, batch: Batch, steps: int, features: Optional[torch.T
         yield s, step
 
 
-def _scored(batch: Batch, step: DraftStep, s: int, ahead: int):
+class TopProbs(NamedTuple):
+    probs: torch.Tensor  # [..., k] the target's probabilities of its k most probable draft tokens, renormalised
+    ids: torch.Tensor  # [..., k] their draft-vocabulary ids
+
+    def __getitem__(self, index):  # slicing slices both
+        if isinstance(index, int):
+            return tuple.__getitem__(self, index)
+        return TopProbs(self.probs[index], self.ids[index])
+
+
+@torch.no_grad()
+def target_top_probs(head: DraftHead, features: torch.Tensor, k: int) -> TopProbs:
+    """The target's distribution over the draft vocabulary at each feature, kept to its k most
+    probable tokens (renormalised): the token loss's soft labels without [rows, vocabulary]
+    tensors in the loss (a peaked distribution loses little mass: 32 tokens keep ~all of it)."""
+    top, ids = (features @ head.lm_head_weight.T).topk(k, -1)
+    return TopProbs(torch.softmax(top, -1), ids)
+
+
+class Scored(NamedTuple):
+    pred: torch.Tensor  # [B, n, H] the branch's predicted features
+    want: torch.Tensor  # [B, n, H] the target's features they should be
+    want_probs: Optional[TopProbs]  # [B, n, k] the target's distributions of ``want`` (training only)
+    mask: torch.Tensor  # [B, n] the rows that are learned
+    tokens: torch.Tensor  # [B, n] the sequence's tokens the rows should draft
+
+
+def _scored(batch: Batch, step: DraftStep, s: int, ahead: int, probs: Optional[TopProbs] = None) -> Scored:
     """The rows of step s whose target lies ``ahead`` (1: the feature, 2: the contrastive
-    feature) tokens past the row's input: (rows kept, wanted features, loss mask, next tokens)."""
+    feature) tokens past the row's input. ``probs``: the target's distribution at every position."""
     L = batch.tokens.shape[1]
-    n = L - s - ahead - 1
-    pred = (step.feature if ahead == 1 else step.contrastive_feature())[:, :max(n, 0)]
-    return (pred, batch.features[:, s + ahead: L - 1], batch.loss_mask[:, s + ahead + 1:],
-            batch.tokens[:, s + ahead + 1:])
+    n = max(L - s - ahead - 1, 0)
+    pred = (step.feature if ahead == 1 else step.contrastive_feature())[:, :n]
+    return Scored(pred, batch.features[:, s + ahead: L - 1], None if probs is None else probs[:, s + ahead: L - 1],
+                  batch.loss_mask[:, s + ahead + 1:], batch.tokens[:, s + ahead + 1:])
 
 
 def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, generator: Optional[torch.Generator] = None):
@@ -160,13 +185,16 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, generator: Optio
         feats = feats + (torch.rand(feats.shape, generator=generator) - 0.5) * (cfg.noise * 512 / L)
     loss = batch.features.new_zeros(())
     metrics = {}
+    probs = None
+    if cfg.w_token or cfg.w_token2:  # the target's distributions, once for every step and branch
+        probs = target_top_probs(head, batch.features, cfg.token_loss_top)
     for s, step in unroll(head, batch, 1 + cfg.ttt_steps, feats):
         weight = cfg.ttt_decay ** s
-        part, hits, n = _branch_loss(head, *_scored(batch, step, s, 1), cfg.w_feature, cfg.w_token)
+        part, hits, n = _branch_loss(head, _scored(batch, step, s, 1, probs), cfg.w_feature, cfg.w_token)
         loss = loss + weight * part
         metrics[f"acc{s + 1}"] = hits / max(n, 1)
         if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
-            part, hits, n = _branch_loss(head, *_scored(batch, step, s, 2), cfg.w_feature2, cfg.w_token2)
+            part, hits, n = _branch_loss(head, _scored(batch, step, s, 2, probs), cfg.w_feature2, cfg.w_token2)
             loss = loss + weight * part
             metrics[f"acc{s + 2}_contrastive"] = hits / max(n, 1)
     return loss, metrics
@@ -185,8 +213,8 @@ def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, bat
     hits: Dict[str, int] = {}
     counts: Dict[str, int] = {}
 
-    def add(name, pred, _want, mask, tokens):
-        pred, tokens = pred[mask], tokens[mask]
+    def add(name, rows: Scored):
+        pred, tokens = rows.pred[rows.mask], rows.tokens[rows.mask]
         best = head.target_ids((pred @ head.lm_head_weight.T).argmax(-1))
         hits[name] = hits.get(name, 0) + int((best == tokens).sum())
         counts[name] = counts.get(name, 0) + int(tokens.numel())
@@ -194,9 +222,9 @@ def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, bat
     for i in range(0, len(examples), batch_sequences):
         b = collate(examples[i: i + batch_sequences], cfg.max_seq_len)
         for s, step in unroll(head, b, steps):
-            add(f"acc{s + 1}", *_scored(b, step, s, 1))
+            add(f"acc{s + 1}", _scored(b, step, s, 1))
             if step.expert_out is not None:
-                add(f"acc{s + 2}_contrastive", *_scored(b, step, s, 2))
+                add(f"acc{s + 2}_contrastive", _scored(b, step, s, 2))
     head.train(was_training)
     return {k: hits[k] / max(counts[k], 1) for k in hits}
 

@@ -202,8 +202,8 @@ def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, r
     counts = torch.zeros(depth, dtype=torch.float64)
     counts_c = torch.zeros(depth, dtype=torch.float64)
 
-    def add(table, count, s, pred, _want, mask, tokens):
-        pred, tokens = pred[mask], tokens[mask]
+    def add(table, count, s, rows):
+        pred, tokens = rows.pred[rows.mask], rows.tokens[rows.mask]
         top = head.target_ids((pred @ head.lm_head_weight.T).topk(ranks, -1).indices)  # [n, ranks]
         table[s] += (top == tokens.unsqueeze(-1)).double().sum(0)
         count[s] += tokens.numel()
@@ -213,9 +213,9 @@ def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, r
     for i in range(0, len(examples), batch_sequences):
         b = collate(examples[i: i + batch_sequences], max_seq_len)
         for s, step in unroll(head, b, depth):
-            add(hits, counts, s, *_scored(b, step, s, 1))
+            add(hits, counts, s, _scored(b, step, s, 1))
             if step.expert_out is not None:
-                add(hits_c, counts_c, s, *_scored(b, step, s, 2))
+                add(hits_c, counts_c, s, _scored(b, step, s, 2))
     head.train(was_training)
     out = dict(depth_rank=(hits / counts.clamp(min=1).unsqueeze(1)).tolist(), positions=int(counts[0]))
     if head.config.num_experts:

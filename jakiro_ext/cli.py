@@ -388,12 +388,11 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
-                      ttt_steps=args.ttt_steps,
+                      ttt_steps=args.ttt_steps, minutes=args.minutes,
                       seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    total = cfg.total_steps(len(train))
-    bar = tqdm(total=total, desc=f"train {args.kind}", unit="step")
+    bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step")
 
     def on_step(step: int, record: dict) -> None:
         bar.n = step + 1
@@ -406,6 +405,7 @@ def cmd_train(args) -> int:
     history = train_head(head, train, cfg, held_out, out / "checkpoint.pt" if args.checkpoint_every else None, on_step)
     bar.close()
     train_s = time.perf_counter() - t_train
+    total = len(history)
     final = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
     mean_len = meta["tokens"] / max(meta["sequences"], 1)
     summary = dict(kind=args.kind, target=name, data=dict(meta["settings"], sequences=meta["sequences"],
@@ -504,6 +504,8 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N most learned tokens (0: all)")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=0, help="train this many steps instead of --epochs")
+    p.add_argument("--minutes", type=float, default=0.0, help="train for about this long instead (the steps are set "
+                                                               "from the first ones' time; needs --warmup-steps >= 10)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="sequences per step")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
@@ -26,6 +27,9 @@ import torch.nn.functional as F
 
 from jakiro_ext.models.draft_head import DraftHead, DraftStep
 from jakiro_ext.models.llama import LlamaModel
+
+
+BUDGET_PROBE_STEPS = 10  # with a budget in minutes, the steps are set from these first steps' time
 
 
 @dataclass
@@ -50,8 +54,11 @@ class TrainConfig:
     ttt_steps: int = 0  # training-time test: extra steps unrolled on the head's own features (0: off)
     ttt_decay: float = 0.8  # step s's loss weight is ttt_decay ** s
     token_loss_top: int = 32  # the token loss's soft labels: the target's top tokens (renormalised)
+    minutes: float = 0.0  # > 0: a wall-clock budget; the steps are set from the first warm-up steps' time
 
     def total_steps(self, num_examples: int) -> int:
+        if self.minutes:
+            return 0  # known after the warm-up steps (train_head)
         return self.steps or max(1, math.ceil(self.epochs * num_examples / self.batch_sequences))
 
 
@@ -259,9 +266,13 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         raise ValueError("no training examples")
     if cfg.ttt_steps < 0 or not cfg.ttt_decay > 0:
         raise ValueError(f"ttt_steps must be >= 0 and ttt_decay > 0, got {cfg.ttt_steps} and {cfg.ttt_decay}")
+    if cfg.minutes and cfg.warmup_steps < BUDGET_PROBE_STEPS:
+        raise ValueError(f"a budget in minutes needs warmup_steps >= {BUDGET_PROBE_STEPS} (the steps are set from "
+                         f"their time, before the schedule depends on them), got {cfg.warmup_steps}")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    total = cfg.total_steps(len(examples))
+    UNSET = 10**9
+    total = cfg.total_steps(len(examples)) or UNSET  # a budget in minutes: set after the probe steps
 
     def schedule(step: int) -> float:
         if step < cfg.warmup_steps:
@@ -274,6 +285,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     start = 0
     if checkpoint is not None and Path(checkpoint).exists():
         state = torch.load(checkpoint, weights_only=False)
+        if cfg.minutes:
+            total = state["total"]
         if state["config"] != asdict(cfg) or state["total"] != total or state["examples"] != len(examples):
             raise ValueError(f"{checkpoint} was written by a run with other settings or data:\n  there: {state['config']}, "
                              f"{state['examples']} examples\n  asked: {asdict(cfg)}, {len(examples)} examples\n"
@@ -289,7 +302,11 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     per_epoch = math.ceil(len(examples) / cfg.batch_sequences)
     epoch_batches, epoch_of = None, -1
     head.train()
-    for step in range(start, total):
+    step, t_start = start, time.perf_counter()
+    while step < total:
+        if cfg.minutes and total == UNSET and step >= BUDGET_PROBE_STEPS and step > start:
+            per_step = (time.perf_counter() - t_start) / (step - start)
+            total = step + max(1, int((cfg.minutes * 60 - per_step * step) / per_step))
         epoch = step // per_epoch
         if epoch != epoch_of:
             epoch_batches, epoch_of = _batches(examples, cfg, epoch), epoch
@@ -314,5 +331,6 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                         "step": step + 1, "history": history, "config": asdict(cfg), "total": total,
                         "examples": len(examples)}, tmp)
             tmp.replace(checkpoint)
+        step += 1
     head.eval()
     return history

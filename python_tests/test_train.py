@@ -227,3 +227,20 @@ def test_train_command_builds_data_trains_saves_and_resumes(tmp_path, monkeypatc
     monkeypatch.setattr(jakiro_ext.train, "batch_loss", no_training)
     assert main(argv) == 0
     assert json.loads((out / "training.json").read_text())["final_eval"] == summary["final_eval"]
+
+
+def test_training_for_a_budget_in_minutes(target):
+    """--minutes: the steps are set from the first ten steps' time, the schedule decays to zero at
+    the last one, and the run takes about the budget."""
+    import time
+
+    examples = make_examples(target, count=4)
+    cfg = TrainConfig(minutes=0.05, lr=1e-3, warmup_steps=10, batch_sequences=2)
+    head = DraftHead(DraftConfig.for_target(target.config, "eagle2", intermediate_size=32)).init_weights(0).bind(target)
+    t0 = time.perf_counter()
+    history = train_head(head, examples, cfg)
+    seconds = time.perf_counter() - t0
+    assert len(history) > 10 and history[-1]["lr"] == 0.0 and history[9]["lr"] == pytest.approx(1e-3)
+    assert 0.3 * 3 < seconds < 3 * 3  # loose: the first steps are slower (allocation), and machines are noisy
+    with pytest.raises(ValueError, match="warmup_steps >= 10"):
+        train_head(head, examples, TrainConfig(minutes=1, warmup_steps=5))

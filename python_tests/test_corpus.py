@@ -116,3 +116,40 @@ def test_corpus_of_another_target_and_bad_tokens_are_errors(tmp_path, default):
         corpus_examples(tmp_path / "d", target, tmp_path / "f", progress=False)
     with pytest.raises(FileNotFoundError, match="not a token corpus"):
         read_corpus_meta(tmp_path / "nothing")
+
+
+def test_corpus_train_calibrate_commands(tmp_path):
+    """The CLI end to end: a corpus from a conversations file, a Jakiro head trained on it with
+    the training-time test (held out by conversation), saved with its acceptance profile, which
+    ``calibrate`` records again; the head decodes losslessly with the tree chosen for it."""
+    from jakiro_ext.cli import main
+    from jakiro_ext.models.default import load_default_target
+    from jakiro_ext.models.draft_head import DraftHead
+
+    convs = [{"id": str(i), "conversations": [
+        {"from": "human", "value": c[0]["content"]}, {"from": "gpt", "value": "ok"}] + (
+        [{"from": "human", "value": c[2]["content"]}, {"from": "gpt", "value": "ok"}] if len(c) > 2 else [])}
+        for i, c in enumerate(CONVERSATIONS)]
+    (tmp_path / "convs.json").write_text(json.dumps(convs))
+    corpus, head_dir = tmp_path / "corpus", tmp_path / "head"
+    assert main(["corpus", "--out", str(corpus), "--answer-tokens", "10000", "--max-new-tokens", "24",
+                 "--generation-batch", "2", "--conversations", str(tmp_path / "convs.json")]) == 0
+    meta = read_corpus_meta(corpus)
+    assert meta["settings"]["source"] == "convs.json" and meta["settings"]["max_turns"] == 3
+    assert main(["train", "--kind", "jakiro", "--out", str(head_dir), "--data", str(corpus), "--steps", "3",
+                 "--warmup-steps", "1", "--batch", "2", "--draft-vocab", "256", "--eval-every-nth", "2",
+                 "--ttt-steps", "2", "--checkpoint-every", "0"]) == 0
+    summary = json.loads((head_dir / "training.json").read_text())
+    assert summary["train"]["ttt_steps"] == 2 and summary["data"]["target_sha256"] == meta["settings"]["target_sha256"]
+    # Conversations 0 and 2 held out (every 2nd), with their later turns.
+    assert summary["data"]["held_out_sequences"] == sum(1 for q in read_corpus(corpus) if q.conversation % 2 == 0)
+    target, tokenizer = load_default_target()
+    head = DraftHead.load(head_dir, target)
+    assert len(head.acceptance["depth_rank"]) == 6 and head.acceptance["positions"] > 0
+    (head_dir / "acceptance.json").unlink()
+    assert main(["calibrate", "--head", str(head_dir), "--data", str(corpus), "--eval-every-nth", "2"]) == 0
+    again = DraftHead.load(head_dir, target).acceptance  # of the saved (bf16) weights: close, not equal
+    assert again["positions"] == head.acceptance["positions"] and len(again["depth_rank"]) == 6
+    ids = torch.tensor(tokenizer.encode("Hello there"))
+    assert speculative_generate(target, head, ids, 12).token_ids == speculative_generate(target, None, ids, 12).token_ids
+    assert main(["calibrate", "--head", str(head_dir), "--data", str(corpus), "--eval-every-nth", "0"]) == 2

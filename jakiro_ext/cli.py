@@ -414,6 +414,13 @@ def cmd_train(args) -> int:
         ids, coverage = select_draft_vocab(train, args.draft_vocab, eos)
         head.set_draft_vocab(ids)
         print(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens", file=sys.stderr)
+    if args.init_from:  # continue from a trained head (e.g. a training-time-test phase after the recipe)
+        start = DraftHead.load(args.init_from)
+        if start.config != head.config or not torch.equal(start.state_dict().get("draft_to_target", torch.zeros(0)),
+                                                          head.state_dict().get("draft_to_target", torch.zeros(0))):
+            raise ValueError(f"--init-from {args.init_from}: its config or draft vocabulary differs from this run's "
+                             f"(there: {start.config}; here: {head.config}); train it on the same data and options")
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in start.state_dict().items()})
     head.bind(target)
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
@@ -444,6 +451,7 @@ def cmd_train(args) -> int:
                               tokens_seen=round(total * cfg.batch_sequences * mean_len), seconds=round(train_s, 1),
                               threads=torch.get_num_threads()),
                    draft_vocab=dict(size=args.draft_vocab, coverage=round(coverage, 4)), final_eval=final,
+                   init_from=args.init_from,
                    eval_history=[{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
                                  for r in history if any(k.startswith("eval_") for k in r)])
     if held_out:  # how often its drafts are accepted, by depth and rank: what the tree choice needs
@@ -545,6 +553,8 @@ def main(argv=None) -> int:
     p.add_argument("--w-feature2", type=float, default=0.5)
     p.add_argument("--w-token2", type=float, default=0.05)
     p.add_argument("--noise", type=float, default=0.2)
+    p.add_argument("--init-from", help="start from this trained head (same kind, widths and data) instead of random "
+                                       "weights")
     p.add_argument("--ttt-steps", type=int, default=0, help="training-time test: also train the head on its own "
                                                             "features this many steps deeper (EAGLE-3; 0: off)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")

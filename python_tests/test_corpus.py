@@ -153,3 +153,9 @@ def test_corpus_train_calibrate_commands(tmp_path):
     ids = torch.tensor(tokenizer.encode("Hello there"))
     assert speculative_generate(target, head, ids, 12).token_ids == speculative_generate(target, None, ids, 12).token_ids
     assert main(["calibrate", "--head", str(head_dir), "--data", str(corpus), "--eval-every-nth", "0"]) == 2
+    # A second phase continues from the trained head (same data and widths); another kind is refused.
+    common = ["--data", str(corpus), "--steps", "2", "--warmup-steps", "1", "--batch", "2", "--draft-vocab", "256",
+              "--eval-every-nth", "2", "--checkpoint-every", "0", "--init-from", str(head_dir)]
+    assert main(["train", "--kind", "jakiro", "--out", str(tmp_path / "phase2"), "--ttt-steps", "3", *common]) == 0
+    assert json.loads((tmp_path / "phase2" / "training.json").read_text())["init_from"] == str(head_dir)
+    assert main(["train", "--kind", "eagle2", "--out", str(tmp_path / "other"), *common]) == 2

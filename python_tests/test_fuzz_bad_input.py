@@ -241,7 +241,10 @@ def cli_cases(rng: random.Random, tmp: Path):
         "--seed": [("0", True), (str(2**63 - 1), True), ("-1", False), (str(2**70), False)],
         "--threads": [("0", True), ("1", True), ("2", True), ("-2", False), ("100000", False)],
         "--method": [("ar", True), ("eagle2", True), ("jakiro", True), ("jakiro_star", True), ("medusa", False)],
-        "tree": [([], True), (["--tree", "gpu"], True), (["--total-tokens", "1000000"], True),
+        # The default tree (--tree auto) measures the machine once per thread count and dtype (~10 s
+        # each, cached), which the random --threads/--dtype here would repeat in the bounded cases:
+        # it is tested in test_tree_cost.py; here the presets stand for "no tree option".
+        "tree": [(["--tree", "cpu"], True), (["--tree", "gpu"], True), (["--total-tokens", "1000000"], True),
                  (["--top-k-draft", "1"], True), (["--depth", "3"], True), (["--depth", "1"], True),
                  (["--static-tree", "[[0],[1],[0,0]]"], True), (["--top-k-draft", "9000"], True),
                  (["--top-k-draft", "0"], False), (["--total-tokens", "1"], False), (["--depth", "0"], False),

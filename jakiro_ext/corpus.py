@@ -258,7 +258,7 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
             bar.update(tokens.numel() - n_prompt)
             if writer.answer_tokens >= answer_tokens:
                 break
-    finally:  # also on Ctrl-C: the finished sequences are kept (those in flight are redone on resume)
+    finally:  # on an exception too: the finished sequences are kept (those in flight are redone on resume)
         bar.close()
         writer.flush()
     return writer.meta

@@ -13,13 +13,14 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-from jakiro_ext.engine import (CPU_TREE, GPU_TREE, METHODS, GenerationOutput, TreeConfig, check_sampling_options,
-                               speculative_generate)
+from jakiro_ext.engine import (CPU_TREE, GPU_TREE, MAX_BATCH, METHODS, GenerationOutput, TreeConfig,
+                               check_sampling_options, speculative_generate)
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -110,6 +111,9 @@ def check_generation_args(args) -> Optional[TreeConfig]:
     limit = getattr(args, "limit", None)
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
+    batch_size = getattr(args, "batch_size", 1)
+    if not 1 <= batch_size <= MAX_BATCH:
+        raise ValueError(f"--batch-size must be in [1, {MAX_BATCH}], got {batch_size}")
     return tree_from_args(args)
 
 
@@ -142,8 +146,9 @@ class Runner:
             self.trees[method] = chosen or (CPU_TREE if on_cpu else GPU_TREE)
         return self.trees[method]
 
-    def run(self, method: str, prompt_ids: torch.Tensor, on_tokens=None,
-            max_new_tokens: Optional[int] = None) -> GenerationOutput:
+    def run(self, method: str, prompt_ids, on_tokens=None, max_new_tokens: Optional[int] = None):
+        """``speculative_generate`` with the command's options: one prompt (a GenerationOutput)
+        or a list of prompts decoded as one batch (a list of them)."""
         a = self.args
         head = self.heads.get(HEAD_KIND.get(method, ""))
         return speculative_generate(self.target, head, prompt_ids, max_new_tokens or a.max_new_tokens, method=method,
@@ -214,9 +219,11 @@ def read_prompts(path: Path, limit: Optional[int]) -> List[dict]:
     return prompts
 
 
-def summarize(rows: List[dict]) -> dict:
+def summarize(rows: List[dict], seconds: Optional[float] = None) -> dict:
+    """Pooled tokens/s and tau of runs; ``seconds``: the wall time of the batches that ran them
+    (default: the runs' own times, one prompt at a time)."""
     tokens = sum(r["new_tokens"] for r in rows)
-    seconds = sum(r["wall_time_s"] for r in rows)
+    seconds = sum(r["wall_time_s"] for r in rows) if seconds is None else seconds
     forwards = sum(r["target_forwards"] for r in rows)
     return dict(tokens_per_s=tokens / seconds if seconds else 0.0, tau=tokens / forwards if forwards else 0.0,
                 new_tokens=tokens, target_forwards=forwards, wall_time_s=seconds, prompts=len(rows))
@@ -236,41 +243,54 @@ def cmd_bench(args) -> int:
         runner.run(m, chat_ids(runner.tokenizer, prompts[0]["prompt"], not args.no_chat_template), max_new_tokens=4)
     per_prompt = []
     runs: Dict[str, List[dict]] = {m: [] for m in methods}
+    batch_seconds: Dict[str, float] = {m: 0.0 for m in methods}
+    size = args.batch_size
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    for p in prompts:
-        ids = chat_ids(runner.tokenizer, p["prompt"], not args.no_chat_template)
-        row = dict(id=p["id"], category=p["category"], prompt_tokens=int(ids.numel()), methods={})
+    for first in range(0, len(prompts), size):  # batches of consecutive prompts (one at a time by default)
+        group = prompts[first:first + size]
+        ids = [chat_ids(runner.tokenizer, p["prompt"], not args.no_chat_template) for p in group]
+        rows = [dict(id=p["id"], category=p["category"], prompt_tokens=int(x.numel()), methods={})
+                for p, x in zip(group, ids)]
         reference = None
-        for m in methods:  # side by side, prompt by prompt
-            out = runner.run(m, ids)
-            stats = dict(out.stats.as_dict(), category=p["category"])
+        for m in methods:  # side by side, batch by batch
+            t0 = time.perf_counter()
+            outs = runner.run(m, ids) if size > 1 else [runner.run(m, ids[0])]
+            batch_seconds[m] += time.perf_counter() - t0 if size > 1 else outs[0].stats.wall_time_s
+            for i, (out, p, row) in enumerate(zip(outs, group, rows)):
+                stats = dict(out.stats.as_dict(), category=p["category"])
+                if m == "ar":
+                    stats["token_ids"] = out.token_ids
+                elif reference is not None and args.temperature == 0:
+                    stats["same_tokens_as_ar"] = out.token_ids == reference[i]
+                runs[m].append(stats)
+                row["methods"][m] = stats
             if m == "ar":
-                reference = out.token_ids
-            elif reference is not None and args.temperature == 0:
-                stats["same_tokens_as_ar"] = out.token_ids == reference
-            runs[m].append(stats)
-            row["methods"][m] = stats
-            bar.update(1)
-            bar.set_postfix_str(f"{m} {stats['tokens_per_s']:.1f} tok/s tau {stats['tau']:.2f}")
-        per_prompt.append(row)
+                reference = [row["methods"]["ar"].pop("token_ids") for row in rows]
+            bar.update(len(group))
+            bar.set_postfix_str(f"{m} tau {sum(o.stats.new_tokens for o in outs) / max(1, sum(o.stats.target_forwards for o in outs)):.2f}")
+        per_prompt += rows
     bar.close()
 
-    summary = {m: summarize(r) for m, r in runs.items()}
+    summary = {m: summarize(r, batch_seconds[m]) for m, r in runs.items()}
     for m, s in summary.items():
         categories = sorted({r["category"] for r in runs[m]})
+        if size > 1:  # a batch mixes categories: its time is not theirs
+            categories = []
         s["per_category"] = {c: summarize([r for r in runs[m] if r["category"] == c]) for c in categories}
         if "ar" in summary:
             s["speedup_vs_ar"] = s["tokens_per_s"] / summary["ar"]["tokens_per_s"]
             for c, cs in s["per_category"].items():
                 cs["speedup_vs_ar"] = cs["tokens_per_s"] / summary["ar"]["per_category"][c]["tokens_per_s"]
             # Pooled tokens/s weighs long answers more; the mean over categories weighs each equally.
-            s["mean_category_speedup_vs_ar"] = sum(cs["speedup_vs_ar"] for cs in s["per_category"].values()) / len(categories)
+            if categories:
+                s["mean_category_speedup_vs_ar"] = (sum(cs["speedup_vs_ar"] for cs in s["per_category"].values())
+                                                    / len(categories))
         if args.temperature == 0 and m != "ar" and "ar" in summary:
             s["all_same_tokens_as_ar"] = all(r.get("same_tokens_as_ar", False) for r in runs[m])
     config = dict(prompts=str(args.prompts), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   tree={m: tree_dict(runner.tree_for(m)) for m in methods if m != "ar"},
-                  threads=torch.get_num_threads())
+                  threads=torch.get_num_threads(), batch_size=size)
     if args.json:
         print(json.dumps(dict(config=config, methods=summary, per_prompt=per_prompt)))
         return 0
@@ -519,6 +539,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", default=str(PROMPTS_FILE), help="JSONL with 'prompt' or Spec-Bench 'turns' keys")
     p.add_argument("--method", action="append", choices=METHODS, help="repeat for several (default: ar, jakiro)")
     p.add_argument("--limit", type=int, help="only the first N prompts")
+    p.add_argument("--batch-size", type=int, default=1, help="decode the prompts in batches of N (tokens/s: all "
+                   "sequences' new tokens / the batches' wall time)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_generation_options(p)
     p = sub.add_parser("train", help="train a draft head (builds the training set of target features first)")

@@ -1,13 +1,20 @@
-"""The draft-verify loop: ``speculative_generate``.
+"""The draft-verify loop: ``speculative_generate`` and ``generate_many``.
 
-Each round the draft head proposes a tree rooted at the last emitted token (not yet in the
-target's cache), the target runs the whole tree in one forward (``jakiro::tree_attention`` with
-the tree's ancestor mask), ``jakiro::verify_tree`` accepts the longest valid path plus a bonus
-token (greedy, or lossless recursive rejection sampling), ``jakiro::compact_kv`` moves the
-accepted path's keys/values into place, and the draft catches up on the accepted tokens with the
-target's fresh hidden states. Plain autoregressive decoding is the same loop with a one-node tree.
+Each round the draft head proposes a tree per sequence, rooted at its last emitted token (not yet
+in the target's cache); the target runs every tree of the batch in one forward
+(``jakiro::tree_attention`` with each tree's ancestor mask), ``jakiro::verify_tree`` accepts each
+sequence's longest valid path plus a bonus token (greedy, or lossless recursive rejection
+sampling), the KV cache keeps the accepted paths (``jakiro::compact_kv``), and the draft catches
+up on the accepted tokens with the target's fresh hidden states. Plain decoding (``ar``) is the
+same loop with one-node trees.
 
-Batch size 1 (the setting every published speedup is measured in).
+A batch decodes its sequences together; a finished one leaves and, with more requests waiting
+(``generate_many``), the next takes its place (continuous batching). Every sequence gets exactly
+the tokens it gets alone: its prompt is prefilled alone, and on the CPU the target computes each
+sequence's rows the same way whatever else shares its forward (linear layers in row-exact chunks
+of 64, attention split at fixed key offsets), as long as its tree has the batch's node count
+(dynamic and static trees always do, but for repeated candidates of ``jakiro_star``; a padded tree
+changes the attention's row count).
 
 Bad arguments are a TypeError (wrong type) or ValueError (wrong value) naming the argument,
 raised before anything is allocated or run. The KV caches start small and grow on demand, up to
@@ -20,16 +27,19 @@ import math
 import numbers
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.models.draft_head import DraftHead, DraftStep, TreeKV
-from jakiro_ext.models.llama import LlamaModel, causal_tree_mask, packed_bit_ranges
+from jakiro_ext.drafting import METHODS as METHOD_SPECS
+from jakiro_ext.drafting import Drafter, Method
+from jakiro_ext.models.draft_head import DraftHead
+from jakiro_ext.models.llama import LlamaModel
 
-METHODS = ("ar", "eagle2", "jakiro", "jakiro_star")
+METHODS = tuple(METHOD_SPECS)  # ("ar", "eagle2", "jakiro", "jakiro_star")
 INITIAL_ROOM = 256  # new tokens the KV caches hold before their first growth
+MAX_BATCH = 1024  # sequences decoded together (each holds its own KV cache rows)
 # Bounds of a draft tree (TreeConfig): far beyond every published tree (60 nodes, depth 5-8,
 # top-k 10), and small enough that one round can neither hang nor allocate without bound.
 MAX_TREE_NODES, MAX_TREE_DEPTH, MAX_TREE_TOP_K = 1024, 64, 128
@@ -41,10 +51,18 @@ def _brief(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _one_for_the_batch(name: str, value, kind: str) -> None:
+    """A list or tensor given for a scalar setting: the per-sequence values a batch does not take."""
+    if isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.dim() > 0):
+        raise TypeError(f"{name} must be {kind}, one value for every sequence of a batch (per-sequence values "
+                        f"are not supported), got {type(value).__name__} {_brief(value)}")
+
+
 def _int_arg(name: str, value, low: Optional[int] = None, high: Optional[int] = None) -> int:
     """``value`` as an int (any integral number but a bool) within [low, high], else a
     TypeError / ValueError naming ``name``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _one_for_the_batch(name, value, "an int")
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {_brief(value)}")
     value = int(value)
     if (low is not None and value < low) or (high is not None and value > high):
@@ -56,6 +74,7 @@ def _int_arg(name: str, value, low: Optional[int] = None, high: Optional[int] = 
 def _real_arg(name: str, value) -> float:
     """``value`` as a finite float (any real number but a bool), else a TypeError / ValueError."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _one_for_the_batch(name, value, "a real number")
         raise TypeError(f"{name} must be a real number, got {type(value).__name__} {_brief(value)}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
@@ -78,38 +97,61 @@ def check_sampling_options(max_new_tokens, temperature, top_p, top_k, seed):
     return max_new_tokens, temperature, top_p, top_k, seed
 
 
-def _prompt_ids(input_ids, vocab: int) -> torch.Tensor:
-    """The prompt as an int64 [n] tensor: from a list of ints or an integer tensor, [n] or [1, n],
-    non-empty, every id in the target's vocabulary."""
+def _prompt_ids(input_ids, vocab: int, name: str = "input_ids") -> torch.Tensor:
+    """One prompt as an int64 [n] tensor: from a list of ints or a 1-D integer tensor, non-empty,
+    every id in the target's vocabulary."""
     if isinstance(input_ids, (list, tuple)):
-        if input_ids and isinstance(input_ids[0], (list, tuple)):  # [[...]]: a batch
-            if len(input_ids) != 1:
-                raise ValueError(f"speculative_generate decodes one sequence (batch size 1); got input_ids with "
-                                 f"{len(input_ids)} rows")
-            input_ids = input_ids[0]
         bad = [x for x in input_ids if isinstance(x, bool) or not isinstance(x, numbers.Integral)]
         if bad:
-            raise TypeError(f"input_ids must be ints (token ids), got {type(bad[0]).__name__} {_brief(bad[0])}")
-        values = [int(x) for x in input_ids]
-        low, high = (min(values), max(values)) if values else (0, 0)
+            raise TypeError(f"{name} must be ints (token ids), got {type(bad[0]).__name__} {_brief(bad[0])}")
+        ints = [int(x) for x in input_ids]
+        if ints and (min(ints) < 0 or max(ints) >= vocab):  # (before a tensor: ids beyond int64)
+            raise ValueError(f"{name} must be token ids in [0, {vocab}) (the target's vocabulary), "
+                             f"got values in [{min(ints)}, {max(ints)}]")
+        values = torch.tensor(ints, dtype=torch.int64)
     elif isinstance(input_ids, torch.Tensor):
         if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
-            raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
-        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise ValueError(f"speculative_generate decodes one sequence (batch size 1); got input_ids "
-                             f"{tuple(input_ids.shape)}")
-        if input_ids.dim() not in (1, 2):
-            raise ValueError(f"input_ids must be [n] or [1, n], got shape {tuple(input_ids.shape)}")
-        values = input_ids.reshape(-1)
-        low, high = (int(values.min()), int(values.max())) if values.numel() else (0, 0)
+            raise TypeError(f"{name} must be an integer tensor, got dtype {input_ids.dtype}")
+        if input_ids.dim() != 1:
+            expected = "[n] (a prompt) or [B, n] (a batch of prompts)" if name == "input_ids" else "[n]"
+            raise ValueError(f"{name} must be {expected}, got shape {tuple(input_ids.shape)}")
+        values = input_ids.to(torch.int64)
     else:
-        raise TypeError(f"input_ids must be a list of ints or an integer tensor, got {type(input_ids).__name__}")
-    if len(values) == 0:
-        raise ValueError("input_ids must not be empty")
+        raise TypeError(f"{name} must be a list of ints or an integer tensor, got {type(input_ids).__name__}")
+    if values.numel() == 0:
+        raise ValueError(f"{name} must not be empty")
+    low, high = int(values.min()), int(values.max())
     if low < 0 or high >= vocab:
-        raise ValueError(f"input_ids must be token ids in [0, {vocab}) (the target's vocabulary), "
+        raise ValueError(f"{name} must be token ids in [0, {vocab}) (the target's vocabulary), "
                          f"got values in [{low}, {high}]")
-    return torch.as_tensor(values, dtype=torch.int64)
+    return values.cpu()
+
+
+def _prompts(input_ids, lengths, vocab: int):
+    """(the prompts as int64 [n] tensors, whether to answer with a list). One prompt: a list of
+    ints or an integer tensor [n]. A batch: a list of such prompts, or an integer tensor [B, n]
+    (with ``lengths`` [B]: row b's prompt is its first lengths[b] ids, the rest padding). A batch
+    of one without ``lengths`` (``[[...]]``, a [1, n] tensor as tokenizers return it) is one prompt."""
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+        B, n = input_ids.shape
+        if not 1 <= B <= MAX_BATCH:
+            raise ValueError(f"input_ids must hold 1 to {MAX_BATCH} prompts (MAX_BATCH), got {B}")
+        listed = B > 1 or lengths is not None
+        if lengths is None:
+            lengths = [n] * B
+        elif isinstance(lengths, torch.Tensor) and not (lengths.dtype == torch.bool or lengths.is_floating_point()):
+            lengths = lengths.tolist()
+        if not isinstance(lengths, (list, tuple)) or len(lengths) != B:
+            raise ValueError(f"lengths must give one length per row of input_ids ({B}), got {_brief(lengths)}")
+        lengths = [_int_arg(f"lengths[{b}]", x, 1, n) for b, x in enumerate(lengths)]
+        return [_prompt_ids(input_ids[b, :lengths[b]], vocab, f"input_ids[{b}]") for b in range(B)], listed
+    if lengths is not None:
+        raise ValueError("lengths is given only with a padded [B, n] tensor of prompts")
+    if isinstance(input_ids, (list, tuple)) and input_ids and isinstance(input_ids[0], (list, tuple, torch.Tensor)):
+        if len(input_ids) > MAX_BATCH:
+            raise ValueError(f"input_ids must hold 1 to {MAX_BATCH} prompts (MAX_BATCH), got {len(input_ids)}")
+        return [_prompt_ids(p, vocab, f"input_ids[{b}]") for b, p in enumerate(input_ids)], len(input_ids) > 1
+    return [_prompt_ids(input_ids, vocab)], False
 
 
 def _eos_ids(eos_token_id) -> set:
@@ -167,18 +209,19 @@ class TreeConfig:
                              f"and top_k in [1, {MAX_TREE_TOP_K}], got {self.total_tokens}/{self.depth}/{self.top_k} "
                              "(total_tokens/depth/top_k)")
 
-    def max_nodes_for(self, method: str) -> int:
+    def max_nodes_for(self, method) -> int:
         """The most nodes one round of ``method`` can verify, the root included (what the KV caches
         are sized by). A static tree has its nodes. A dynamic tree keeps at most ``total_tokens``,
         and can't draft more than c children of the root plus, per expansion, c children of each
         of its ``top_k`` frontier nodes, with c = ``top_k`` (``jakiro_star``: 2 ``top_k``, both
         experts' proposals). ``jakiro`` runs depth - 1 expansions, the last one also attaching
         ``top_k`` contrastive candidates per frontier node: the same count."""
-        if method == "ar":
+        method = METHOD_SPECS[method] if isinstance(method, str) else method
+        if method.head is None:
             return 1
         if self.choices is not None:
             return len({tuple(p) for p in self.choices}) + 1
-        c = 2 * self.top_k if method == "jakiro_star" else self.top_k
+        c = method.children(self.top_k)
         return min(self.total_tokens, 1 + c + self.depth * self.top_k * c)
 
 
@@ -227,271 +270,249 @@ class GenerationStats:
 class GenerationOutput:
     token_ids: List[int]  # the generated tokens (EOS included when it ended the generation)
     stats: GenerationStats
+    # generate_many(keep_features=True): the target's final hidden states of the prompt and the
+    # generated tokens but the last, [n + len(token_ids) - 1, H] (a training set's features)
+    features: Optional[torch.Tensor] = None
 
-
-# ----------------------------------------------------------------------------- drafting
-def _dedupe(logprobs: torch.Tensor, ids: torch.Tensor):
-    """Sort candidate rows [R, C] by log-probability and set repeated tokens (two experts
-    proposing the same one) to -inf, so a token is never two siblings."""
-    logprobs, order = logprobs.sort(dim=-1, descending=True, stable=True)
-    ids = ids.gather(-1, order)
-    # A token's first (most probable) occurrence stays. Sorted by id (stably: occurrences keep
-    # their probability order), a repeat comes right after an earlier occurrence: O(C log C) a
-    # row, not a [R, C, C] comparison.
-    by_id, position = ids.sort(dim=-1, stable=True)
-    later = torch.zeros_like(by_id, dtype=torch.bool)
-    later[..., 1:] = by_id[..., 1:] == by_id[..., :-1]
-    repeated = torch.zeros_like(later).scatter(-1, position, later)
-    # Sort again so the dropped repeats go last: a child's rank is its rank among distinct tokens.
-    logprobs, order = logprobs.masked_fill(repeated, float("-inf")).sort(dim=-1, descending=True, stable=True)
-    return logprobs, ids.gather(-1, order)
-
-
-class Drafter:
-    """The draft head's side of the loop for one sequence: its KV cache (committed up to the
-    last emitted token), the latest catch-up output, and tree building."""
-
-    def __init__(self, head: DraftHead, method: str, tree: TreeConfig, capacity: int,
-                 max_capacity: Optional[int] = None):
-        """``capacity`` committed positions to start with, growing up to ``max_capacity`` (default: fixed)."""
-        if head.lm_head_weight is None:
-            raise ValueError("the draft head is not bound to a target: call head.bind(target) (DraftHead.load does it)")
-        if method in ("jakiro", "jakiro_star") and not head.config.num_experts:
-            raise ValueError(f"method {method!r} needs a Jakiro (MoE) draft head; this head is {head.config.kind!r}")
-        if method == "jakiro" and tree.choices is not None:
-            raise ValueError("method 'jakiro' (hybrid contrastive last step) builds the dynamic tree; "
-                             "with a static tree use 'eagle2' or 'jakiro_star'")
-        if method == "jakiro" and tree.depth < 2:
-            raise ValueError(f"method 'jakiro' takes its last layer from the contrastive branch and needs depth >= 2, "
-                             f"got {tree.depth}")
-        self.head, self.method, self.tree = head, method, tree
-        vocab = head.lm_head_weight.shape[0]
-        width = tree.top_k if tree.choices is None else self._static_width
-        if width > vocab:
-            what = "children drafted per node" if tree.choices is None else "a static tree's widest child rank + 1"
-            raise ValueError(f"the tree's top_k ({what}) is {width}, more than the draft vocabulary of the head "
-                             f"({vocab} tokens)")
-        # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
-        # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
-        scratch = max(tree.top_k, tree.max_nodes_for(method))
-        self.cache = head.new_cache(capacity + scratch, None if max_capacity is None else max_capacity + scratch)
-        self.root_step: Optional[DraftStep] = None
-        self.forwards = 0
-
-    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """Run the pairs (tokens[i], features[i]) (token t+1 with the target's feature at t),
-        commit them, and keep the last row's output: it predicts the next tree's first layer."""
-        n = tokens.shape[0]
-        start = int(self.cache.lengths[0])
-        positions = torch.arange(start, start + n, device=tokens.device).unsqueeze(0)
-        step = self.head(tokens.unsqueeze(0), features.unsqueeze(0), positions, self.cache, causal_tree_mask(1, n))
-        self.cache.lengths += n
-        self.forwards += 1
-        self.root_step = DraftStep(*(None if t is None else t[:, -1:] for t in step))
-
-    def _topk(self, features: torch.Tensor, k: int):
-        """Top-k (log-probabilities, target token ids) of features [R, (E,) H] under the draft's LM head."""
-        lp, ids = ops.contrastive_topk(features, None, None, self.head.lm_head_weight, k)
-        if bool((ids < 0).any()):  # the op's mark of a row whose logits are not finite
-            raise RuntimeError("the draft head produced non-finite logits (NaN or inf): no token can be drafted "
-                               "(check the head's weights)")
-        return lp, self.head.target_ids(ids)
-
-    def _children(self, step: DraftStep, hybrid: bool = False):
-        """Candidate children of each row of ``step``: (logprobs, ids) [R, C], and with
-        ``hybrid`` also the contrastive branch's candidates two tokens ahead [R, k]. All the
-        features of one call share a single pass over the LM head."""
-        k = self.tree.top_k if self.tree.choices is None else self._static_width
-        if self.method == "jakiro_star":
-            lp, ids = self._topk(step.branch_features()[0], k)  # [R, 2, k]
-            return _dedupe(lp.flatten(1), ids.flatten(1)), None
-        if hybrid:
-            both = torch.stack([step.feature[0], step.contrastive_feature()[0]], 1)  # [R, 2, H]
-            lp, ids = self._topk(both, k)
-            return (lp[:, 0], ids[:, 0]), (lp[:, 1], ids[:, 1])
-        return self._topk(step.feature[0], k), None
-
-    def draft(self, root_token: int):
-        """Build this round's tree. Returns tokens [T], parents [T] (root first, parents before
-        children) and depths [T], as int64 tensors."""
-        if self.tree.choices is not None:
-            return self._draft_static(root_token)
-        return self._draft_dynamic(root_token)
-
-    def _run_layer(self, frontier: List[int], node_tokens: list, parent_of: list, step_rows, depth: int,
-                   tree_kv: TreeKV, kv_nodes: List[int]) -> DraftStep:
-        """One draft forward over the frontier nodes (all at ``depth``), attending to the
-        committed prefix, their ancestors among earlier layers' nodes, and themselves."""
-        device = self.cache.kv.device
-        n = len(frontier)
-        start = int(self.cache.lengths[0])
-        tokens = torch.tensor([node_tokens[i] for i in frontier], device=device).unsqueeze(0)
-        features = step_rows.unsqueeze(0)
-        positions = torch.full((1, n), start - 1 + depth, device=device)
-        if kv_nodes:
-            slot = {node: j for j, node in enumerate(kv_nodes)}
-            visible = torch.zeros(1, n, len(kv_nodes), dtype=torch.bool, device=device)
-            for r, node in enumerate(frontier):
-                p = parent_of[node]
-                while p > 0:
-                    visible[0, r, slot[p]] = True
-                    p = parent_of[p]
-            tree_kv.visible = visible
-        rows = torch.arange(n, device=device)
-        itself = packed_bit_ranges(rows, rows, n).unsqueeze(0)
-        step = self.head(tokens, features, positions, self.cache, itself, tree_kv)
-        tree_kv.append(self.cache, n)
-        kv_nodes.extend(frontier)
-        self.forwards += 1
-        return step
-
-    def _draft_dynamic(self, root_token: int):
-        tree = self.tree
-        k = tree.top_k
-        node_tokens, parent_of, depth_of, scores = [root_token], [-1], [0], [0.0]
-
-        def add(parent: int, tokens, logprobs, depth: int) -> List[int]:
-            base = scores[parent]
-            new = []
-            for t, lp in zip(tokens, logprobs):
-                if lp == float("-inf"):
-                    continue
-                new.append(len(node_tokens))
-                node_tokens.append(t)
-                parent_of.append(parent)
-                depth_of.append(depth)
-                scores.append(base + lp)
-            return new
-
-        (lp, ids), _ = self._children(self.root_step)
-        layer = add(0, ids[0].tolist(), lp[0].tolist(), 1)
-        parent_rows = {node: 0 for node in layer}  # the step row holding each node's parent's output
-        prev_step = self.root_step
-        tree_kv, kv_nodes = TreeKV(), []
-        expansions = tree.depth - 1 if self.method == "jakiro" else tree.depth
-        for d in range(1, expansions + 1):
-            frontier = sorted(layer, key=lambda i: -scores[i])[:k]
-            rows = torch.stack([prev_step.feature[0, parent_rows[i]] for i in frontier])
-            hybrid = self.method == "jakiro" and d == expansions
-            step = self._run_layer(frontier, node_tokens, parent_of, rows, d, tree_kv, kv_nodes)
-            (lp, ids), contrastive = self._children(step, hybrid)
-            lp, ids = lp.tolist(), ids.tolist()
-            layer, parent_rows = [], {}
-            for r, node in enumerate(frontier):
-                children = add(node, ids[r], lp[r], d + 1)
-                layer += children
-                parent_rows.update({c: r for c in children})
-                if contrastive is not None and children:
-                    # The contrastive branch at `node` predicts two tokens ahead, assuming the
-                    # draft's best next token: attach under node's best child (not under the
-                    # r-th selected child, the released code's slip) with that child's score.
-                    best = max(children, key=lambda c: scores[c])
-                    add(best, contrastive[1][r].tolist(), contrastive[0][r].tolist(), d + 2)
-            prev_step = step
-        # Keep the best total_tokens - 1 drafted nodes. A child never outscores its parent
-        # (log-probabilities <= 0) and ties go to the lower index, so the set holds its ancestors.
-        order = torch.tensor(scores[1:], dtype=torch.float64).sort(descending=True, stable=True).indices
-        keep = sorted((order[: tree.total_tokens - 1] + 1).tolist())
-        return self._pack([0] + keep, node_tokens, parent_of, depth_of)
-
-    @property
-    def _static_width(self) -> int:
-        return max(int(p[-1]) for p in self.tree.choices) + 1
-
-    def _draft_static(self, root_token: int):
-        paths = sorted({tuple(p) for p in self.tree.choices}, key=lambda p: (len(p), p))
-        node_of = {(): 0}
-        node_tokens, parent_of, depth_of = [root_token], [-1], [0]
-        steps = {}  # node -> (the step holding its output, its row there)
-        tree_kv, kv_nodes = TreeKV(), []
-        by_depth = {}
-        for p in paths:
-            by_depth.setdefault(len(p), []).append(p)
-        candidates = {}
-        for d in sorted(by_depth):
-            parents = sorted({node_of[p[:-1]] for p in by_depth[d] if p[:-1] in node_of})
-            if not parents:  # every node of the layer above was dropped (no distinct candidate left)
-                break
-            if d == 1:
-                step = self.root_step
-            else:  # run the parents' layer (depth d - 1) to get their outputs
-                rows = torch.stack([steps[parent_of[n]][0].feature[0, steps[parent_of[n]][1]] for n in parents])
-                step = self._run_layer(parents, node_tokens, parent_of, rows, d - 1, tree_kv, kv_nodes)
-            steps.update({n: (step, r) for r, n in enumerate(parents)})
-            (lp, ids), _ = self._children(step)
-            lp, ids = lp.tolist(), ids.tolist()
-            candidates.update({n: (lp[r], ids[r]) for r, n in enumerate(parents)})
-            for p in by_depth[d]:
-                parent = node_of.get(p[:-1])
-                if parent is None:
-                    continue  # its parent had no valid candidate
-                lp, ids = candidates[parent]
-                if p[-1] >= len(ids) or lp[p[-1]] == float("-inf"):
-                    continue
-                node_of[p] = len(node_tokens)
-                node_tokens.append(ids[p[-1]])
-                parent_of.append(parent)
-                depth_of.append(d)
-        return self._pack(list(range(len(node_tokens))), node_tokens, parent_of, depth_of)
-
-    def _pack(self, keep: List[int], node_tokens, parent_of, depth_of):
-        index = {node: i for i, node in enumerate(keep)}
-        device = self.cache.kv.device
-        tokens = torch.tensor([node_tokens[n] for n in keep], device=device)
-        parents = torch.tensor([index[parent_of[n]] if n else -1 for n in keep], device=device)
-        depths = torch.tensor([depth_of[n] for n in keep], device=device)
-        return tokens, parents, depths
 
 
 # ----------------------------------------------------------------------------- the loop
-def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_ids, max_new_tokens: int = 128, *,
-                         method: Optional[str] = None, tree: Optional[TreeConfig] = None, temperature: float = 0.0,
-                         top_p: float = 1.0, top_k: int = 0, eos_token_id=None, seed: int = 0,
-                         max_cache_len: Optional[int] = None,
-                         on_tokens: Optional[Callable[[List[int]], None]] = None) -> GenerationOutput:
-    """Generate up to ``max_new_tokens`` tokens after ``input_ids``, losslessly: at temperature 0
-    the tokens are the target's greedy ones; above it they follow the target's distribution
-    (after temperature, top-k, top-p).
+@dataclass
+class _Settings:
+    """What every sequence of a call shares."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    eos: set
+    seed: int
+    max_cache_len: Optional[int]
+    keep_features: bool = False
 
-    Parameters
-    ----------
-    target : the target model.
-    draft : a draft head bound to ``target`` (``DraftHead.load(path, target)``); None for ``ar``.
-    input_ids : the prompt: a list of ints or an integer tensor, [n] or [1, n], of token ids of
-        the target's vocabulary. It must leave room for one new token in the target's context
-        (``target.config.max_position_embeddings``).
-    max_new_tokens : an int >= 1. No token is generated at a position beyond the context limit:
-        when the limit comes first, the generation ends there (``stop_reason`` "context_limit").
-    method : ``ar`` (plain decoding), ``eagle2`` (dynamic tree, autoregressive drafting),
-        ``jakiro`` (the last layer from the contrastive branch, one draft forward fewer) or
-        ``jakiro_star`` (each activated expert proposes its own children). Default: ``jakiro``
-        for a MoE head, ``eagle2`` for a dense one, ``ar`` without a head.
-    tree : a :class:`TreeConfig`. Default on CPU: chosen by measured cost for a head with an
-        acceptance profile (:mod:`jakiro_ext.tree_cost`; the machine's costs are measured once
-        and cached), else :data:`CPU_TREE`; elsewhere :data:`GPU_TREE`.
-    temperature, top_p, top_k : finite temperature >= 0 (0: greedy), top_p in (0, 1], int top_k >= 0 (0: off).
-    eos_token_id : None, an int or a list of ints that end the generation (included in the output).
-    seed : an int in [0, 2**63): seeds the draws of sampling (temperature > 0).
-    max_cache_len : None or a bound (>= 1) on the target's KV cache positions; the generation
-        stops with ``stop_reason`` "cache_full" when it runs out. Either way the caches start
-        small and grow on demand, up to prompt + the tokens left to generate + the largest tree
-        the method can draft (:meth:`TreeConfig.max_nodes_for`).
-    on_tokens : None or a callable, called with each batch of newly emitted tokens (streaming).
 
-    Raises
-    ------
-    TypeError, ValueError : a bad argument (the message names it), before anything is allocated.
-    RuntimeError : the target's or the draft head's logits are not finite (NaN or inf); no token
-        is ever emitted that the target did not give.
-    MemoryError : a KV cache could not be allocated (the message says how many bytes).
-    """
+class _Sequence:
+    """One prompt in flight: what it emitted, its statistics and its own random draws (seeded
+    with the call's seed plus its index, so it samples the same alone or in any batch)."""
+
+    def __init__(self, index: int, ids: torch.Tensor, s: _Settings, limit: Optional[int], tree_nodes: int,
+                 on_tokens: Optional[Callable[[List[int]], None]]):
+        n = ids.numel()
+        name = "the prompt" if index == 0 else f"prompt {index}"
+        if limit is not None and n >= limit:
+            raise ValueError(f"{name} has {n} tokens, but the target's context holds {limit} positions "
+                             f"(max_position_embeddings): no room for a new token")
+        self.budget = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - n)  # new tokens at positions < limit
+        self.bound = n + self.budget + tree_nodes  # the most its KV cache rows can hold: committed tokens + one tree
+        if s.max_cache_len is not None:
+            if n + tree_nodes > s.max_cache_len:
+                raise ValueError(f"{name} has {n} tokens; with a {tree_nodes}-node tree it needs a KV cache of at "
+                                 f"least {n + tree_nodes} positions, but the cache holds {s.max_cache_len} (max_cache_len)")
+            self.bound = min(self.bound, s.max_cache_len)
+        self.index, self.ids, self.settings, self.on_tokens = index, ids, s, on_tokens
+        self.generator = torch.Generator(device="cpu").manual_seed((s.seed + index) % 2**63)
+        self.out: List[int] = []
+        self.features: List[torch.Tensor] = []
+        self.stats = GenerationStats()
+        self.root = -1
+        self.t0 = 0.0
+
+    @property
+    def done(self) -> bool:
+        return bool(self.stats.stop_reason)
+
+    def draws(self, count: int) -> torch.Tensor:
+        return torch.rand(1, count, dtype=torch.float64, generator=self.generator)
+
+    def emit(self, tokens: List[int]) -> None:
+        """Append tokens up to EOS / the budget (then the sequence is done)."""
+        s = self.settings
+        for i, t in enumerate(tokens):
+            if t in s.eos or len(self.out) + i + 1 == self.budget:
+                tokens = tokens[: i + 1]
+                self.stats.stop_reason = ("eos" if t in s.eos else "max_new_tokens" if self.budget == s.max_new_tokens
+                                          else "context_limit")
+                break
+        self.out.extend(tokens)
+        if self.on_tokens:
+            self.on_tokens(tokens)
+
+    def output(self) -> GenerationOutput:
+        self.stats.wall_time_s = time.perf_counter() - self.t0
+        self.stats.new_tokens = len(self.out)
+        features = None
+        if self.settings.keep_features:
+            features = torch.cat(self.features)[: self.ids.numel() + len(self.out) - 1]
+        return GenerationOutput(self.out, self.stats, features)
+
+
+def _no_distribution() -> RuntimeError:
+    return RuntimeError("the target's logits are not finite (NaN or inf): verification cannot choose a token "
+                        "(check the model's weights and dtype)")
+
+
+class _Batch:
+    """The sequences decoding together, row b of every cache being ``seqs[b]``: a finished one
+    leaves, and a waiting request takes its place (continuous batching)."""
+
+    def __init__(self, target: LlamaModel, draft: Optional[DraftHead], method: Method, tree: TreeConfig,
+                 s: _Settings, max_rows: int):
+        self.target, self.draft, self.method, self.tree, self.settings = target, draft, method, tree, s
+        self.max_rows = max_rows
+        self.tree_nodes = tree.max_nodes_for(method)
+        self.device = target.lm_head.weight.device
+        self.seqs: List[_Sequence] = []
+        self.cache = None
+        self.drafter: Optional[Drafter] = None
+        self.root_parent = torch.tensor([[-1]], device=self.device)
+
+    def check(self) -> None:
+        """The drafter's checks of the method, head and tree, before any prompt is run."""
+        Drafter.check(self.draft, self.method, self.tree)
+
+    # ------------------------------------------------------------------ a sequence starts
+    def _prefill(self, seq: _Sequence):
+        """Run the prompt alone, choose the first token. Returns what loading its rows needs."""
+        seq.t0 = time.perf_counter()
+        ids = seq.ids.to(self.device)
+        n = ids.numel()
+        one = self.target.new_cache(1, n)
+        logits, hidden = self.target(ids.unsqueeze(0), one, last_logits_only=True)
+        one.commit(n)
+        seq.stats.target_forwards += 1
+        s = self.settings
+        uniforms = seq.draws(2).to(self.device) if s.temperature > 0 else None
+        _, accepted, bonus = ops.verify_tree(self.root_parent, ids[-1:].unsqueeze(0), logits, uniforms,
+                                             s.temperature, s.top_p, s.top_k)
+        if int(accepted[0]) < 0:  # the op's mark of a logit row it cannot use (on a GPU; on the CPU it raises)
+            raise _no_distribution()
+        seq.root = int(bonus[0])
+        if s.keep_features:
+            seq.features.append(hidden[0])
+        seq.stats.prefill_s = time.perf_counter() - seq.t0
+        seq.emit([seq.root])
+        return one, torch.cat([ids[1:], bonus]), hidden[0]
+
+    def admit(self, pending: List[_Sequence]) -> List[_Sequence]:
+        """Start the sequences ``pending`` (at most the free rows); returns those already done
+        (their first token ended them), the others join the batch."""
+        started, done = [], []
+        for seq in pending:
+            state = self._prefill(seq)
+            (done if seq.done else started).append((seq, state))
+        if started:
+            self._add_rows([seq for seq, _ in started], [state for _, state in started])
+        return [seq for seq, _ in done]
+
+    def _add_rows(self, seqs: List[_Sequence], states) -> None:
+        first = len(self.seqs)
+        room = max(min(seq.bound, seq.ids.numel() + INITIAL_ROOM + self.tree_nodes) for seq in seqs)
+        bound = max(seq.bound for seq in seqs)
+        if self.cache is None:
+            self.drafter = Drafter(self.draft, self.method, self.tree, len(seqs), room, bound)
+            self.cache = self.target.new_cache(len(seqs), room, bound)
+        else:
+            rows = torch.cat([torch.arange(first), torch.full((len(seqs),), -1)]).to(self.device)
+            self.cache.select_rows(rows, bound)
+            self.drafter.select_rows(rows, bound)
+        for i, (seq, (one, tokens, features)) in enumerate(zip(seqs, states)):
+            self.cache.load(first + i, one)
+            before = self.drafter.forwards
+            self.drafter.load(first + i, tokens, features)
+            seq.stats.draft_forwards += self.drafter.forwards - before
+        self.seqs += seqs
+
+    def drop_done(self) -> List[_Sequence]:
+        """Remove the finished sequences from the batch; returns them."""
+        done = [seq for seq in self.seqs if seq.done]
+        if done:
+            keep = [b for b, seq in enumerate(self.seqs) if not seq.done]
+            self.seqs = [self.seqs[b] for b in keep]
+            if keep:
+                rows = torch.tensor(keep, device=self.device)
+                self.cache.select_rows(rows)
+                self.drafter.select_rows(rows)
+            else:
+                self.cache = self.drafter = None
+        return done
+
+    # ------------------------------------------------------------------ a round
+    def round(self) -> None:
+        """Draft, verify and commit once for every sequence of the batch."""
+        s = self.settings
+        lengths = self.cache.lengths.tolist()
+        for seq, length in zip(self.seqs, lengths):
+            if length + self.tree_nodes > seq.bound:  # only a max_cache_len smaller than the need
+                seq.stats.stop_reason = "cache_full"
+        if any(seq.done for seq in self.seqs):
+            return
+        seqs, B = self.seqs, len(self.seqs)
+        forwards = self.drafter.forwards
+        tree = self.drafter.draft(torch.tensor([seq.root for seq in seqs], device=self.device))
+        logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents), tree.depths)
+        uniforms = None
+        if s.temperature > 0:
+            T = tree.tokens.shape[1]
+            uniforms = torch.full((B, T + 1), 0.5, dtype=torch.float64)  # padding nodes: never read
+            for b, (seq, count) in enumerate(zip(seqs, tree.counts.tolist())):
+                draws = seq.draws(count + 1)[0]
+                uniforms[b, :count], uniforms[b, T] = draws[:count], draws[count]
+            uniforms = uniforms.to(self.device)
+        path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,
+                                                s.top_p, s.top_k)
+        if bool((accepted < 0).any()):
+            raise _no_distribution()
+        self.cache.commit_path(path, accepted + 1)
+        # Each sequence's new tokens: its accepted drafts, then the bonus; with the target's
+        # hidden states at the root and the accepted nodes, they are the draft's catch-up.
+        n = int(accepted.max()) + 1
+        kept = path[:, :n].clamp(min=0)
+        tokens = torch.cat([tree.tokens.gather(1, kept[:, 1:]), torch.zeros_like(bonus).unsqueeze(1)], 1)
+        tokens.scatter_(1, accepted.unsqueeze(1), bonus.unsqueeze(1))
+        index = kept.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        features = hidden.gather(1, index)
+        self.drafter.catch_up(tokens, features, accepted + 1)
+        drafted = self.drafter.forwards - forwards
+        for b, (seq, a, row) in enumerate(zip(seqs, accepted.tolist(), tokens.tolist())):
+            seq.stats.target_forwards += 1
+            seq.stats.draft_forwards += drafted
+            seq.stats.accept_lengths.append(a)
+            if s.keep_features:
+                seq.features.append(features[b, : a + 1])
+            seq.root = row[a]
+            seq.emit(row[: a + 1])
+
+
+def _decode(target, draft, method: Method, tree: TreeConfig, s: _Settings, requests, max_rows: int):
+    """Decode the sequences ``requests`` gives (asked whenever a row is free: an iterator that
+    ran dry may have more later), up to ``max_rows`` at once; yields each (sequence, output) as
+    it finishes."""
+    batch = _Batch(target, draft, method, tree, s, max_rows)
+    batch.check()
+    while True:
+        while len(batch.seqs) < max_rows:  # free rows take waiting requests
+            pending = []
+            while len(batch.seqs) + len(pending) < max_rows and (seq := next(requests, None)) is not None:
+                pending.append(seq)
+            if not pending:
+                break
+            for seq in batch.admit(pending):  # done at their first token
+                yield seq, seq.output()
+        if not batch.seqs:
+            return
+        batch.round()
+        for seq in batch.drop_done():
+            yield seq, seq.output()
+
+
+def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed,
+              max_cache_len, on_tokens, keep_features: bool = False):
+    """The checked arguments shared by the entry points: (Method, _Settings)."""
     if not isinstance(target, LlamaModel):
         raise TypeError(f"target must be a LlamaModel, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, DraftHead):
         raise TypeError(f"draft must be a DraftHead or None, got {type(draft).__name__}")
     max_new_tokens, temperature, top_p, top_k, seed = check_sampling_options(max_new_tokens, temperature, top_p,
                                                                              top_k, seed)
-    ids = _prompt_ids(input_ids, target.config.vocab_size)
     eos = _eos_ids(eos_token_id)
     if max_cache_len is not None:
         max_cache_len = _int_arg("max_cache_len", max_cache_len, 1)
@@ -503,98 +524,154 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
         raise TypeError(f"on_tokens must be None or a callable, got {type(on_tokens).__name__}")
     if method is None:
         method = ("jakiro" if draft.config.num_experts else "eagle2") if draft is not None else "ar"
-    if method not in METHODS:
+    if method not in METHOD_SPECS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method != "ar" and draft is None:
+    spec = METHOD_SPECS[method]
+    if spec.head is not None and draft is None:
         raise ValueError(f"method {method!r} needs a draft head")
+    return spec, _Settings(max_new_tokens, temperature, top_p, top_k, eos, seed, max_cache_len, keep_features)
+
+
+def _default_tree(target, draft, method: Method, tree: Optional[TreeConfig]) -> TreeConfig:
+    """The tree given, else on CPU the one chosen by measured cost (for a head with an acceptance
+    profile) or CPU_TREE, elsewhere GPU_TREE."""
     device = target.lm_head.weight.device
-    if tree is None and device.type == "cpu" and method != "ar":
+    if tree is None and device.type == "cpu" and method.head is not None:
         from jakiro_ext.tree_cost import auto_tree
 
-        tree = auto_tree(target, draft, method)
+        tree = auto_tree(target, draft, method.name)
     if tree is None:
         tree = CPU_TREE if device.type == "cpu" else GPU_TREE
-    n = ids.numel()
-    limit = target.config.max_position_embeddings
-    if limit is not None and n >= limit:
-        raise ValueError(f"the prompt has {n} tokens, but the target's context holds {limit} positions "
-                         f"(max_position_embeddings): no room for a new token")
-    budget = max_new_tokens if limit is None else min(max_new_tokens, limit - n)  # new tokens at positions < limit
-    tree_nodes = tree.max_nodes_for(method)
-    bound = n + budget + tree_nodes  # the most the target's cache can hold: committed tokens + one tree
-    if max_cache_len is not None:
-        if n + tree_nodes > max_cache_len:
-            raise ValueError(f"the prompt has {n} tokens; with a {tree_nodes}-node tree it needs a KV cache of at "
-                             f"least {n + tree_nodes} positions, but the cache holds {max_cache_len} (max_cache_len)")
-        bound = min(bound, max_cache_len)
-    start = min(bound, n + INITIAL_ROOM + tree_nodes)
-    ids = ids.to(device)
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    stats = GenerationStats()
-    out: List[int] = []
+    return tree
 
-    def emit(tokens: List[int]) -> bool:
-        """Append tokens up to EOS / the budget; True when the generation is over."""
-        for i, t in enumerate(tokens):
-            if t in eos or len(out) + i + 1 == budget:
-                tokens = tokens[: i + 1]
-                stats.stop_reason = ("eos" if t in eos else "max_new_tokens" if budget == max_new_tokens
-                                     else "context_limit")
-                break
-        out.extend(tokens)
-        if on_tokens:
-            on_tokens(tokens)
-        return bool(stats.stop_reason)
 
-    def verify(tokens, parents, logits):
-        uniforms = None
-        if temperature > 0:
-            uniforms = torch.rand(1, tokens.numel() + 1, dtype=torch.float64, generator=generator).to(device)
-        path, accepted, bonus = ops.verify_tree(parents.unsqueeze(0), tokens.unsqueeze(0), logits, uniforms,
-                                                temperature, top_p, top_k)
-        if int(accepted[0]) < 0:  # the op's mark of a logit row it cannot use (on a GPU; on the CPU it raises)
-            raise RuntimeError("the target's logits are not finite (NaN or inf): verification cannot choose a "
-                               "token (check the model's weights and dtype)")
-        return path, accepted, bonus
+_DOC_OPTIONS = """
+    method : ``ar`` (plain decoding), ``eagle2`` (dynamic tree, autoregressive drafting),
+        ``jakiro`` (the last layer from the contrastive branch, one draft forward fewer) or
+        ``jakiro_star`` (each activated expert proposes its own children). Default: ``jakiro``
+        for a MoE head, ``eagle2`` for a dense one, ``ar`` without a head.
+    tree : a :class:`TreeConfig`. Default on CPU: chosen by measured cost for a head with an
+        acceptance profile (:mod:`jakiro_ext.tree_cost`; the machine's costs are measured once
+        and cached), else :data:`CPU_TREE`; elsewhere :data:`GPU_TREE`.
+    temperature, top_p, top_k : finite temperature >= 0 (0: greedy), top_p in (0, 1], int top_k >= 0 (0: off).
+    eos_token_id : None, an int or a list of ints that end a generation (included in the output).
+    seed : an int in [0, 2**63): seeds the draws of sampling (temperature > 0); sequence i of a
+        call draws from its own generator seeded with seed + i, so its draws do not depend on
+        the other sequences (with the same trees it samples the same tokens alone, given that seed).
+    max_cache_len : None or a bound (>= 1) on each sequence's KV cache positions; a generation
+        stops with ``stop_reason`` "cache_full" when it runs out. Either way the caches start
+        small and grow on demand, up to prompt + the tokens left to generate + the largest tree
+        the method can draft (:meth:`TreeConfig.max_nodes_for`).
+"""
 
-    t0 = time.perf_counter()
-    drafter = Drafter(draft, method, tree, start, bound) if method != "ar" else None  # checks the tree first
-    cache = target.new_cache(1, start, bound)
-    logits, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-    cache.lengths += n
-    stats.target_forwards += 1
-    root_parent = torch.tensor([-1], device=device)
-    _, _, bonus = verify(ids[-1:], root_parent, logits)
-    root = int(bonus[0])
-    if drafter is not None:
-        drafter.catch_up(torch.cat([ids[1:], bonus]), hidden[0])
-    stats.prefill_s = time.perf_counter() - t0
-    done = emit([root])
-    root_mask = ops.build_tree_mask(root_parent.unsqueeze(0))  # plain decoding's one-node tree, every round
-    while not done:
-        if int(cache.lengths[0]) + tree_nodes > bound:  # only a max_cache_len smaller than the need
-            stats.stop_reason = "cache_full"
-            break
-        if drafter is not None:
-            tokens, parents, depths = drafter.draft(root)
-            mask = ops.build_tree_mask(parents.unsqueeze(0))
-        else:
-            tokens, parents, depths = torch.tensor([root], device=device), root_parent, torch.zeros(1, dtype=torch.int64, device=device)
-            mask = root_mask
-        logits, hidden = target(tokens.unsqueeze(0), cache, mask, depths.unsqueeze(0))
-        stats.target_forwards += 1
-        path, accepted, bonus = verify(tokens, parents, logits)
-        a = int(accepted[0])
-        ops.compact_kv(cache.kv, cache.lengths, path, accepted + 1)
-        cache.lengths += a + 1
-        stats.accept_lengths.append(a)
-        kept = path[0, : a + 1]
-        new_tokens = torch.cat([tokens[kept[1:]], bonus])
-        if drafter is not None:
-            drafter.catch_up(new_tokens, hidden[0, kept])
-        root = int(bonus[0])
-        done = emit(new_tokens.tolist())
-    stats.wall_time_s = time.perf_counter() - t0
-    stats.new_tokens = len(out)
-    stats.draft_forwards = drafter.forwards if drafter is not None else 0
-    return GenerationOutput(out, stats)
+
+def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_ids, max_new_tokens: int = 128, *,
+                         lengths=None, method: Optional[str] = None, tree: Optional[TreeConfig] = None,
+                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None,
+                         seed: int = 0, max_cache_len: Optional[int] = None, on_tokens: Optional[Callable] = None):
+    """Generate up to ``max_new_tokens`` tokens after each prompt, losslessly: at temperature 0
+    the tokens are the target's greedy ones; above it they follow the target's distribution
+    (after temperature, top-k, top-p).
+
+    Parameters
+    ----------
+    target : the target model.
+    draft : a draft head bound to ``target`` (``DraftHead.load(path, target)``); None for ``ar``.
+    input_ids : one prompt (a list of ints, an integer tensor [n] or [1, n]), or a batch of
+        prompts of any lengths (a list of such prompts, or an integer tensor [B, n] with
+        ``lengths``), of token ids of the target's vocabulary, decoded together. Each must leave room for one new
+        token in the target's context (``target.config.max_position_embeddings``).
+    max_new_tokens : an int >= 1 (one for every sequence). No token is generated at a position
+        beyond the context limit: when the limit comes first, the generation ends there
+        (``stop_reason`` "context_limit").
+    lengths : with a [B, n] tensor of prompts, each one's length (the rest of its row is padding);
+        default: every row is a whole prompt.""" + _DOC_OPTIONS + """    on_tokens : None or a callable, called with each batch of newly emitted tokens (streaming):
+        ``on_tokens(tokens)`` for one prompt, ``on_tokens(i, tokens)`` for prompt i of a batch
+        (the calls that return a list).
+
+    Returns
+    -------
+    A :class:`GenerationOutput` for one prompt, a list of them (in order) for a batch of two or
+    more prompts, or for any prompts given with ``lengths``.
+
+    Raises
+    ------
+    TypeError, ValueError : a bad argument (the message names it), before anything is allocated.
+    RuntimeError : the target's or the draft head's logits are not finite (NaN or inf); no token
+        is ever emitted that the target did not give.
+    MemoryError : a KV cache could not be allocated (the message says how many bytes).
+    """
+    method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
+                          seed, max_cache_len, on_tokens)
+    prompts, batched = _prompts(input_ids, lengths, target.config.vocab_size)
+    tree = _default_tree(target, draft, method, tree)
+    nodes, limit = tree.max_nodes_for(method), target.config.max_position_embeddings
+
+    def stream(i):
+        if on_tokens is None:
+            return None
+        return (lambda tokens: on_tokens(i, tokens)) if batched else on_tokens
+
+    seqs = [_Sequence(i, ids, s, limit, nodes, stream(i)) for i, ids in enumerate(prompts)]
+    outputs = {seq.index: out for seq, out in _decode(target, draft, method, tree, s, iter(seqs), len(seqs))}
+    return [outputs[i] for i in range(len(seqs))] if batched else outputs[0]
+
+
+def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_batch_size: int = 8,
+                  max_new_tokens: int = 128, *, method: Optional[str] = None, tree: Optional[TreeConfig] = None,
+                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None, seed: int = 0,
+                  max_cache_len: Optional[int] = None, on_tokens: Optional[Callable] = None,
+                  keep_features: bool = False) -> Iterator[Tuple[int, GenerationOutput]]:
+    """Continuous batching: decode the prompts of ``requests`` with up to ``max_batch_size`` in
+    flight, a finished one's rows taken by the next prompt; yields (i, output) for the i-th
+    prompt as each finishes. Each prompt gets exactly what ``speculative_generate`` gives it alone
+    (greedy; at temperature > 0 it draws from its own generator, seeded with seed + i), whatever
+    the order of arrival and the number in flight.
+
+    Parameters
+    ----------
+    requests : an iterable of prompts (lists of ints or integer tensors [n]), asked for the next
+        one whenever a row is free; an iterator that ran dry is asked again later (it may have
+        more by then: follow-up turns queued as answers finish), the generation ending when it
+        has nothing while no sequence is in flight. A bad prompt raises when it is reached.
+    max_batch_size : sequences decoded at once, in [1, MAX_BATCH].
+    max_new_tokens, method, tree, temperature, top_p, top_k, eos_token_id, seed, max_cache_len :
+        as for :func:`speculative_generate`, one setting for every prompt.
+    on_tokens : None or a callable ``on_tokens(i, tokens)`` (streaming).
+    keep_features : also return the target's hidden states (``GenerationOutput.features``).
+    """
+    method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
+                          seed, max_cache_len, on_tokens, bool(keep_features))
+    max_batch_size = _int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
+    tree = _default_tree(target, draft, method, tree)
+    nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size
+    return _generate_many(target, draft, method, tree, s, iter(requests), max_batch_size, nodes, limit, vocab,
+                          on_tokens)
+
+
+class _Arrivals:
+    """The requests as checked sequences, numbered in order of arrival; asking again after it ran
+    dry asks the underlying iterator again."""
+
+    def __init__(self, requests, s, limit, nodes, vocab, on_tokens):
+        self.requests, self.s, self.limit, self.nodes, self.vocab, self.on_tokens = requests, s, limit, nodes, vocab, on_tokens
+        self.count = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> _Sequence:
+        prompt = next(self.requests, None)
+        if prompt is None:
+            raise StopIteration
+        i = self.count
+        ids = _prompt_ids(prompt, self.vocab, f"request {i}")
+        self.count += 1
+        stream = None if self.on_tokens is None else (lambda tokens: self.on_tokens(i, tokens))
+        return _Sequence(i, ids, self.s, self.limit, self.nodes, stream)
+
+
+def _generate_many(target, draft, method, tree, s, requests, max_batch_size, nodes, limit, vocab, on_tokens):
+    arrivals = _Arrivals(requests, s, limit, nodes, vocab, on_tokens)
+    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size):
+        yield seq.index, out

@@ -49,66 +49,39 @@ def generate_greedy_batched(target: LlamaModel, prompts: Iterable[Tuple[int, tor
                             max_new_tokens: int, batch: int, eos: Sequence[int]
                             ) -> Iterator[Tuple[int, int, torch.Tensor, torch.Tensor]]:
     """Greedy answers to many prompts (of at most ``max_prompt_tokens``), ``batch`` sequences
-    decoding together; a finished row takes the next prompt (continuous batching). Yields, as
-    each finishes: (its key, its prompt length, the tokens prompt + answer [n], the features of
-    all but the last token [n - 1, H]).
+    decoding together; a finished row takes the next prompt (continuous batching,
+    :func:`jakiro_ext.engine.generate_many`). Yields, as each finishes: (its key, its prompt
+    length, the tokens prompt + answer [n], the features of all but the last token [n - 1, H]).
 
-    ``prompts`` is asked again for every empty row at every step, so an iterator that ran dry and
-    has more later (follow-up turns queued as answers finish) refills them.
+    ``prompts`` is asked again whenever a row is free, so an iterator that ran dry and has more
+    later (follow-up turns queued as answers finish) refills it. Each answer is exactly the
+    engine's plain decoding of that prompt alone."""
+    from jakiro_ext.engine import generate_many
 
-    Each row is decoded exactly as the engine decodes one sequence: its prompt is prefilled
-    alone and ``jakiro::linear`` gives every row the result it gets alone (up to 64 rows)."""
-    if not 1 <= batch <= 64:
-        raise ValueError(f"batch must be in [1, 64] (rows beyond 64 change the linear kernel's path), got {batch}")
-    prompts = iter(prompts)
-    device = target.lm_head.weight.device
-    eos = set(eos)
-    cache = target.new_cache(batch, max_prompt_tokens + max_new_tokens)
-    rows: List[Optional[dict]] = [None] * batch
+    started = {}  # request index -> (key, prompt)
 
-    def start(b: int) -> None:
-        item = next(prompts, None)
-        rows[b] = None
-        if item is None:
-            return
-        key, ids = item
-        n = ids.numel()
-        if n > max_prompt_tokens:
-            raise ValueError(f"prompt {key} has {n} tokens, more than max_prompt_tokens={max_prompt_tokens}")
-        ids = ids.to(device)
-        one = target.new_cache(1, n)
-        logits, hidden = target(ids.unsqueeze(0), one, last_logits_only=True)
-        cache.kv[:, :, b, :, :n] = one.kv[:, :, 0]
-        cache.lengths[b] = n
-        rows[b] = dict(key=key, prompt=ids, answer=[int(logits[0, -1].argmax())], features=[hidden[0]])
+    class Requests:
+        def __init__(self):
+            self.source, self.count = iter(prompts), 0
 
-    for b in range(batch):
-        start(b)
-    mask = causal_tree_mask(batch, 1, device)
-    depths = torch.zeros(batch, 1, dtype=torch.int64, device=device)
-    while True:
-        # A refilled row may be finished at once (its first token is EOS): check until none is.
-        while finished := [b for b, r in enumerate(rows) if r is not None and
-                           (r["answer"][-1] in eos or len(r["answer"]) >= max_new_tokens)]:
-            for b in finished:
-                r = rows[b]
-                tokens = torch.cat([r["prompt"], torch.tensor(r["answer"], device=device)])
-                yield r["key"], r["prompt"].numel(), tokens, torch.cat(r["features"])
-                start(b)
-        for b in [b for b, r in enumerate(rows) if r is None]:
-            start(b)  # an iterator that ran dry may have more by now (follow-up turns of finished answers)
-        if all(r is None for r in rows):
-            break
-        if any(r["answer"][-1] in eos or len(r["answer"]) >= max_new_tokens for r in rows if r is not None):
-            continue  # a refilled row finished at once
-        last = torch.tensor([[r["answer"][-1] if r else 0] for r in rows], device=device)
-        logits, hidden = target(last, cache, mask, depths)
-        best = logits[:, 0].argmax(-1).tolist()
-        for b, r in enumerate(rows):
-            if r is not None:
-                cache.lengths[b] += 1
-                r["features"].append(hidden[b])
-                r["answer"].append(best[b])
+        def __iter__(self):
+            return self
+
+        def __next__(self) -> torch.Tensor:
+            item = next(self.source, None)
+            if item is None:
+                raise StopIteration
+            key, ids = item
+            if ids.numel() > max_prompt_tokens:
+                raise ValueError(f"prompt {key} has {ids.numel()} tokens, more than max_prompt_tokens={max_prompt_tokens}")
+            started[self.count] = (key, ids)
+            self.count += 1
+            return ids
+
+    for i, out in generate_many(target, None, Requests(), batch, max_new_tokens, method="ar", eos_token_id=list(eos),
+                                keep_features=True):
+        key, ids = started.pop(i)
+        yield key, ids.numel(), torch.cat([ids, torch.tensor(out.token_ids)]), out.features
 
 
 # ----------------------------------------------------------------------------- storage

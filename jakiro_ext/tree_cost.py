@@ -89,7 +89,8 @@ def measure_costs(target, head, method: str, repeats: int = 5) -> dict:
     """The seconds of each part of a round on this machine (see the module's docstring), with
     the target and the head as given (their dtype and device, torch's thread count)."""
     from jakiro_ext import ops
-    from jakiro_ext.engine import Drafter, TreeConfig
+    from jakiro_ext.drafting import METHODS, Drafter
+    from jakiro_ext.engine import TreeConfig
     from jakiro_ext.models.llama import causal_tree_mask
 
     device = target.lm_head.weight.device
@@ -109,12 +110,12 @@ def measure_costs(target, head, method: str, repeats: int = 5) -> dict:
     draft, catch_up = {}, {}
     for k in WIDTHS:
         for d in (d + (method == "jakiro") for d in DEPTHS):
-            drafter = Drafter(head, method, TreeConfig(max(2, min(64, 1 + d * k)), d, k), CONTEXT + 16)
-            drafter.catch_up(prompt[1:CONTEXT + 1], hidden[0])
-            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(int(prompt[0])), repeats)
+            drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k), 1, CONTEXT + 16)
+            drafter.catch_up(prompt[1:CONTEXT + 1].unsqueeze(0), hidden, torch.tensor([CONTEXT], device=device))
+            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(prompt[:1]), repeats)
     for rows in range(1, 9):
         def run():
-            drafter.catch_up(prompt[:rows], hidden[0, :rows])
+            drafter.catch_up(prompt[:rows].unsqueeze(0), hidden[:, :rows], torch.tensor([rows], device=device))
             drafter.cache.lengths -= rows
         catch_up[str(rows)] = _median_seconds(run, repeats)
     return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT)

@@ -20,7 +20,9 @@ import torch
 
 import jakiro_ext.cli as cli_module
 from jakiro_ext import ops
-from jakiro_ext.engine import Drafter, TreeConfig, speculative_generate
+from jakiro_ext.drafting import METHODS as METHOD_SPECS
+from jakiro_ext.drafting import Drafter
+from jakiro_ext.engine import TreeConfig, speculative_generate
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 from jakiro_ext.models.llama import KVCache, LlamaModel, causal_tree_mask
 from test_generate import copy_head, prompt, random_head, tiny_target
@@ -54,8 +56,12 @@ BAD_ARGUMENTS = [
     (dict(input_ids="hello"), TypeError, r"input_ids must be a list of ints or an integer tensor, got str"),
     (dict(input_ids=[]), ValueError, r"input_ids must not be empty"),
     (dict(input_ids=IDS[:0]), ValueError, r"input_ids must not be empty"),
-    (dict(input_ids=[[1, 2], [3, 4]]), ValueError, r"one sequence \(batch size 1\); got input_ids with 2 rows"),
-    (dict(input_ids=IDS.view(1, 1, -1)), ValueError, r"input_ids must be \[n\] or \[1, n\], got shape \(1, 1, 13\)"),
+    (dict(input_ids=[[1, 2], []]), ValueError, r"input_ids\[1\] must not be empty"),
+    (dict(input_ids=[[1, 2], [3, 4.0]]), TypeError, r"input_ids\[1\] must be ints \(token ids\), got float 4.0"),
+    (dict(input_ids=IDS.view(1, 1, -1)), ValueError, r"input_ids must be \[n\] \(a prompt\) or \[B, n\] \(a batch of "
+                                                    r"prompts\), got shape \(1, 1, 13\)"),
+    (dict(input_ids=IDS.view(1, -1), lengths=[14]), ValueError, r"lengths\[0\] must be in \[1, 13\], got 14"),
+    (dict(max_new_tokens=[5]), TypeError, r"max_new_tokens must be an int, one value for every sequence of a batch"),
     (dict(input_ids=[5, 2**70]), ValueError, r"input_ids must be token ids in \[0, 211\) \(the target's vocabulary\), "
                                              r"got values in \[5, 1180591620717411303424\]"),
     (dict(input_ids=[-1, 3]), ValueError, r"input_ids must be token ids in \[0, 211\)"),
@@ -180,11 +186,11 @@ def test_tree_node_bound_is_what_the_drafting_can_produce(target):
     ids = prompt()
     for kind, method in [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")]:
         for tree in (TreeConfig(1024, 2, 2), TreeConfig(1024, 3, 3)):
-            drafter = Drafter(random_head(target, kind), method, tree, 64)
+            drafter = Drafter(random_head(target, kind), METHOD_SPECS[method], tree, 1, 64)
             cache = target.new_cache(1, 64)
             _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-            drafter.catch_up(ids[1:], hidden[0, :-1])
-            tokens, _, _ = drafter.draft(int(ids[-1]))
+            drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], torch.tensor([ids.numel() - 1]))
+            tokens = drafter.draft(ids[-1:]).tokens[0]
             bound = tree.max_nodes_for(method)
             assert tokens.numel() <= bound
             if method != "jakiro_star":  # (the two experts' proposals can repeat a token)
@@ -252,13 +258,16 @@ def test_caches_start_small_whatever_max_new_tokens_and_total_tokens_say(target,
     monkeypatch.setattr(KVCache, "__init__", spy)
     ids = prompt()
     plain = speculative_generate(target, None, ids, 12).token_ids
-    eos = plain[8]
     made.clear()
     out = speculative_generate(target, copy_head(target, "jakiro"), ids, 10**9, method="jakiro",
-                               tree=TreeConfig(1024, 2, 2), eos_token_id=eos)
-    assert out.token_ids == plain[: plain.index(eos) + 1]
+                               tree=TreeConfig(1024, 2, 2))
+    assert out.token_ids[:12] == plain and out.stats.stop_reason == "context_limit"
     limit = target.config.max_position_embeddings  # 2048: transformers' default
-    (draft_layers, draft_start, draft_bound), (target_layers, target_start, target_bound) = made
+    # The prompt runs alone in caches of its own size (target, then draft), then the generation's
+    # growing caches (draft, target) take it.
+    assert [(layers, start) for layers, start, bound in made if start == bound] == [(2, 13), (1, 13)]
+    (draft_layers, draft_start, draft_bound), (target_layers, target_start, target_bound) = [
+        m for m in made if m[1] < m[2]]
     assert (draft_layers, target_layers) == (1, 2)
     assert target_start == 13 + 256 + 11 and target_bound == limit + 11  # prompt + budget + an 11-node tree
     assert draft_start <= target_start + 11 and draft_bound <= target_bound + 11
@@ -266,7 +275,7 @@ def test_caches_start_small_whatever_max_new_tokens_and_total_tokens_say(target,
 
 def test_dedupe_of_expert_proposals_is_not_quadratic():
     """jakiro_star's repeated-token removal matches the pairwise definition, without a [R, C, C] tensor."""
-    from jakiro_ext.engine import _dedupe
+    from jakiro_ext.drafting import dedupe as _dedupe
 
     g = torch.Generator().manual_seed(0)
     for _ in range(50):

@@ -122,12 +122,13 @@ def test_static_decoupled_tree_ranks_distinct_tokens(target):
     tree = TreeConfig(choices=[[0], [1], [1, 0], [0, 0]])
     out = speculative_generate(target, head, ids, 30, method="jakiro_star", tree=tree)
     assert out.token_ids == speculative_generate(target, None, ids, 30).token_ids
-    from jakiro_ext.engine import Drafter
-    drafter = Drafter(head, "jakiro_star", tree, 64)
+    from jakiro_ext.drafting import METHODS, Drafter
+    drafter = Drafter(head, METHODS["jakiro_star"], tree, 1, 64)
     cache = target.new_cache(1, 64)
     _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-    drafter.catch_up(ids[1:], hidden[0, :-1])
-    tokens, parents, _ = drafter.draft(int(ids[-1]))
+    drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], torch.tensor([ids.numel() - 1]))
+    drafted = drafter.draft(ids[-1:])
+    tokens, parents = drafted.tokens[0], drafted.parents[0]
     assert tokens.numel() == 5 and parents.tolist() == [-1, 0, 0, 1, 2]
     assert len(set(tokens[1:3].tolist())) == 2  # the root's two children are distinct tokens
 
@@ -147,7 +148,8 @@ def test_bad_arguments_are_clear_errors(target):
         (dict(draft=dense, method="jakiro"), r"method 'jakiro' needs a Jakiro \(MoE\) draft head; this head is 'eagle2'"),
         (dict(draft=moe, method="medusa"), r"method must be one of \('ar', 'eagle2', 'jakiro', 'jakiro_star'\), got 'medusa'"),
         (dict(draft=moe, method="jakiro", tree=TREES["static"]), r"with a static tree use 'eagle2' or 'jakiro_star'"),
-        (dict(draft=None, input_ids=ids.repeat(2, 1)), r"one sequence \(batch size 1\); got input_ids \(2, 13\)"),
+        (dict(draft=None, input_ids=ids.repeat(2, 1), lengths=[13]), r"lengths must give one length per row of "
+                                                                     r"input_ids \(2\), got \[13\]"),
         (dict(draft=None, max_new_tokens=0), r"max_new_tokens must be >= 1, got 0"),
         (dict(draft=None, temperature=-1.0), r"temperature must be >= 0 \(0: greedy\), got -1.0"),
         (dict(draft=None, top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),

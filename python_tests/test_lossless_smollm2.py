@@ -85,3 +85,26 @@ def test_shipped_heads_are_the_documented_ones(setup, shipped_heads):
 def test_shipped_head_is_exact_on_every_prompt(setup, shipped_heads, kind, method):
     tau = generate_all(setup, shipped_heads[kind], method, range(30))
     assert tau > MIN_TAU, f"the shipped head should accept multi-token paths (tau {tau:.2f})"
+
+
+@pytest.mark.parametrize("kind,method,tree", [("jakiro", "jakiro", None), ("eagle2", "eagle2", None),
+                                              ("eagle2", "eagle2", TreeConfig(choices=[[0], [1], [0, 0], [0, 0, 0]]))])
+def test_shipped_head_in_a_batch_is_exact(setup, shipped_heads, kind, method, tree):
+    # Batches of 4 ragged prompts whose answers end at different lengths (EOS or the budget):
+    # every sequence gets plain greedy decoding's tokens.
+    target, tokenizer, ids, plain = setup
+    for first in range(0, 12, 4):
+        outs = speculative_generate(target, shipped_heads[kind], ids[first:first + 4], MAX_NEW, method=method,
+                                    tree=tree, eos_token_id=tokenizer.eos_token_id)
+        assert [o.token_ids for o in outs] == plain[first:first + 4]
+    assert sum(sum(o.stats.accept_lengths) for o in outs) > 0
+
+
+def test_continuous_batching_with_a_shipped_head_is_exact(setup, shipped_heads):
+    from jakiro_ext.engine import generate_many
+
+    target, tokenizer, ids, plain = setup
+    order = [5, 0, 7, 2, 6, 1, 4, 3]
+    got = dict(generate_many(target, shipped_heads["jakiro"], (ids[i] for i in order), 3, MAX_NEW,
+                             method="jakiro_star", eos_token_id=tokenizer.eos_token_id))
+    assert [got[arrival].token_ids for arrival in range(len(order))] == [plain[i] for i in order]

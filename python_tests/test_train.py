@@ -38,8 +38,8 @@ def test_batched_generation_matches_decoding_each_prompt_alone(target):
     first = {k: int(speculative_generate(target, None, ids, 1).token_ids[0]) for k, ids in prompts}
     out = {k: t for k, _, t, _ in generate_greedy_batched(target, iter(prompts), 32, 20, 2, [first[4]])}
     assert out[4].numel() == prompts[4][1].numel() + 1
-    with pytest.raises(ValueError, match=r"batch must be in \[1, 64\]"):
-        list(generate_greedy_batched(target, iter(prompts), 32, 5, 65, eos))
+    with pytest.raises(ValueError, match=r"max_batch_size must be in \[1, 1024\], got 0"):
+        list(generate_greedy_batched(target, iter(prompts), 32, 5, 0, eos))
 
 
 def test_training_set_round_trip_resume_and_settings(tmp_path, target):
@@ -101,13 +101,13 @@ def test_reduced_vocab_heads_are_lossless_and_draft_target_ids(target, kind, met
         out = speculative_generate(target, head, x, 24, method=method, tree=TreeConfig(12, 3, 4))
         assert out.token_ids == plain
     # Every drafted token is a target id of the draft vocabulary.
-    from jakiro_ext.engine import Drafter
+    from jakiro_ext.drafting import METHODS, Drafter
 
-    d = Drafter(head, method, TreeConfig(12, 3, 4), 64)
+    d = Drafter(head, METHODS[method], TreeConfig(12, 3, 4), 1, 64)
     x = prompt(11, seed=0)
     _, hidden = target(x.unsqueeze(0), target.new_cache(1, 16), last_logits_only=True)
-    d.catch_up(x[1:], hidden[0, :-1])
-    tokens, _, _ = d.draft(int(x[-1]))
+    d.catch_up(x[1:].unsqueeze(0), hidden[:, :-1], torch.tensor([10]))
+    tokens = d.draft(x[-1:]).tokens[0]
     assert set(tokens[1:].tolist()) <= set(ids_in_vocab.tolist())
     # Saved and loaded with its vocabulary.
     head.save(tmp_path, torch.bfloat16)

@@ -203,3 +203,26 @@ def test_merge_attention_states_bad_input_errors():
         ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 0), torch.zeros(1, 2, 3, 4))
     with pytest.raises(RuntimeError, match=r"out_dtype must be float32 or bfloat16, got Half"):
         ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 8), torch.zeros(1, 2, 3, 4), torch.float16)
+
+
+def test_a_sequences_attention_does_not_depend_on_its_batch():
+    # For trees of up to 64 tokens the automatic splits are fixed-length, counted from each
+    # sequence's first key: a sequence gets bit-identical results alone and batched with longer
+    # or shorter ones (the even split of old depended on the batch's longest sequence and size).
+    g = torch.Generator().manual_seed(0)
+    B, T, Hq, Hkv, D, S = 3, 5, 6, 2, 32, 2300
+    q = torch.randn(B, T, Hq, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    lens = torch.tensor([300, 2100, 1100])
+    mask = ops.build_tree_mask(torch.tensor([[-1, 0, 0, 1, 2]] * B))
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out, lse = ops.tree_attention(q, k, v, lens, mask)
+            for b in range(B):
+                alone, alone_lse = ops.tree_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], lens[b:b + 1], mask[b:b + 1])
+                assert torch.equal(alone, out[b:b + 1]) and torch.equal(alone_lse, lse[b:b + 1])
+            torch.testing.assert_close(out, reference.tree_attention(q, k, v, lens, mask)[0], rtol=1e-4, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

@@ -26,6 +26,11 @@ namespace {
 
 constexpr int64_t kBlock = 512;        // keys per GEMM block: the [G*T, kBlock] scores stay in L2
 constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this many keys long
+// Up to this many tree tokens per sequence (decoding, draft trees), the automatic splits are
+// kMinSplitLen keys each, counted from each sequence's first key: a sequence's result depends
+// on its own length only, never on the batch it shares a call with. Longer runs (a prompt's
+// prefill) split evenly, a few splits per worker, to bound the partial buffers.
+constexpr int64_t kFixedSplitTreeLen = 64;
 // Up to this many query rows (G * T) per task the products are bound by reading K/V: they
 // stream it (skinny_gemm.h) instead of calling a BLAS GEMM, which is for the many-row
 // (compute-bound) case of a large tree.
@@ -106,6 +111,7 @@ void accumulate_pv_visible(const float* p, int64_t rows, int64_t n, const float*
 struct PartialArgs {
   TreeAttentionShape shape;
   int64_t num_splits;
+  int64_t split_len;  // keys per split; 0: each sequence's keys in num_splits even parts
   float scale;
   const int64_t* prefix_lens;
   const int64_t* tree_mask;  // [B, T, mask_stride] contiguous
@@ -121,7 +127,7 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   const auto& sh = a.shape;
   const int64_t T = sh.tree_len, D = sh.head_dim, G = sh.group(), rows = G * T;
   const int64_t prefix = a.prefix_lens[b], kv_len = prefix + T;
-  const int64_t chunk = (kv_len + a.num_splits - 1) / a.num_splits;
+  const int64_t chunk = a.split_len > 0 ? a.split_len : (kv_len + a.num_splits - 1) / a.num_splits;
   const int64_t start = std::min(kv_len, split * chunk), stop = std::min(kv_len, start + chunk);
 
   auto out_row = [&](int64_t g, int64_t t) {
@@ -201,10 +207,10 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& q, const at::Tensor& k_cache,
-                                                              const at::Tensor& v_cache, const at::Tensor& prefix_lens,
-                                                              const at::Tensor& tree_mask, int64_t num_splits,
-                                                              std::optional<double> scale) {
+std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                                     const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                                     const at::Tensor& tree_mask, int64_t num_splits,
+                                                     std::optional<double> scale, int64_t split_len) {
   const char* op = "jakiro::tree_attention_partial";
   const auto sh = check_tree_attention(op, q, k_cache, v_cache, prefix_lens, tree_mask);
   TORCH_CHECK(num_splits >= 1, op, ": num_splits must be >= 1, got ", num_splits);
@@ -217,6 +223,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
 
   PartialArgs args{sh,
                    num_splits,
+                   split_len,
                    attention_scale(op, scale, sh.head_dim),
                    lens.data_ptr<int64_t>(),
                    mask.data_ptr<int64_t>(),
@@ -288,17 +295,29 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const
                                                       const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                                       const at::Tensor& tree_mask, std::optional<double> scale,
                                                       std::optional<int64_t> num_splits) {
-  int64_t splits;
+  int64_t splits, split_len = 0;
   if (num_splits.has_value()) {
     splits = *num_splits;
   } else {
     const auto sh = check_tree_attention("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask);
-    const int64_t max_prefix = prefix_lens.numel() ? prefix_lens.max().item<int64_t>() : 0;
-    splits = default_num_splits(sh.batch, sh.kv_heads, max_prefix + sh.tree_len, at::get_num_threads(), kMinSplitLen);
+    const int64_t max_kv = (prefix_lens.numel() ? prefix_lens.max().item<int64_t>() : 0) + sh.tree_len;
+    if (sh.tree_len <= kFixedSplitTreeLen) {
+      split_len = kMinSplitLen;
+      splits = std::max<int64_t>(1, (max_kv + split_len - 1) / split_len);
+    } else {
+      splits = default_num_splits(sh.batch, sh.kv_heads, max_kv, at::get_num_threads(), kMinSplitLen);
+    }
   }
   auto [out_partial, lse_partial] =
-      tree_attention_partial_cpu(q, k_cache, v_cache, prefix_lens, tree_mask, splits, scale);
+      partial_attention(q, k_cache, v_cache, prefix_lens, tree_mask, splits, scale, split_len);
   return merge_attention_states_cpu(out_partial, lse_partial, q.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& q, const at::Tensor& k_cache,
+                                                              const at::Tensor& v_cache, const at::Tensor& prefix_lens,
+                                                              const at::Tensor& tree_mask, int64_t num_splits,
+                                                              std::optional<double> scale) {
+  return partial_attention(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale, 0);
 }
 
 }  // namespace

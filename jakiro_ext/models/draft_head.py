@@ -296,10 +296,11 @@ class DraftHead(nn.Module):
         head.eval()
         return head.bind(target) if target is not None else head
 
-    def new_cache(self, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
-        """A KV cache of ``capacity`` positions, growing on demand up to ``max_capacity`` (default: fixed)."""
+    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache:
+        """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
+        (default: fixed)."""
         w = self.fc.weight
-        return KVCache(self.config.attention_config(), 1, capacity, dtype=w.dtype, device=w.device,
+        return KVCache(self.config.attention_config(), batch, capacity, dtype=w.dtype, device=w.device,
                        max_capacity=max_capacity)
 
     # ------------------------------------------------------------------ forward
@@ -328,13 +329,8 @@ class DraftHead(nn.Module):
         q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
         k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
         v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        cache.reserve(int(cache.lengths.max()) + T)
-        k_cache, v_cache = cache.kv[0, 0], cache.kv[0, 1]
-        slots = cache.lengths.unsqueeze(1) + torch.arange(T, device=tokens.device)
-        batch_idx = torch.arange(B, device=tokens.device).unsqueeze(1)
-        k_cache[batch_idx, :, slots] = k
-        v_cache[batch_idx, :, slots] = v
-        out, lse = ops.tree_attention(q, k_cache, v_cache, cache.lengths, tree_mask)
+        cache.write(0, k, v)
+        out, lse = ops.tree_attention(q, cache.kv[0, 0], cache.kv[0, 1], cache.lengths, tree_mask)
         if ancestors is not None and ancestors.keys is not None:
             out = ancestors.merge_into(q, out, lse)
         u = x + project(self.o_proj, out.reshape(B, T, -1))
@@ -429,10 +425,8 @@ class TreeKV:
         self.visible: Optional[torch.Tensor] = None  # [B, T, M] bool for the rows being run
 
     def append(self, cache: KVCache, rows: int) -> None:
-        """Keep the keys/values the last forward wrote at the cache's scratch slots."""
-        start = int(cache.lengths[0])
-        k = cache.kv[0, 0, :, :, start:start + rows].transpose(1, 2)  # [B, rows, Hkv, D]
-        v = cache.kv[0, 1, :, :, start:start + rows].transpose(1, 2)
+        """Keep the keys/values the last forward wrote after each sequence's prefix (uncommitted)."""
+        k, v = cache.written(0, rows)  # [B, rows, Hkv, D]
         self.keys = k.clone() if self.keys is None else torch.cat([self.keys, k], 1)
         self.values = v.clone() if self.values is None else torch.cat([self.values, v], 1)
 

@@ -111,6 +111,57 @@ class KVCache(nn.Module):
         kv[..., :used, :] = self.kv[..., :used, :]
         self.kv = kv
 
+    # ------------------------------------------------------------------ its verbs
+    # A forward writes the keys/values of its T new tokens at [lengths[b], lengths[b] + T) of each
+    # sequence without committing them; the caller keeps what it accepts with these.
+    def commit(self, n) -> None:
+        """The first n (an int, or [B] per sequence) of the tokens last written become part of
+        each sequence's prefix."""
+        self.lengths += n
+
+    def commit_path(self, path: torch.Tensor, path_len: torch.Tensor) -> None:
+        """Keep each sequence's accepted path of the tree last written: the keys/values of nodes
+        path[b, :path_len[b]] move right after the prefix (``jakiro::compact_kv``, every layer
+        in one call) and are committed."""
+        ops.compact_kv(self.kv, self.lengths, path, path_len)
+        self.lengths += path_len
+
+    def written(self, layer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, rows, Hkv, D] of ``layer`` last written after each sequence's prefix."""
+        slots = self.lengths.unsqueeze(1) + torch.arange(rows, device=self.lengths.device)  # [B, rows]
+        index = slots.view(self.batch, 1, rows, 1).expand(-1, self.kv.shape[3], -1, self.kv.shape[5])
+        k, v = (self.kv[layer, i].gather(2, index).transpose(1, 2) for i in (0, 1))
+        return k, v
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write keys and values [B, T, Hkv, D] of ``layer`` after each sequence's prefix (uncommitted)."""
+        B, T = k.shape[:2]
+        self.reserve(int(self.lengths.max()) + T)
+        slots = self.lengths.unsqueeze(1) + torch.arange(T, device=k.device)
+        batch = torch.arange(B, device=k.device).unsqueeze(1)
+        self.kv[layer, 0][batch, :, slots] = k.to(self.kv.dtype)
+        self.kv[layer, 1][batch, :, slots] = v.to(self.kv.dtype)
+
+    def load(self, row: int, other: "KVCache") -> None:
+        """Sequence ``row`` becomes ``other``'s only sequence: its committed keys/values and length."""
+        n = int(other.lengths[0])
+        self.reserve(n)
+        self.kv[:, :, row, :, :n] = other.kv[:, :, 0, :, :n]
+        self.lengths[row] = n
+
+    def select_rows(self, rows: torch.Tensor, max_capacity: Optional[int] = None) -> None:
+        """The sequences become ``rows`` (int64 indices of the current ones, in their new order;
+        -1: a new empty sequence); the others are dropped. ``max_capacity`` raises the bound on
+        positions (what the new sequences may need)."""
+        fresh = rows < 0
+        kv = self.kv[:, :, rows.clamp(min=0)]
+        kv[:, :, fresh] = 0
+        self.kv = kv.contiguous()
+        self.lengths = torch.where(fresh, 0, self.lengths[rows.clamp(min=0)])
+        self.batch = rows.numel()
+        if max_capacity is not None:
+            self.max_capacity = max(self.max_capacity, max_capacity)
+
 
 def packed_bit_ranges(first: torch.Tensor, last: torch.Tensor, num_bits: int) -> torch.Tensor:
     """Rows with bits first[i]..last[i] set (inclusive; first > last: none), packed as
@@ -150,9 +201,22 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
+LINEAR_STREAM_ROWS = 64  # rows jakiro::linear streams with a row-independent order (kLinearStreamRows)
+
+
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` through ``jakiro::linear`` (the weight streamed once at decoding sizes)."""
-    return ops.linear(x, layer.weight, layer.bias)
+    """``layer(x)`` through ``jakiro::linear`` (the weight streamed once at decoding sizes).
+
+    On the CPU the op computes up to 64 rows each in the same order whatever the number of rows,
+    and gives more float32 rows to BLAS. Many sequences of at most 64 tokens each (a batch's trees) go in
+    chunks of 64 rows, so a sequence's result never depends on the batch; only one sequence's
+    long run of tokens (a prompt) goes to BLAS."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 3 or x2.shape[0] <= LINEAR_STREAM_ROWS
+            or x.shape[-2] > LINEAR_STREAM_ROWS):  # (bf16 rows are streamed in chunks by the op itself)
+        return ops.linear(x, layer.weight, layer.bias)
+    out = torch.cat([ops.linear(chunk, layer.weight, layer.bias) for chunk in x2.split(LINEAR_STREAM_ROWS)])
+    return out.view(*x.shape[:-1], -1)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

@@ -1,0 +1,384 @@
+"""The draft side of a round, for a batch of sequences: the draft tree as tensors
+(:class:`DraftTree`), the two ways to grow it (dynamic: EAGLE-2's best-first expansion; static:
+a fixed list of child-rank paths) and the :class:`Drafter` that owns the draft head's KV cache.
+
+Every sequence of a batch gets its own tree; the trees of one round have the same number of
+node slots, a tree with fewer real nodes being padded with nodes that verification never accepts
+(:meth:`DraftTree.padded`). Each row of a batch is computed exactly as it is alone.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from jakiro_ext import ops
+from jakiro_ext.models.draft_head import DraftHead, DraftStep, TreeKV
+from jakiro_ext.models.llama import causal_tree_mask, packed_bit_ranges
+
+
+@dataclass(frozen=True)
+class Method:
+    """What a decoding method asks of the draft side.
+
+    head : None (no head: plain decoding drafts the one-node tree, the root alone), "any" (dense
+        or MoE) or "moe" (a Jakiro head).
+    hybrid_last_layer : the last tree layer comes from the MoE's contrastive feature (two tokens
+        ahead) in the same forward as the layer before it: one draft forward fewer (Jakiro).
+    children_per_expert : each of the two activated experts proposes its own children (Jakiro*).
+    """
+    name: str
+    head: Optional[str]
+    hybrid_last_layer: bool = False
+    children_per_expert: bool = False
+
+    def children(self, top_k: int) -> int:
+        """Candidates drafted per expanded node."""
+        return 2 * top_k if self.children_per_expert else top_k
+
+
+METHODS = {m.name: m for m in (Method("ar", None), Method("eagle2", "any"), Method("jakiro", "moe", hybrid_last_layer=True),
+                               Method("jakiro_star", "moe", children_per_expert=True))}
+
+
+def dedupe(logprobs: torch.Tensor, ids: torch.Tensor):
+    """Sort candidate rows [R, C] by log-probability and set repeated tokens (two experts
+    proposing the same one) to -inf, so a token is never two siblings."""
+    logprobs, order = logprobs.sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    # A token's first (most probable) occurrence stays. Sorted by id (stably: occurrences keep
+    # their probability order), a repeat comes right after an earlier occurrence: O(C log C) a
+    # row, not a [R, C, C] comparison.
+    by_id, position = ids.sort(dim=-1, stable=True)
+    later = torch.zeros_like(by_id, dtype=torch.bool)
+    later[..., 1:] = by_id[..., 1:] == by_id[..., :-1]
+    repeated = torch.zeros_like(later).scatter(-1, position, later)
+    # Sort again so the dropped repeats go last: a child's rank is its rank among distinct tokens.
+    logprobs, order = logprobs.masked_fill(repeated, float("-inf")).sort(dim=-1, descending=True, stable=True)
+    return logprobs, ids.gather(-1, order)
+
+
+class DraftTree:
+    """The draft trees of a batch: node i of sequence b has ``tokens[b, i]``, ``parents[b, i]``
+    (-1 for the root, node 0; parents come before children), ``depths[b, i]`` and ``scores[b, i]``
+    (the cumulative draft log-probability, float64; -inf for a repeated candidate, never kept)."""
+
+    def __init__(self, roots: torch.Tensor):
+        B = roots.shape[0]
+        self.tokens = roots.reshape(B, 1).to(torch.int64)
+        self.parents = torch.full_like(self.tokens, -1)
+        self.depths = torch.zeros_like(self.tokens)
+        self.scores = torch.zeros(B, 1, dtype=torch.float64, device=roots.device)
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[1]
+
+    def add_children(self, parents: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """Append the candidates ids / logprobs [B, R, C] as children of the nodes ``parents``
+        [B, R] (row r's C candidates in rank order); returns the new nodes' indices [B, R * C]."""
+        B, R, C = ids.shape
+        start = self.size
+        base = self.scores.gather(1, parents)  # [B, R]
+        self.tokens = torch.cat([self.tokens, ids.reshape(B, R * C)], 1)
+        self.parents = torch.cat([self.parents, parents.repeat_interleave(C, 1)], 1)
+        self.depths = torch.cat([self.depths, (self.depths.gather(1, parents) + 1).repeat_interleave(C, 1)], 1)
+        self.scores = torch.cat([self.scores, (base.unsqueeze(-1) + logprobs.double()).reshape(B, R * C)], 1)
+        return torch.arange(start, start + R * C, device=ids.device).expand(B, -1)
+
+    def best(self, nodes: torch.Tensor, k: int) -> torch.Tensor:
+        """The ``k`` highest-scoring of ``nodes`` [B, M] per sequence (ties: the lower index),
+        in that order: [B, min(k, M)]."""
+        order = self.scores.gather(1, nodes).sort(dim=1, descending=True, stable=True).indices[:, :k]
+        return nodes.gather(1, order)
+
+    def ancestors_among(self, rows: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+        """Which of the nodes ``earlier`` [B, M] are proper ancestors (the root excepted) of the
+        nodes ``rows`` [B, R]: bool [B, R, M]."""
+        B, M = earlier.shape
+        slot = torch.full((B, self.size), -1, dtype=torch.int64, device=rows.device)
+        slot.scatter_(1, earlier, torch.arange(M, device=rows.device).expand(B, -1))
+        visible = torch.zeros(B, rows.shape[1], M + 1, dtype=torch.bool, device=rows.device)  # column M: none
+        node = self.parents.gather(1, rows)
+        for _ in range(int(self.depths.max())):
+            at = torch.where(node > 0, slot.gather(1, node.clamp(min=0)), -1)
+            visible.scatter_(2, torch.where(at >= 0, at, M).unsqueeze(-1), True)
+            node = torch.where(node > 0, self.parents.gather(1, node.clamp(min=0)), node)
+        return visible[..., :M]
+
+    def kept(self, total: int) -> "VerifyTree":
+        """The root and the ``total - 1`` best drafted nodes of each sequence (fewer where fewer
+        are real), in index order, padded to a common size. A child never outscores its parent
+        (log-probabilities <= 0) and ties go to the lower index, so the kept set holds its ancestors."""
+        scores = self.scores[:, 1:]
+        order = scores.sort(dim=1, descending=True, stable=True).indices[:, : total - 1] + 1
+        real = self.scores.gather(1, order) > float("-inf")
+        counts = real.sum(1) + 1
+        width = int(counts.max())
+        # Sorted by index with the unkept (set to a large index) last.
+        big = self.size
+        keep = torch.where(real, order, big).sort(dim=1).values[:, : width - 1]
+        keep = torch.cat([torch.zeros_like(keep[:, :1]), keep], 1)  # [B, width], the root first
+        return VerifyTree.select(self, keep, counts)
+
+    def every_node(self) -> "VerifyTree":
+        """The whole tree (a static one) as it is, its repeated candidates included: a repeat
+        of an earlier sibling is never accepted, and neither is anything under it."""
+        B, T = self.tokens.shape
+        return VerifyTree(self.tokens, self.parents, self.depths,
+                          torch.full((B,), T, dtype=torch.int64, device=self.tokens.device))
+
+
+@dataclass
+class VerifyTree:
+    """The nodes a round verifies: tokens, parents (indices into these), depths [B, T], and the
+    number of real nodes of each sequence ``counts`` [B]; nodes beyond a sequence's count are
+    padding (:meth:`padded`)."""
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def select(cls, tree: DraftTree, keep: torch.Tensor, counts: torch.Tensor) -> "VerifyTree":
+        """The nodes ``keep`` [B, W] of ``tree`` (the first counts[b] are real, in index order,
+        the root first; the rest is ignored), re-indexed, then padded."""
+        B, W = keep.shape
+        N = tree.size
+        position = torch.arange(W, device=keep.device).expand(B, -1)
+        real = position < counts.unsqueeze(1)
+        keep = torch.where(real, keep, 0)  # padding, replaced by padded()
+        # Each kept node's position among the kept ones (column N: a sink for the padding).
+        where = torch.full((B, N + 1), -1, dtype=torch.int64, device=keep.device)
+        where.scatter_(1, torch.where(real, keep, N), torch.where(real, position, -1))
+        parents = tree.parents.gather(1, keep)
+        parents = torch.where(parents >= 0, where.gather(1, parents.clamp(min=0)), -1)
+        return cls(tree.tokens.gather(1, keep), parents, tree.depths.gather(1, keep), counts).padded()
+
+    def padded(self) -> "VerifyTree":
+        """Nodes beyond a sequence's count become copies of its node 1 (a child of the root, same
+        parent and token): verification takes the first child with a token (greedy) and skips a
+        repeated sibling (sampling), so a copy is never accepted and the trees of a batch can
+        share one size."""
+        B, T = self.tokens.shape
+        pad = torch.arange(T, device=self.tokens.device).expand(B, -1) >= self.counts.unsqueeze(1)
+        if T == 1 or not bool(pad.any()):
+            return self
+        if bool((self.counts < 2).any()):
+            raise RuntimeError("a draft tree with only its root cannot be padded (no child to repeat)")
+        first = lambda t: t[:, 1:2].expand(B, T)  # noqa: E731
+        self.tokens = torch.where(pad, first(self.tokens), self.tokens)
+        self.parents = torch.where(pad, 0, self.parents)
+        self.depths = torch.where(pad, 1, self.depths)
+        return self
+
+
+class Drafter:
+    """The draft head's side of the loop for a batch of sequences: its KV cache (committed up to
+    each sequence's last emitted token), the latest catch-up output of each sequence (which
+    predicts the next tree's first layer) and tree building. With ``method.head`` None (plain
+    decoding) it drafts the one-node tree, the root alone."""
+
+    def __init__(self, head: Optional[DraftHead], method: Method, tree, batch: int, capacity: int,
+                 max_capacity: Optional[int] = None):
+        """``capacity`` committed positions per sequence to start with, growing up to ``max_capacity``
+        (default: fixed)."""
+        self.head, self.method, self.tree = head, method, tree
+        self.forwards = 0
+        self.root_step: Optional[DraftStep] = None  # [B, 1, ...] rows
+        self.cache = None
+        if self.check(head, method, tree):
+            # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
+            # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
+            self.scratch = max(tree.top_k, tree.max_nodes_for(method))
+            self.cache = head.new_cache(capacity + self.scratch,
+                                        None if max_capacity is None else max_capacity + self.scratch, batch=batch)
+
+    @staticmethod
+    def check(head: Optional[DraftHead], method: Method, tree) -> bool:
+        """The method's needs of the head and the tree (a ValueError if unmet); whether it drafts at all."""
+        if method.head is None:
+            return False
+        if head is None:
+            raise ValueError(f"method {method.name!r} needs a draft head")
+        if head.lm_head_weight is None:
+            raise ValueError("the draft head is not bound to a target: call head.bind(target) (DraftHead.load does it)")
+        if method.head == "moe" and not head.config.num_experts:
+            raise ValueError(f"method {method.name!r} needs a Jakiro (MoE) draft head; this head is {head.config.kind!r}")
+        if method.hybrid_last_layer and tree.choices is not None:
+            raise ValueError(f"method {method.name!r} (hybrid contrastive last step) builds the dynamic tree; "
+                             "with a static tree use 'eagle2' or 'jakiro_star'")
+        if method.hybrid_last_layer and tree.depth < 2:
+            raise ValueError(f"method {method.name!r} takes its last layer from the contrastive branch and needs "
+                             f"depth >= 2, got {tree.depth}")
+        vocab = head.lm_head_weight.shape[0]
+        width = _width(tree)
+        if width > vocab:
+            what = "children drafted per node" if tree.choices is None else "a static tree's widest child rank + 1"
+            raise ValueError(f"the tree's top_k ({what}) is {width}, more than the draft vocabulary of the head "
+                             f"({vocab} tokens)")
+        return True
+
+    @property
+    def width(self) -> int:
+        """Candidates asked of the LM head per node (per expert for Jakiro*)."""
+        return _width(self.tree)
+
+    # ------------------------------------------------------------------ the committed side
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor, counts: torch.Tensor) -> None:
+        """Run the pairs (tokens[b, i], features[b, i]) for i < counts[b] (token t+1 with the
+        target's feature at t; [B, n] and [B, n, H], rows beyond a count are ignored), commit
+        them, and keep each sequence's last row's output."""
+        if self.cache is None:
+            return
+        B, n = tokens.shape
+        positions = self.cache.lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)
+        step = self.head(tokens, features, positions, self.cache, causal_tree_mask(B, n, tokens.device))
+        self.cache.commit(counts)
+        self.forwards += 1
+        last = (counts - 1).view(B, 1)
+        self.root_step = DraftStep(*(None if t is None else _take_rows(t, last) for t in step))
+
+    def load(self, row: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """Start sequence ``row`` afresh from its prompt: tokens [n] (the prompt's tokens 1..n-1
+        and its first new token) with the target's features [n, H], run alone (as the sequence
+        would be without the batch), then placed in the batch."""
+        if self.cache is None:
+            return
+        one = self.head.new_cache(tokens.numel(), batch=1)
+        n = tokens.numel()
+        step = self.head(tokens.unsqueeze(0), features.unsqueeze(0), torch.arange(n, device=tokens.device).unsqueeze(0),
+                         one, causal_tree_mask(1, n, tokens.device))
+        one.commit(n)
+        self.cache.load(row, one)
+        self.forwards += 1
+        rows = DraftStep(*(None if t is None else t[:, -1:] for t in step))
+        if self.root_step is None:
+            B = self.cache.batch
+            self.root_step = DraftStep(*(None if t is None else t.new_zeros((B, *t.shape[1:])) for t in rows))
+        for mine, new in zip(self.root_step, rows):
+            if mine is not None:
+                mine[row] = new[0]
+
+    def select_rows(self, rows: torch.Tensor, max_capacity: Optional[int] = None) -> None:
+        """The sequences become ``rows`` (indices of the current ones, in their new order; -1: a
+        new one, to :meth:`load`); ``max_capacity`` raises the bound on committed positions."""
+        if self.cache is None:
+            return
+        self.cache.select_rows(rows, None if max_capacity is None else max_capacity + self.scratch)
+        self.root_step = DraftStep(*(None if t is None else t[rows.clamp(min=0)] for t in self.root_step))
+
+    # ------------------------------------------------------------------ the tree
+    def draft(self, roots: torch.Tensor) -> VerifyTree:
+        """This round's trees, rooted at ``roots`` [B] (each sequence's last emitted token)."""
+        tree = DraftTree(roots)
+        if self.cache is None:
+            return tree.every_node()
+        if self.tree.choices is not None:
+            return self._draft_static(tree)
+        return self._draft_dynamic(tree)
+
+    def _topk(self, features: torch.Tensor, k: int):
+        """Top-k (log-probabilities, target token ids) of features [B, R, (E,) H] under the draft's LM head."""
+        lp, ids = ops.contrastive_topk(features, None, None, self.head.lm_head_weight, k)
+        if bool((ids < 0).any()):  # the op's mark of a row whose logits are not finite
+            raise RuntimeError("the draft head produced non-finite logits (NaN or inf): no token can be drafted "
+                               "(check the head's weights)")
+        return lp, self.head.target_ids(ids)
+
+    def _children(self, step: DraftStep, hybrid: bool = False):
+        """Candidate children of each row of ``step``: (logprobs, ids) [B, R, C], and with
+        ``hybrid`` also the contrastive branch's candidates two tokens ahead [B, R, k]. All the
+        features of one call share a single pass over the LM head."""
+        k = self.width
+        if self.method.children_per_expert:
+            lp, ids = self._topk(step.branch_features(), k)  # [B, R, 2, k]
+            return dedupe(lp.flatten(2), ids.flatten(2)), None
+        if hybrid:
+            lp, ids = self._topk(torch.stack([step.feature, step.contrastive_feature()], 2), k)  # [B, R, 2, k]
+            return (lp[:, :, 0], ids[:, :, 0]), (lp[:, :, 1], ids[:, :, 1])
+        return self._topk(step.feature, k), None
+
+    def _run_layer(self, tree: DraftTree, frontier: torch.Tensor, features: torch.Tensor, tree_kv: TreeKV,
+                   kv_nodes: Optional[torch.Tensor]) -> DraftStep:
+        """One draft forward over the frontier nodes [B, R] (all at one depth) with the features
+        [B, R, H] their parents' step predicted, attending to the committed prefix, their
+        ancestors among earlier layers' nodes ``kv_nodes`` [B, M] (keys in ``tree_kv``), and
+        themselves."""
+        B, R = frontier.shape
+        depth = tree.depths.gather(1, frontier[:, :1])  # [B, 1]
+        positions = (self.cache.lengths.unsqueeze(1) - 1 + depth).expand(B, R)
+        if kv_nodes is not None:
+            tree_kv.visible = tree.ancestors_among(frontier, kv_nodes)
+        rows = torch.arange(R, device=frontier.device)
+        itself = packed_bit_ranges(rows, rows, R).unsqueeze(0).expand(B, -1, -1)
+        step = self.head(tree.tokens.gather(1, frontier), features, positions, self.cache, itself, tree_kv)
+        tree_kv.append(self.cache, R)
+        self.forwards += 1
+        return step
+
+    def _draft_dynamic(self, tree: DraftTree) -> VerifyTree:
+        k = self.tree.top_k
+        (lp, ids), _ = self._children(self.root_step)
+        layer = tree.add_children(torch.zeros_like(tree.tokens), ids, lp)
+        prev_step, prev_rows = self.root_step, torch.zeros_like(layer)  # the step row holding each parent's output
+        tree_kv, kv_nodes = TreeKV(), None
+        expansions = self.tree.depth - 1 if self.method.hybrid_last_layer else self.tree.depth
+        for d in range(1, expansions + 1):
+            pick = tree.scores.gather(1, layer).sort(dim=1, descending=True, stable=True).indices[:, :k]
+            frontier = layer.gather(1, pick)
+            features = _take_rows(prev_step.feature, prev_rows.gather(1, pick))
+            step = self._run_layer(tree, frontier, features, tree_kv, kv_nodes)
+            kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
+            hybrid = self.method.hybrid_last_layer and d == expansions
+            (lp, ids), contrastive = self._children(step, hybrid)
+            C = ids.shape[-1]
+            layer = tree.add_children(frontier, ids, lp)
+            prev_step, prev_rows = step, torch.arange(frontier.shape[1], device=layer.device).repeat_interleave(C).expand_as(layer)
+            if contrastive is not None:
+                # The contrastive branch at a frontier node predicts two tokens ahead, assuming the
+                # draft's best next token: attach under the node's best child (not under the
+                # r-th selected child, the released code's slip) with that child's score.
+                children = layer.view(layer.shape[0], -1, C)
+                best = children.gather(2, tree.scores.gather(1, layer).view_as(children).argmax(2, keepdim=True))
+                tree.add_children(best.squeeze(2), contrastive[1], contrastive[0])
+        return tree.kept(self.tree.total_tokens)
+
+    def _draft_static(self, tree: DraftTree) -> VerifyTree:
+        """Every path of the static tree, as the same nodes for every sequence: the candidates of
+        a node are its draft's distinct tokens in rank order, and path (..., r) takes rank r."""
+        paths = sorted({tuple(p) for p in self.tree.choices}, key=lambda p: (len(p), p))
+        B, device = tree.tokens.shape[0], tree.tokens.device
+        node_of, parent_of = {(): 0}, {0: -1}
+        step, tree_kv, kv_nodes = self.root_step, TreeKV(), None
+        row_of = {0: 0}  # node -> its row in `step`, the forward whose output predicts its children
+        for depth in range(1, max(map(len, paths)) + 1):
+            layer = [p for p in paths if len(p) == depth]
+            if depth > 1:  # run the layer above (the parents) to get their outputs
+                above = sorted({node_of[p[:-1]] for p in layer})
+                frontier = torch.tensor(above, device=device).expand(B, -1)
+                rows = torch.tensor([row_of[parent_of[n]] for n in above], device=device).expand(B, -1)
+                step = self._run_layer(tree, frontier, _take_rows(step.feature, rows), tree_kv, kv_nodes)
+                kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
+                row_of = {n: r for r, n in enumerate(above)}
+            (lp, ids), _ = self._children(step)  # [B, R, C] for the step's rows
+            parents = [node_of[p[:-1]] for p in layer]
+            rows = torch.tensor([row_of[n] for n in parents], device=device)
+            ranks = torch.tensor([p[-1] for p in layer], device=device)
+            new = tree.add_children(torch.tensor(parents, device=device).expand(B, -1),
+                                    ids[:, rows, ranks].unsqueeze(-1), lp[:, rows, ranks].unsqueeze(-1))
+            for p, parent, node in zip(layer, parents, new[0].tolist()):
+                node_of[p], parent_of[node] = node, parent
+        return tree.every_node()
+
+
+def _width(tree) -> int:
+    """A tree's children per node: top_k, or a static tree's widest child rank + 1."""
+    return tree.top_k if tree.choices is None else max(int(p[-1]) for p in tree.choices) + 1
+
+
+def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t [B, T, ...] at rows [B, R] of each sequence: [B, R, ...]."""
+    index = rows.view(*rows.shape, *([1] * (t.dim() - 2))).expand(*rows.shape, *t.shape[2:])
+    return t.gather(1, index)

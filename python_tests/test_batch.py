@@ -1,0 +1,212 @@
+"""Batches (issue 14): every sequence of a batch gets exactly what it gets alone (greedy float32,
+every method and tree shape, ragged prompts, answers of different lengths), sampling inside a
+batch follows the target's distribution (chi-square with its negative control), continuous
+batching is independent of arrival order and of the number in flight, and bad batches are
+clear errors."""
+import itertools
+
+import pytest
+import torch
+
+from jakiro_ext import ops
+from jakiro_ext.drafting import DraftTree, VerifyTree
+from jakiro_ext.engine import MAX_BATCH, TreeConfig, generate_many, speculative_generate
+from test_generate import (HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution, prompt,
+                           random_head, tiny_target)
+
+# Ragged prompts (1 to 20 tokens).
+PROMPTS = [prompt(n, seed=s) for n, s in [(13, 2), (5, 3), (20, 4), (1, 5), (9, 6)]]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def alone_ar(target):
+    return [speculative_generate(target, None, p, 30) for p in PROMPTS]
+
+
+def eos_for_different_lengths(alone):
+    """A token that ends some of the answers early (the first answer's 6th token) and not others."""
+    return alone[0].token_ids[5]
+
+
+def same(a, b) -> bool:
+    return (a.token_ids == b.token_ids and a.stats.accept_lengths == b.stats.accept_lengths
+            and a.stats.stop_reason == b.stats.stop_reason and a.stats.target_forwards == b.stats.target_forwards)
+
+
+CASES = [(k, m, t) for k, m in HEAD_METHODS for t in TREES if not (m == "jakiro" and t == "static")] + [
+    (None, "ar", None)]
+
+
+@pytest.mark.parametrize("kind,method,tree", CASES)
+def test_each_sequence_of_a_batch_gets_what_it_gets_alone(target, alone_ar, kind, method, tree):
+    eos = eos_for_different_lengths(alone_ar)
+    heads = [None] if kind is None else [copy_head(target, kind), random_head(target, kind)]
+    tree = None if tree is None else TREES[tree]
+    for head in heads:
+        alone = [speculative_generate(target, head, p, 30, method=method, tree=tree, eos_token_id=eos) for p in PROMPTS]
+        # Lossless alone: the greedy tokens of plain decoding, cut at EOS.
+        for a, plain in zip(alone, alone_ar):
+            cut = plain.token_ids.index(eos) + 1 if eos in plain.token_ids else len(plain.token_ids)
+            assert a.token_ids == plain.token_ids[:cut]
+        assert len({len(a.token_ids) for a in alone}) > 1  # the answers' lengths differ
+        batch = speculative_generate(target, head, PROMPTS, 30, method=method, tree=tree, eos_token_id=eos)
+        assert len(batch) == len(PROMPTS)
+        for a, b in zip(alone, batch):
+            assert same(a, b), (a.token_ids, b.token_ids)
+
+
+def test_a_copy_head_is_accepted_inside_a_batch(target, alone_ar):
+    # The batch's rounds do accept drafts (so the batched acceptance path is exercised).
+    head = copy_head(target, "jakiro")
+    batch = speculative_generate(target, head, PROMPTS, 30, tree=TREES["dynamic-small"])
+    assert sum(sum(b.stats.accept_lengths) for b in batch) > 10
+    assert [b.token_ids for b in batch] == [a.token_ids for a in alone_ar]
+
+
+def test_padded_tensor_with_lengths_and_streaming(target, alone_ar):
+    n = max(p.numel() for p in PROMPTS)
+    padded = torch.full((len(PROMPTS), n), 7, dtype=torch.int64)
+    for b, p in enumerate(PROMPTS):
+        padded[b, : p.numel()] = p
+    seen = {i: [] for i in range(len(PROMPTS))}
+    out = speculative_generate(target, copy_head(target, "eagle2"), padded, 30, lengths=[p.numel() for p in PROMPTS],
+                               on_tokens=lambda i, tokens: seen[i].extend(tokens))
+    assert [o.token_ids for o in out] == [a.token_ids for a in alone_ar]
+    assert [seen[i] for i in range(len(PROMPTS))] == [a.token_ids for a in alone_ar]
+    # A batch of one is one prompt (as a tokenizer's [1, n] tensor), unless lengths are given.
+    assert speculative_generate(target, None, [PROMPTS[0].tolist()], 30).token_ids == alone_ar[0].token_ids
+    one = speculative_generate(target, None, PROMPTS[0].unsqueeze(0), 30, lengths=[PROMPTS[0].numel()])
+    assert isinstance(one, list) and one[0].token_ids == alone_ar[0].token_ids
+
+
+@pytest.mark.parametrize("in_flight", [1, 2, 3, 5])
+def test_continuous_batching_any_order_any_number_in_flight(target, in_flight):
+    head = copy_head(target, "jakiro")
+    tree = TREES["dynamic-small"]
+    alone = [speculative_generate(target, head, p, 30, tree=tree) for p in PROMPTS]
+    for order in itertools.islice(itertools.permutations(range(len(PROMPTS))), 0, 120, 37):
+        got = dict(generate_many(target, head, (PROMPTS[i] for i in order), in_flight, 30, tree=tree))
+        assert sorted(got) == list(range(len(PROMPTS)))
+        for arrival, i in enumerate(order):
+            assert same(got[arrival], alone[i])
+
+
+def test_continuous_batching_asks_a_dry_iterator_again(target):
+    # Requests that only appear once an answer finished (follow-up turns) still get a row.
+    class FollowUps:
+        def __init__(self):
+            self.queue, self.given = [PROMPTS[0]], 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if not self.queue:
+                raise StopIteration
+            self.given += 1
+            return self.queue.pop(0)
+
+    requests = FollowUps()
+    outputs = []
+    for i, out in generate_many(target, None, requests, 4, 8):
+        outputs.append(out.token_ids)
+        if requests.given < 3:
+            requests.queue.append(torch.cat([PROMPTS[0], torch.tensor(out.token_ids)]))
+    assert len(outputs) == 3
+    follow_up = torch.cat([PROMPTS[0], torch.tensor(outputs[0])])
+    assert outputs[1] == speculative_generate(target, None, follow_up, 8).token_ids
+
+
+def test_features_of_a_generation(target):
+    # keep_features: the hidden states of the prompt and every generated token but the last,
+    # equal to a prefill of the whole sequence.
+    out = dict(generate_many(target, copy_head(target, "eagle2"), PROMPTS[:2], 2, 12, tree=TREES["dynamic-small"],
+                             keep_features=True))
+    for i, p in enumerate(PROMPTS[:2]):
+        seq = torch.cat([p, torch.tensor(out[i].token_ids)])
+        _, hidden = target(seq[:-1].unsqueeze(0), target.new_cache(1, seq.numel()))
+        assert out[i].features.shape == (seq.numel() - 1, target.config.hidden_size)
+        torch.testing.assert_close(out[i].features, hidden[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")])
+def test_sampling_inside_a_batch_follows_the_target_distribution(kind, method):
+    vocab = 12
+    target = tiny_target(vocab=vocab, embed_std=0.03, seed=3)
+    head = copy_head(target, kind, scale=5.0)
+    ids = torch.tensor([3, 7, 7, 1, 7, 7])
+    others = [torch.tensor([1, 2]), torch.tensor([5, 5, 5, 5, 5, 5, 5, 5, 5]), torch.tensor([9])]
+    temperature, top_p, top_k = 0.8, 0.9, 6
+    expected = exact_distribution(target, ids, temperature, top_p, top_k)
+    tree = TreeConfig(8, 2, 3)
+    counts, n, accepted = {}, 0, 0
+    batch = [others[0], ids, others[1], ids, others[2], ids]  # the sequence of interest among others
+    for call in range(667):
+        outs = speculative_generate(target, head, batch, SAMPLED, method=method, tree=tree, temperature=temperature,
+                                    top_p=top_p, top_k=top_k, seed=call * len(batch))
+        for i in (1, 3, 5):
+            key = tuple(outs[i].token_ids)
+            counts[key] = counts.get(key, 0) + 1
+            accepted += sum(outs[i].stats.accept_lengths)
+            n += 1
+    assert 0.5 < accepted / n < 2.5, accepted / n
+    assert chi_square_p(counts, expected, n) > 1e-3
+    unfiltered = exact_distribution(target, ids, temperature, 1.0, 0)
+    assert chi_square_p(counts, unfiltered, n) < 1e-6
+    # Each sequence samples from its own generator (seed + its index): the same tokens alone.
+    alone = speculative_generate(target, head, ids, SAMPLED, method=method, tree=tree, temperature=temperature,
+                                 top_p=top_p, top_k=top_k, seed=666 * len(batch) + 3)
+    assert alone.token_ids == outs[3].token_ids
+
+
+def test_padding_nodes_are_never_accepted():
+    # A padded tree's extra nodes repeat node 1 (same parent, same token): verification, greedy or
+    # sampling, takes node 1 or nothing, never a copy, even when the copy is the target's choice.
+    tree = DraftTree(torch.tensor([4, 4]))
+    tree.add_children(torch.zeros(2, 1, dtype=torch.int64), torch.tensor([[[3, 5]], [[3, 6]]]),
+                      torch.tensor([[[-0.1, -0.2]], [[-0.1, float("-inf")]]]))
+    verify = tree.kept(3)  # the second sequence has 2 real nodes, padded to 3
+    assert verify.counts.tolist() == [3, 2] and verify.tokens.tolist() == [[4, 3, 5], [4, 3, 3]]
+    assert verify.parents.tolist() == [[-1, 0, 0], [-1, 0, 0]]
+    V = 8
+    logits = torch.full((2, 3, V), -5.0)
+    logits[:, 0, 3] = 5.0  # the target wants token 3 after the root
+    for temperature, uniforms in [(0.0, None), (1.0, torch.rand(2, 4, dtype=torch.float64))]:
+        path, accepted, _ = ops.verify_tree(verify.parents, verify.tokens, logits, uniforms, temperature)
+        assert not bool(((path == 2) & (torch.arange(2) == 1).unsqueeze(1)).any())
+
+
+def test_bad_batches_are_clear_errors(target):
+    head = copy_head(target, "eagle2")
+    cases = [
+        (dict(input_ids=[PROMPTS[0], []]), ValueError, r"input_ids\[1\] must not be empty"),
+        (dict(input_ids=[PROMPTS[0], [1, 999]]), ValueError, r"input_ids\[1\] must be token ids in \[0, 211\)"),
+        (dict(input_ids=[PROMPTS[0]] * (MAX_BATCH + 1)), ValueError, r"1 to 1024 prompts \(MAX_BATCH\), got 1025"),
+        (dict(input_ids=torch.ones(2, 4, dtype=torch.int64), lengths=[4, 5]), ValueError, r"lengths\[1\] must be in \[1, 4\], got 5"),
+        (dict(input_ids=torch.ones(2, 4, dtype=torch.int64), lengths=[0, 4]), ValueError, r"lengths\[0\] must be in \[1, 4\], got 0"),
+        (dict(input_ids=torch.ones(3, 4, dtype=torch.int64), lengths=[4, 4]), ValueError, r"one length per row of input_ids \(3\)"),
+        (dict(input_ids=PROMPTS[0], lengths=[4]), ValueError, r"lengths is given only with a padded \[B, n\] tensor"),
+        (dict(input_ids=PROMPTS[:2], max_new_tokens=[5, 6]), TypeError,
+         r"max_new_tokens must be an int, one value for every sequence of a batch \(per-sequence values are not supported\)"),
+        (dict(input_ids=PROMPTS[:2], temperature=[0.0, 1.0]), TypeError, r"temperature must be a real number, one value for every"),
+        (dict(input_ids=[PROMPTS[0], torch.ones(30, dtype=torch.int64)], max_cache_len=40), ValueError,
+         r"prompt 1 has 30 tokens; with a 16-node tree it needs a KV cache of at least 46 positions, but the cache holds 40"),
+    ]
+    for kwargs, error, message in cases:
+        kwargs = {"max_new_tokens": 5, "tree": TREES["dynamic-small"], **kwargs}
+        with pytest.raises(error, match=message):
+            speculative_generate(target, head, **kwargs)
+    with pytest.raises(ValueError, match=r"max_batch_size must be in \[1, 1024\], got 0"):
+        generate_many(target, None, PROMPTS, 0)
+    with pytest.raises(ValueError, match=r"request 1 must not be empty"):
+        list(generate_many(target, None, [PROMPTS[0], []], 2, 4))
+    # Nothing is dropped: a batch whose second prompt fails its check runs none of them.
+    calls = []
+    with pytest.raises(ValueError):
+        speculative_generate(target, None, [PROMPTS[0], []], 5, on_tokens=lambda i, t: calls.append(i))
+    assert calls == []

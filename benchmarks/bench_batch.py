@@ -5,9 +5,11 @@ paying.
 Prompts: MT-bench and Spec-Bench first turns with the chat template, taken across categories
 (``bench_end_to_end.load_questions``); at batch size B the first max(B, --min-prompts) prompts
 run in batches of B (consecutive prompts). tokens/s = every sequence's new tokens / the batches'
-wall time. Each speculative method runs every tree of a small grid (the tree chosen by measured
-cost for batch 1, and smaller ones) and its best measured tree per batch size is reported: a
-bigger batch leaves less idle compute for the extra tree tokens, so the tree that pays shrinks.
+wall time (and decode tokens/s: the tokens after each prompt's first / the wall time less the
+prompts' prefills, which run one by one). Each speculative method runs every tree of a small grid (the tree chosen by measured
+cost for that batch size, the batch-1 choice, and smaller ones) and its best measured tree per
+batch size is reported, with the cost model's choice beside it: a bigger batch leaves less idle
+compute for the extra tree tokens, so the tree that pays shrinks.
 Greedy runs check that every sequence's tokens equal plain decoding's.
 
 Writes ``results/batch.csv`` (every run), ``results/batch_summary.csv`` (each method's best tree
@@ -17,7 +19,6 @@ per batch size and temperature, with its speedup over ``ar`` at that batch size)
 import argparse
 import csv
 import os
-import platform
 import time
 
 import torch
@@ -32,9 +33,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--min-prompts", type=int, default=16, help="prompts run at the small batch sizes")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    ap.add_argument("--sampled-batch-sizes", type=int, nargs="+", default=[1, 8, 64],
+    ap.add_argument("--sampled-batch-sizes", type=int, nargs="+", default=[1, 16],
                     help="batch sizes also run at temperatures > 0")
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling above temperature 0")
     ap.add_argument("--threads", type=int, default=2)
@@ -54,15 +55,18 @@ def main():
     target = LlamaModel.from_hf(hf, torch.float32)
     del hf
     heads = {k: load_head(k, None, target, DEFAULT_MODEL) for k in METHODS}
-    # Each method's grid: its batch-1 choice, then smaller trees (one drafted token per round,
-    # for jakiro one plus its contrastive candidate).
+    # Each method's grid at batch size B: the tree chosen by measured cost for B (the costs are
+    # measured at B once and cached), the batch-1 choice, then smaller trees (one drafted token
+    # per round; for jakiro one plus its contrastive candidate).
     smallest = {"eagle2": [TreeConfig(3, 1, 2), TreeConfig(2, 1, 1)], "jakiro": [TreeConfig(4, 2, 2), TreeConfig(3, 2, 1)]}
+    chosen = {(m, b): auto_tree(target, heads[m], m, b) or CPU_TREE for m in METHODS for b in args.batch_sizes}
     grid = {}
     for m in METHODS:
-        trees = [auto_tree(target, heads[m], m) or CPU_TREE] + smallest[m]
-        grid[m] = [t for i, t in enumerate(trees) if t not in trees[:i]]
-    print("trees: " + "; ".join(f"{m} " + ", ".join(f"{t.total_tokens}/{t.depth}/{t.top_k}" for t in ts)
-                               for m, ts in grid.items()), flush=True)
+        for b in args.batch_sizes:
+            trees = [chosen[m, b]] + ([chosen[m, 1]] if b <= 4 and (m, 1) in chosen else []) + smallest[m]
+            grid[m, b] = [t for i, t in enumerate(trees) if t not in trees[:i]]
+    name = lambda t: f"{t.total_tokens}/{t.depth}/{t.top_k}"  # noqa: E731
+    print("trees chosen by cost: " + "; ".join(f"{m} B={b} {name(t)}" for (m, b), t in chosen.items()), flush=True)
     eos = tokenizer.eos_token_id
     largest = max(max(args.batch_sizes), args.min_prompts)
     questions = load_questions(per_category=largest)
@@ -79,31 +83,36 @@ def main():
         out = speculative_generate(target, head, batch, args.max_new_tokens, method=method, tree=tree,
                                    temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
                                    eos_token_id=eos, seed=0)
-        return (out if isinstance(out, list) else [out]), time.perf_counter() - t0
+        outs = out if isinstance(out, list) else [out]
+        seconds = time.perf_counter() - t0
+        return outs, seconds, seconds - sum(o.stats.prefill_s for o in outs)  # prompts are prefilled one by one
 
     for m in ("ar",) + METHODS:  # warm-up
-        run(m, grid.get(m, [None])[0], prompts[:2], 0.0)
+        run(m, chosen.get((m, 1)), prompts[:2], 0.0)
     configs = [(t, b) for t in args.temperatures for b in args.batch_sizes
                if t == 0 or b in args.sampled_batch_sizes]
     rows = []
-    bar = tqdm(total=sum(1 + sum(len(g) for g in grid.values()) for _ in configs), desc="batch", unit="run")
+    bar = tqdm(total=sum(1 + sum(len(grid[m, b]) for m in METHODS) for _, b in configs), desc="batch", unit="run")
     for temperature, size in configs:
-        chosen = prompts[:max(size, args.min_prompts)]
-        batches = [chosen[i:i + size] for i in range(0, len(chosen), size)]
+        subset = prompts[:max(size, args.min_prompts)]
+        batches = [subset[i:i + size] for i in range(0, len(subset), size)]
         reference = None
-        for method, tree in [("ar", None)] + [(m, t) for m in METHODS for t in grid[m]]:
-            tokens, seconds, forwards, outputs = 0, 0.0, 0, []
+        for method, tree in [("ar", None)] + [(m, t) for m in METHODS for t in grid[m, size]]:
+            tokens, seconds, decode_seconds, forwards, outputs = 0, 0.0, 0.0, 0, []
             for batch in batches:
-                outs, dt = run(method, tree, batch if size > 1 else batch[0], temperature)
+                outs, dt, decode = run(method, tree, batch if size > 1 else batch[0], temperature)
                 seconds += dt
+                decode_seconds += decode
                 tokens += sum(o.stats.new_tokens for o in outs)
                 forwards += sum(o.stats.target_forwards for o in outs)
                 outputs += [o.token_ids for o in outs]
             if method == "ar":
                 reference = outputs
-            rows.append(dict(temperature=temperature, batch_size=size, prompts=len(chosen), method=method,
-                             tree="" if tree is None else f"{tree.total_tokens}/{tree.depth}/{tree.top_k}",
+            rows.append(dict(temperature=temperature, batch_size=size, prompts=len(subset), method=method,
+                             tree="" if tree is None else name(tree),
+                             chosen_by_cost=tree is not None and tree == chosen[method, size],
                              new_tokens=tokens, seconds=round(seconds, 3), tokens_per_s=round(tokens / seconds, 2),
+                             decode_tokens_per_s=round((tokens - len(outputs)) / decode_seconds, 2),
                              tau=round(tokens / forwards, 3),
                              same_tokens_as_ar=(outputs == reference) if temperature == 0 and method != "ar" else ""))
             bar.update(1)
@@ -111,7 +120,9 @@ def main():
     bar.close()
 
     os.makedirs(RESULTS, exist_ok=True)
-    machine = f"{platform.processor() or platform.machine()}, {args.threads} threads"
+    from jakiro_ext.corpus import _cpu_name
+
+    machine = f"{_cpu_name()}, {args.threads} threads"
     for r in rows:
         r["machine"] = machine
     write_csv(os.path.join(RESULTS, f"{args.tag}.csv"), rows)
@@ -121,7 +132,10 @@ def main():
         ar = next(r for r in here if r["method"] == "ar")
         for method in ("ar",) + METHODS:
             best = max((r for r in here if r["method"] == method), key=lambda r: r["tokens_per_s"])
-            summary.append(dict(best, speedup_vs_ar=round(best["tokens_per_s"] / ar["tokens_per_s"], 3)))
+            by_cost = next((r for r in here if r["method"] == method and r["chosen_by_cost"]), best)
+            summary.append(dict(best, speedup_vs_ar=round(best["tokens_per_s"] / ar["tokens_per_s"], 3),
+                                decode_speedup_vs_ar=round(best["decode_tokens_per_s"] / ar["decode_tokens_per_s"], 3),
+                                tree_by_cost=by_cost["tree"], tokens_per_s_by_cost=by_cost["tokens_per_s"]))
     write_csv(os.path.join(RESULTS, f"{args.tag}_summary.csv"), summary)
     chart(summary, os.path.join(RESULTS, f"{args.tag}.png"))
     for r in summary:

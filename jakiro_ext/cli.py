@@ -142,7 +142,8 @@ class Runner:
 
             head = self.heads.get(HEAD_KIND.get(method, ""))
             on_cpu = self.target.lm_head.weight.device.type == "cpu"
-            chosen = auto_tree(self.target, head, method) if head is not None and on_cpu else None
+            batch = getattr(self.args, "batch_size", 1)
+            chosen = auto_tree(self.target, head, method, batch) if head is not None and on_cpu else None
             self.trees[method] = chosen or (CPU_TREE if on_cpu else GPU_TREE)
         return self.trees[method]
 

@@ -87,11 +87,10 @@ class DraftTree:
         self.scores = torch.cat([self.scores, (base.unsqueeze(-1) + logprobs.double()).reshape(B, R * C)], 1)
         return torch.arange(start, start + R * C, device=ids.device).expand(B, -1)
 
-    def best(self, nodes: torch.Tensor, k: int) -> torch.Tensor:
-        """The ``k`` highest-scoring of ``nodes`` [B, M] per sequence (ties: the lower index),
-        in that order: [B, min(k, M)]."""
-        order = self.scores.gather(1, nodes).sort(dim=1, descending=True, stable=True).indices[:, :k]
-        return nodes.gather(1, order)
+    def frontier(self, nodes: torch.Tensor, k: int) -> torch.Tensor:
+        """Where among ``nodes`` [B, M] the ``k`` highest-scoring of each sequence are (ties: the
+        lower index), best first: positions [B, min(k, M)] into ``nodes``."""
+        return self.scores.gather(1, nodes).sort(dim=1, descending=True, stable=True).indices[:, :k]
 
     def ancestors_among(self, rows: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
         """Which of the nodes ``earlier`` [B, M] are proper ancestors (the root excepted) of the
@@ -269,6 +268,16 @@ class Drafter:
         self.cache.select_rows(rows, None if max_capacity is None else max_capacity + self.scratch)
         self.root_step = DraftStep(*(None if t is None else t[rows.clamp(min=0)] for t in self.root_step))
 
+    def allow(self, max_capacity: int) -> None:
+        """Raise the bound on committed positions per sequence."""
+        if self.cache is not None:
+            self.cache.allow(max_capacity + self.scratch)
+
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Hold the sequences of the bool mask ``rows`` (free rows of a batch) at length 0."""
+        if self.cache is not None:
+            self.cache.lengths.masked_fill_(rows, 0)
+
     # ------------------------------------------------------------------ the tree
     def draft(self, roots: torch.Tensor) -> VerifyTree:
         """This round's trees, rooted at ``roots`` [B] (each sequence's last emitted token)."""
@@ -326,7 +335,7 @@ class Drafter:
         tree_kv, kv_nodes = TreeKV(), None
         expansions = self.tree.depth - 1 if self.method.hybrid_last_layer else self.tree.depth
         for d in range(1, expansions + 1):
-            pick = tree.scores.gather(1, layer).sort(dim=1, descending=True, stable=True).indices[:, :k]
+            pick = tree.frontier(layer, k)
             frontier = layer.gather(1, pick)
             features = _take_rows(prev_step.feature, prev_rows.gather(1, pick))
             step = self._run_layer(tree, frontier, features, tree_kv, kv_nodes)

@@ -351,8 +351,10 @@ def _no_distribution() -> RuntimeError:
 
 
 class _Batch:
-    """The sequences decoding together, row b of every cache being ``seqs[b]``: a finished one
-    leaves, and a waiting request takes its place (continuous batching)."""
+    """The sequences decoding together, row b of every cache holding ``rows[b]`` (None: a free
+    row). A finished sequence frees its row and a waiting request takes it in place (continuous
+    batching); free rows ride along in the forwards (lengths held at 0) until they are more than
+    the busy ones, when the caches are compacted: one copy for every halving, not one per finish."""
 
     def __init__(self, target: LlamaModel, draft: Optional[DraftHead], method: Method, tree: TreeConfig,
                  s: _Settings, max_rows: int):
@@ -360,10 +362,15 @@ class _Batch:
         self.max_rows = max_rows
         self.tree_nodes = tree.max_nodes_for(method)
         self.device = target.lm_head.weight.device
-        self.seqs: List[_Sequence] = []
+        self.rows: List[Optional[_Sequence]] = []
         self.cache = None
         self.drafter: Optional[Drafter] = None
         self.root_parent = torch.tensor([[-1]], device=self.device)
+
+    @property
+    def seqs(self) -> List[_Sequence]:
+        """The sequences in flight."""
+        return [seq for seq in self.rows if seq is not None]
 
     def check(self) -> None:
         """The drafter's checks of the method, head and tree, before any prompt is run."""
@@ -404,56 +411,74 @@ class _Batch:
         return [seq for seq, _ in done]
 
     def _add_rows(self, seqs: List[_Sequence], states) -> None:
-        first = len(self.seqs)
+        """Place started sequences in free rows, then in new ones."""
         room = max(min(seq.bound, seq.ids.numel() + INITIAL_ROOM + self.tree_nodes) for seq in seqs)
         bound = max(seq.bound for seq in seqs)
+        free = [b for b, seq in enumerate(self.rows) if seq is None]
+        extra = len(seqs) - len(free)
         if self.cache is None:
             self.drafter = Drafter(self.draft, self.method, self.tree, len(seqs), room, bound)
             self.cache = self.target.new_cache(len(seqs), room, bound)
-        else:
-            rows = torch.cat([torch.arange(first), torch.full((len(seqs),), -1)]).to(self.device)
+            self.rows = [None] * len(seqs)
+        elif extra > 0:
+            rows = torch.arange(len(self.rows) + extra, device=self.device)
+            rows[len(self.rows):] = -1  # new rows
             self.cache.select_rows(rows, bound)
             self.drafter.select_rows(rows, bound)
-        for i, (seq, (one, tokens, features)) in enumerate(zip(seqs, states)):
-            self.cache.load(first + i, one)
+            self.rows += [None] * extra
+        else:
+            self.cache.allow(bound)
+            self.drafter.allow(bound)
+        free = [b for b, seq in enumerate(self.rows) if seq is None]
+        for b, seq, (one, tokens, features) in zip(free, seqs, states):
+            self.cache.load(b, one)
             before = self.drafter.forwards
-            self.drafter.load(first + i, tokens, features)
+            self.drafter.load(b, tokens, features)
             seq.stats.draft_forwards += self.drafter.forwards - before
-        self.seqs += seqs
+            self.rows[b] = seq
 
     def drop_done(self) -> List[_Sequence]:
-        """Remove the finished sequences from the batch; returns them."""
-        done = [seq for seq in self.seqs if seq.done]
-        if done:
-            keep = [b for b, seq in enumerate(self.seqs) if not seq.done]
-            self.seqs = [self.seqs[b] for b in keep]
-            if keep:
-                rows = torch.tensor(keep, device=self.device)
-                self.cache.select_rows(rows)
-                self.drafter.select_rows(rows)
-            else:
-                self.cache = self.drafter = None
+        """Free the rows of the finished sequences; returns them."""
+        done = [seq for seq in self.rows if seq is not None and seq.done]
+        self.rows = [None if seq is None or seq.done else seq for seq in self.rows]
         return done
+
+    def compact(self) -> None:
+        """Drop the free rows when they outnumber the busy ones (all of them when none is busy)."""
+        busy = [b for b, seq in enumerate(self.rows) if seq is not None]
+        if not busy:
+            self.rows, self.cache, self.drafter = [], None, None
+        elif len(self.rows) - len(busy) > len(busy):
+            rows = torch.tensor(busy, device=self.device)
+            self.cache.select_rows(rows)
+            self.drafter.select_rows(rows)
+            self.rows = [self.rows[b] for b in busy]
 
     # ------------------------------------------------------------------ a round
     def round(self) -> None:
         """Draft, verify and commit once for every sequence of the batch."""
         s = self.settings
         lengths = self.cache.lengths.tolist()
-        for seq, length in zip(self.seqs, lengths):
-            if length + self.tree_nodes > seq.bound:  # only a max_cache_len smaller than the need
+        for seq, length in zip(self.rows, lengths):
+            if seq is not None and length + self.tree_nodes > seq.bound:  # only a max_cache_len smaller than the need
                 seq.stats.stop_reason = "cache_full"
         if any(seq.done for seq in self.seqs):
             return
-        seqs, B = self.seqs, len(self.seqs)
+        seqs, B = self.rows, len(self.rows)
+        idle = torch.tensor([seq is None for seq in seqs], device=self.device)
+        if bool(idle.any()):  # a free row computes a throw-away tree at position 0, never growing
+            self.cache.lengths.masked_fill_(idle, 0)
+            self.drafter.reset_rows(idle)
         forwards = self.drafter.forwards
-        tree = self.drafter.draft(torch.tensor([seq.root for seq in seqs], device=self.device))
+        tree = self.drafter.draft(torch.tensor([seq.root if seq else 0 for seq in seqs], device=self.device))
         logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents), tree.depths)
         uniforms = None
         if s.temperature > 0:
             T = tree.tokens.shape[1]
             uniforms = torch.full((B, T + 1), 0.5, dtype=torch.float64)  # padding nodes: never read
             for b, (seq, count) in enumerate(zip(seqs, tree.counts.tolist())):
+                if seq is None:
+                    continue
                 draws = seq.draws(count + 1)[0]
                 uniforms[b, :count], uniforms[b, T] = draws[:count], draws[count]
             uniforms = uniforms.to(self.device)
@@ -473,6 +498,8 @@ class _Batch:
         self.drafter.catch_up(tokens, features, accepted + 1)
         drafted = self.drafter.forwards - forwards
         for b, (seq, a, row) in enumerate(zip(seqs, accepted.tolist(), tokens.tolist())):
+            if seq is None:
+                continue
             seq.stats.target_forwards += 1
             seq.stats.draft_forwards += drafted
             seq.stats.accept_lengths.append(a)
@@ -497,6 +524,7 @@ def _decode(target, draft, method: Method, tree: TreeConfig, s: _Settings, reque
                 break
             for seq in batch.admit(pending):  # done at their first token
                 yield seq, seq.output()
+        batch.compact()
         if not batch.seqs:
             return
         batch.round()
@@ -532,14 +560,14 @@ def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, t
     return spec, _Settings(max_new_tokens, temperature, top_p, top_k, eos, seed, max_cache_len, keep_features)
 
 
-def _default_tree(target, draft, method: Method, tree: Optional[TreeConfig]) -> TreeConfig:
-    """The tree given, else on CPU the one chosen by measured cost (for a head with an acceptance
-    profile) or CPU_TREE, elsewhere GPU_TREE."""
+def _default_tree(target, draft, method: Method, tree: Optional[TreeConfig], batch: int) -> TreeConfig:
+    """The tree given, else on CPU the one chosen by measured cost for ``batch`` sequences (for a
+    head with an acceptance profile) or CPU_TREE, elsewhere GPU_TREE."""
     device = target.lm_head.weight.device
     if tree is None and device.type == "cpu" and method.head is not None:
         from jakiro_ext.tree_cost import auto_tree
 
-        tree = auto_tree(target, draft, method.name)
+        tree = auto_tree(target, draft, method.name, batch)
     if tree is None:
         tree = CPU_TREE if device.type == "cpu" else GPU_TREE
     return tree
@@ -551,8 +579,9 @@ _DOC_OPTIONS = """
         ``jakiro_star`` (each activated expert proposes its own children). Default: ``jakiro``
         for a MoE head, ``eagle2`` for a dense one, ``ar`` without a head.
     tree : a :class:`TreeConfig`. Default on CPU: chosen by measured cost for a head with an
-        acceptance profile (:mod:`jakiro_ext.tree_cost`; the machine's costs are measured once
-        and cached), else :data:`CPU_TREE`; elsewhere :data:`GPU_TREE`.
+        acceptance profile, at the call's batch size (:mod:`jakiro_ext.tree_cost`; the machine's
+        costs are measured once per batch-size bucket and cached), else :data:`CPU_TREE`;
+        elsewhere :data:`GPU_TREE`.
     temperature, top_p, top_k : finite temperature >= 0 (0: greedy), top_p in (0, 1], int top_k >= 0 (0: off).
     eos_token_id : None, an int or a list of ints that end a generation (included in the output).
     seed : an int in [0, 2**63): seeds the draws of sampling (temperature > 0); sequence i of a
@@ -604,7 +633,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens)
     prompts, batched = _prompts(input_ids, lengths, target.config.vocab_size)
-    tree = _default_tree(target, draft, method, tree)
+    tree = _default_tree(target, draft, method, tree, len(prompts))
     nodes, limit = tree.max_nodes_for(method), target.config.max_position_embeddings
 
     def stream(i):
@@ -643,7 +672,7 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, bool(keep_features))
     max_batch_size = _int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
-    tree = _default_tree(target, draft, method, tree)
+    tree = _default_tree(target, draft, method, tree, max_batch_size)
     nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size
     return _generate_many(target, draft, method, tree, s, iter(requests), max_batch_size, nodes, limit, vocab,
                           on_tokens)

@@ -9,8 +9,10 @@ tokens). The tree (N, depth D, width K) that maximises the expected tokens per s
 
 depends on the machine (the c_*) and on the head (E):
 
-- the costs are measured once per machine, thread count, dtype, model shape and method, and cached
-  in ``$JAKIRO_CACHE/costs`` (:func:`load_costs`);
+- the costs are measured once per machine, thread count, dtype, model shape, method and batch
+  size (a power of two up to 64: B sequences verify B x N tokens in one forward, and a bigger
+  batch leaves less idle compute to a tree), and cached in ``$JAKIRO_CACHE/costs``
+  (:func:`load_costs`);
 - E comes from the head's acceptance profile, recorded with the head when it is trained
   (``acceptance.json``): p[d][r], the probability that the target's token at depth d is the draft's
   r-th candidate given the path before it was right, measured on held-out answers drafting from
@@ -35,6 +37,8 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # target forwards
 DEPTHS = tuple(range(1, 7))  # jakiro's: one more (its last layer is the contrastive step's)
 WIDTHS = tuple(range(1, 9))
 CONTEXT = 256  # committed tokens behind the measured forwards (a typical chat position)
+MAX_BATCH_MEASURED = 64  # batches beyond it use its costs
+MAX_VERIFY_ROWS = 1024  # a batch's target forwards are measured up to this many rows (batch x N)
 
 
 # ----------------------------------------------------------------------------- expected acceptance
@@ -84,44 +88,59 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def batch_bucket(batch: int) -> int:
+    """The batch size whose costs stand for ``batch``: the power of two at or below it, at most
+    MAX_BATCH_MEASURED (one cost file per bucket)."""
+    return min(1 << (max(1, batch).bit_length() - 1), MAX_BATCH_MEASURED)
+
+
 @torch.no_grad()
-def measure_costs(target, head, method: str, repeats: int = 5) -> dict:
-    """The seconds of each part of a round on this machine (see the module's docstring), with
-    the target and the head as given (their dtype and device, torch's thread count)."""
+def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -> dict:
+    """The seconds of each part of a round on this machine (see the module's docstring) for
+    ``batch`` sequences decoding together, with the target and the head as given (their dtype
+    and device, torch's thread count). A batch's target forward is measured up to
+    MAX_VERIFY_ROWS rows (batch x N)."""
     from jakiro_ext import ops
     from jakiro_ext.drafting import METHODS, Drafter
     from jakiro_ext.engine import TreeConfig
-    from jakiro_ext.models.llama import causal_tree_mask
 
     device = target.lm_head.weight.device
+    B = batch
+    rows_of = torch.zeros(B, dtype=torch.int64, device=device)  # every sequence: a copy of the first
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
+    one = target.new_cache(1, CONTEXT)
+    _, hidden = target(prompt[:CONTEXT].unsqueeze(0), one, last_logits_only=True)
+    one.commit(CONTEXT)
     cache = target.new_cache(1, CONTEXT + max(SIZES))
-    _, hidden = target(prompt[:CONTEXT].unsqueeze(0), cache, last_logits_only=True)
-    cache.lengths += CONTEXT
+    cache.load(0, one)
+    cache.select_rows(rows_of)
 
     def verify_once(n: int):
-        tokens = prompt[:n].unsqueeze(0)
-        parents = (torch.arange(n, device=device) - 1).unsqueeze(0)
+        tokens = prompt[:n].expand(B, n)
+        parents = (torch.arange(n, device=device) - 1).expand(B, n)
         logits, _ = target(tokens, cache, ops.build_tree_mask(parents))
         ops.verify_tree(parents, tokens, logits, None, 0.0, 1.0, 0)
 
-    verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES}
+    verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES if B * n <= MAX_VERIFY_ROWS}
     draft, catch_up = {}, {}
+    roots = prompt[:1].expand(B)
     for k in WIDTHS:
         for d in (d + (method == "jakiro") for d in DEPTHS):
             drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k), 1, CONTEXT + 16)
-            drafter.catch_up(prompt[1:CONTEXT + 1].unsqueeze(0), hidden, torch.tensor([CONTEXT], device=device))
-            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(prompt[:1]), repeats)
-    for rows in range(1, 9):
+            drafter.load(0, prompt[1:CONTEXT + 1], hidden[0])
+            drafter.select_rows(rows_of)
+            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(roots), repeats)
+    for n in range(1, 9):
         def run():
-            drafter.catch_up(prompt[:rows].unsqueeze(0), hidden[:, :rows], torch.tensor([rows], device=device))
-            drafter.cache.lengths -= rows
-        catch_up[str(rows)] = _median_seconds(run, repeats)
-    return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT)
+            drafter.catch_up(prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1),
+                             torch.full((B,), n, device=device))
+            drafter.cache.lengths -= n
+        catch_up[str(n)] = _median_seconds(run, repeats)
+    return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, batch=B)
 
 
-def costs_key(target, head, method: str) -> str:
+def costs_key(target, head, method: str, batch: int = 1) -> str:
     """What the costs depend on: the CPU (or GPU), the threads, the dtype and the shapes."""
     from jakiro_ext.corpus import _cpu_name
 
@@ -132,21 +151,25 @@ def costs_key(target, head, method: str) -> str:
     shape = (f"h{t.hidden_size}-l{t.num_layers}-i{t.intermediate_size}-v{t.vocab_size}-"
              f"e{h.num_experts}x{h.intermediate_size}-dv{h.draft_vocab_size}")
     dtype = str(target.lm_head.weight.dtype).replace("torch.", "")
-    return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}")
+    batched = f"-b{batch}" if batch > 1 else ""
+    return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}{batched}")
 
 
-def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True) -> dict:
-    """The cached costs of this machine and setting, measured (a few seconds) when missing."""
+def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True,
+               batch: int = 1) -> dict:
+    """The cached costs of this machine and setting for ``batch`` sequences (its
+    :func:`batch_bucket`), measured (seconds to a minute) when missing."""
     from jakiro_ext.models.default import cache_root
 
-    path = Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method) + ".json")
+    batch = batch_bucket(batch)
+    path = Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method, batch) + ".json")
     if path.exists():
         return json.loads(path.read_text())
     if progress:
         import sys
 
         print(f"measuring this machine's round costs once for the tree choice (cached in {path})", file=sys.stderr)
-    costs = measure_costs(target, head, method)
+    costs = measure_costs(target, head, method, repeats=5 if batch == 1 else 3, batch=batch)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(costs, indent=1) + "\n")
@@ -156,11 +179,12 @@ def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, prog
 
 # ----------------------------------------------------------------------------- the choice
 def rate(costs: dict, profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> Tuple[float, float]:
-    """(expected tokens per second, expected accepted drafted tokens per round) of a tree."""
+    """(expected tokens per second of the whole batch the costs were measured for, expected
+    accepted drafted tokens per sequence and round) of a tree."""
     accepted = expected_accepted(profile, total_tokens, depth, top_k, method)
     seconds = (_interpolate(costs["verify"], total_tokens) + costs["draft"][f"{depth},{top_k}"]
                + _interpolate(costs["catch_up"], 1 + accepted))
-    return (1 + accepted) / seconds, accepted
+    return costs.get("batch", 1) * (1 + accepted) / seconds, accepted
 
 
 def choose_tree(costs: dict, profile: dict, method: str):
@@ -173,7 +197,7 @@ def choose_tree(costs: dict, profile: dict, method: str):
         depth, top_k = map(int, key.split(","))
         most = 1 + sum(top_k ** i for i in range(1, depth + 2))  # nodes the drafting can produce, root included
         for n in SIZES[1:]:
-            if n <= most:
+            if n <= most and str(n) in costs["verify"]:
                 r, accepted = rate(costs, profile, n, depth, top_k, method)
                 rows.append((r, accepted, n, depth, top_k))
     rows.sort(key=lambda row: -row[0])
@@ -181,13 +205,14 @@ def choose_tree(costs: dict, profile: dict, method: str):
     return TreeConfig(n, depth, top_k), rows
 
 
-def auto_tree(target, head, method: str):
-    """The tree for ``head`` on this machine: chosen by measured cost when the head has an
-    acceptance profile, else None (the caller's preset)."""
+def auto_tree(target, head, method: str, batch: int = 1):
+    """The tree for ``head`` on this machine, ``batch`` sequences decoding together: chosen by
+    measured cost when the head has an acceptance profile, else None (the caller's preset). A
+    bigger batch leaves less idle compute to the extra tree tokens: the chosen tree shrinks."""
     profile = getattr(head, "acceptance", None)
     if not profile:
         return None
-    return choose_tree(load_costs(target, head, method), profile, method)[0]
+    return choose_tree(load_costs(target, head, method, batch=batch), profile, method)[0]
 
 
 # ----------------------------------------------------------------------------- the head's profile

@@ -96,6 +96,35 @@ def test_continuous_batching_any_order_any_number_in_flight(target, in_flight):
             assert same(got[arrival], alone[i])
 
 
+def test_finished_rows_are_refilled_in_place(target, monkeypatch):
+    # With requests waiting, a finished sequence's rows take the next one where they are: the
+    # caches are never copied to drop or add rows.
+    from jakiro_ext.models.llama import KVCache
+
+    copies = []
+    original = KVCache.select_rows
+
+    given = []
+
+    def spy(self, rows, *args, **kwargs):
+        copies.append((self.batch, rows.tolist(), len(given)))
+        return original(self, rows, *args, **kwargs)
+
+    def requests():
+        for p in PROMPTS * 2:
+            given.append(p)
+            yield p
+
+    monkeypatch.setattr(KVCache, "select_rows", spy)
+    got = dict(generate_many(target, copy_head(target, "eagle2"), requests(), 3, 12, tree=TREES["dynamic-small"]))
+    assert len(got) == 2 * len(PROMPTS)
+    # While requests remain, rows are only ever added (when a prompt ended at its first token as
+    # the batch filled up), never dropped; once they ran out, idle rows go in halvings.
+    while_waiting = [(batch, rows) for batch, rows, n in copies if n < len(given)]
+    assert all(rows[:batch] == list(range(batch)) for batch, rows in while_waiting)
+    assert len(copies) <= 3
+
+
 def test_continuous_batching_asks_a_dry_iterator_again(target):
     # Requests that only appear once an answer finished (follow-up turns) still get a row.
     class FollowUps:

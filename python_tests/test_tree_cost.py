@@ -10,7 +10,7 @@ from jakiro_ext.engine import TreeConfig, speculative_generate
 from jakiro_ext.models.draft_head import DraftHead
 from jakiro_ext.train import TrainConfig, evaluate
 from jakiro_ext.tree_cost import (SIZES, acceptance_profile, auto_tree, choose_tree, expected_accepted, load_costs,
-                                  measure_costs)
+                                  measure_costs, rate)
 from test_generate import copy_head, prompt, tiny_target
 from test_train import make_examples
 
@@ -73,6 +73,35 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
 
     monkeypatch.setattr("jakiro_ext.tree_cost.measure_costs", no_measuring)
     assert load_costs(target, head, "jakiro", tmp_path, progress=False) == costs
+
+
+def test_costs_of_a_batch_are_measured_at_its_bucket(tmp_path, monkeypatch):
+    # A batch of 3 uses the costs of 2 sequences (the power of two at or below), measured with 2
+    # rows everywhere and cached apart from batch 1's; its verify curve stops at 1024 rows.
+    from jakiro_ext import tree_cost
+
+    target = tiny_target()
+    head = copy_head(target, "eagle2")
+    seen = []
+    measure = tree_cost.measure_costs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["batch"])
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(tree_cost, "MAX_VERIFY_ROWS", 40)
+    monkeypatch.setattr(tree_cost, "measure_costs", spy)
+    costs = load_costs(target, head, "eagle2", tmp_path, progress=False, batch=3)
+    assert seen == [2] and costs["batch"] == 2
+    assert set(costs["verify"]) == {str(n) for n in SIZES if 2 * n <= 40}
+    assert [p.name.endswith("-eagle2-b2.json") for p in tmp_path.iterdir()] == [True]
+    assert load_costs(target, head, "eagle2", tmp_path, progress=False, batch=2) == costs and seen == [2]
+    # The rate counts every sequence's tokens, and only measured sizes are candidates.
+    profile = {"depth_rank": [[0.5, 0.2], [0.4, 0.2]]}
+    tree, rows = choose_tree(costs, profile, "eagle2")
+    assert all(str(n) in costs["verify"] for _, _, n, _, _ in rows)
+    one = dict(costs, batch=1)
+    assert rate(costs, profile, 4, 1, 2, "eagle2")[0] == pytest.approx(2 * rate(one, profile, 4, 1, 2, "eagle2")[0])
 
 
 def test_profile_recorded_with_the_head_and_used_by_default(tmp_path, monkeypatch):

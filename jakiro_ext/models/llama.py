@@ -160,7 +160,11 @@ class KVCache(nn.Module):
         self.lengths = torch.where(fresh, 0, self.lengths[rows.clamp(min=0)])
         self.batch = rows.numel()
         if max_capacity is not None:
-            self.max_capacity = max(self.max_capacity, max_capacity)
+            self.allow(max_capacity)
+
+    def allow(self, max_capacity: int) -> None:
+        """Raise the bound on positions per sequence to ``max_capacity`` (what a new sequence may need)."""
+        self.max_capacity = max(self.max_capacity, max_capacity)
 
 
 def packed_bit_ranges(first: torch.Tensor, last: torch.Tensor, num_bits: int) -> torch.Tensor:

@@ -58,6 +58,14 @@ def test_bench_json_runs_methods_side_by_side(capsys, tmp_path, random_head_dir)
     assert out["methods"]["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert out["methods"]["jakiro"]["all_same_tokens_as_ar"] is True
     assert [p["id"] for p in out["per_prompt"]] == [1, 2]
+    # --batch-size: the prompts decoded as one batch; every sequence compared with ar.
+    batched = run_json(capsys, ["bench", "--prompts", str(prompts), "--method", "ar", "--method", "jakiro",
+                                "--max-new-tokens", "4", "--json", "--jakiro-head", random_head_dir, "--batch-size", "3"])
+    assert batched["config"]["batch_size"] == 3 and [p["id"] for p in batched["per_prompt"]] == [1, 2, 3]
+    assert batched["methods"]["jakiro"]["all_same_tokens_as_ar"] is True
+    assert batched["methods"]["ar"]["new_tokens"] == sum(p["methods"]["ar"]["new_tokens"] for p in batched["per_prompt"])
+    assert main(["bench", "--prompts", str(prompts), "--method", "ar", "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err == "error: --batch-size must be in [1, 1024], got 0\n"
 
 
 def test_bench_rejects_a_malformed_prompt_file(tmp_path, capsys):

@@ -105,10 +105,8 @@ def _prompt_ids(input_ids, vocab: int, name: str = "input_ids") -> torch.Tensor:
         if bad:
             raise TypeError(f"{name} must be ints (token ids), got {type(bad[0]).__name__} {_brief(bad[0])}")
         ints = [int(x) for x in input_ids]
-        if ints and (min(ints) < 0 or max(ints) >= vocab):  # (before a tensor: ids beyond int64)
-            raise ValueError(f"{name} must be token ids in [0, {vocab}) (the target's vocabulary), "
-                             f"got values in [{min(ints)}, {max(ints)}]")
-        values = torch.tensor(ints, dtype=torch.int64)
+        low, high = (min(ints), max(ints)) if ints else (0, 0)  # on Python ints: ids beyond int64 too
+        values = None
     elif isinstance(input_ids, torch.Tensor):
         if input_ids.dtype == torch.bool or input_ids.is_floating_point() or input_ids.is_complex():
             raise TypeError(f"{name} must be an integer tensor, got dtype {input_ids.dtype}")
@@ -116,15 +114,15 @@ def _prompt_ids(input_ids, vocab: int, name: str = "input_ids") -> torch.Tensor:
             expected = "[n] (a prompt) or [B, n] (a batch of prompts)" if name == "input_ids" else "[n]"
             raise ValueError(f"{name} must be {expected}, got shape {tuple(input_ids.shape)}")
         values = input_ids.to(torch.int64)
+        low, high = (int(values.min()), int(values.max())) if values.numel() else (0, 0)
     else:
         raise TypeError(f"{name} must be a list of ints or an integer tensor, got {type(input_ids).__name__}")
-    if values.numel() == 0:
+    if (len(ints) if values is None else values.numel()) == 0:
         raise ValueError(f"{name} must not be empty")
-    low, high = int(values.min()), int(values.max())
     if low < 0 or high >= vocab:
         raise ValueError(f"{name} must be token ids in [0, {vocab}) (the target's vocabulary), "
                          f"got values in [{low}, {high}]")
-    return values.cpu()
+    return torch.tensor(ints, dtype=torch.int64) if values is None else values.cpu()
 
 
 def _prompts(input_ids, lengths, vocab: int):

@@ -14,6 +14,7 @@ import os
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 import torch
 from torch.utils import cpp_extension
@@ -109,6 +110,19 @@ else:
 print(f"setup.py: torch {torch.__version__}, CUDA kernels: {'yes (' + cuda_home + ')' if build_cuda else 'no'}, "
       f"cpu arch: {cpu_arch}, debug: {debug}, MAX_JOBS={os.environ['MAX_JOBS']}")
 
+class BuildPyWithKernelSources(build_py):
+    """Installs csrc/ as jakiro_ext/csrc too: ops.use_backend("simt32" | "simt64") compiles the GPU
+    kernels for the CPU SIMT emulator from it at run time (jakiro_ext/emulator.py)."""
+
+    def run(self):
+        super().run()
+        for path in sorted(glob.glob(os.path.join("csrc", "**", "*"), recursive=True)):
+            if path.endswith((".h", ".cuh", ".cu", ".cpp")):
+                target = os.path.join(self.build_lib, "jakiro_ext", path)
+                self.mkpath(os.path.dirname(target))
+                self.copy_file(path, target)
+
+
 setup(
     name="jakiro_ext",
     version="0.1.0",
@@ -126,7 +140,8 @@ setup(
             py_limited_api=False,
         )
     ],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True),
+              "build_py": BuildPyWithKernelSources},
     python_requires=">=3.10",
     install_requires=["numpy"],
 )

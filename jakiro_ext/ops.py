@@ -8,6 +8,8 @@ explicitly selects the (slower) reference implementations.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import warnings
 from typing import Optional
@@ -62,7 +64,42 @@ def cpu_bf16_dot() -> bool:
     return bool(_C.cpu_bf16_dot()) if LOAD_ERROR is None else False
 
 
+BACKENDS = ("native", "simt32", "simt64")
+_emulated = contextvars.ContextVar("jakiro_emulated_backend", default=None)  # (name, op namespace)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Within the block, every op of the package (and so the models and ``speculative_generate``)
+    runs on the given backend: ``"native"`` the compiled library's kernels for the tensors' device
+    (the default), ``"simt32"`` / ``"simt64"`` the GPU kernels of ``csrc/cuda`` run on the CPU by
+    the SIMT emulator with warps of 32 / 64 lanes (CPU tensors; slow, for checking and debugging GPU
+    kernels without a GPU). The emulated library is built the first time (a few minutes, cached:
+    :mod:`jakiro_ext.emulator`). Blocks nest; the setting is per thread and per asyncio task."""
+    if name not in BACKENDS:
+        raise ValueError(f"use_backend: the backend must be one of {BACKENDS}, got {name!r}")
+    if name == "native":
+        token = _emulated.set(None)
+    else:
+        from jakiro_ext import emulator
+
+        token = _emulated.set((name, emulator.emulated_ops(int(name.removeprefix("simt")))))
+    try:
+        yield
+    finally:
+        _emulated.reset(token)
+
+
+def backend() -> str:
+    """The backend the ops run on here (see :func:`use_backend`)."""
+    chosen = _emulated.get()
+    return "native" if chosen is None else chosen[0]
+
+
 def _kernel(name: str):
+    chosen = _emulated.get()
+    if chosen is not None:
+        return getattr(chosen[1], name)
     if LOAD_ERROR is None:
         return getattr(torch.ops.jakiro, name)
     if USE_REFERENCE:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import jakiro_ext  # noqa: F401  (loads torch.ops.jakiro)
-from jakiro_ext import ops
+from jakiro_ext import emulator, ops
 
 # Tolerances of a kernel against its float32 reference, by the kernel's input dtype.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -46,9 +46,7 @@ class GpuBackend:
         elif name == "cuda":
             self.ops, self.device = torch.ops.jakiro, torch.device("cuda")
         else:
-            import simt_emulator
-
-            self.ops, self.device = simt_emulator.emulated_ops(int(name.removeprefix("simt"))), torch.device("cpu")
+            self.ops, self.device = emulator.emulated_ops(int(name.removeprefix("simt"))), torch.device("cpu")
 
     def to_device(self, value):
         return value.to(self.device) if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,101 @@
+"""The whole engine through the GPU kernels, without a GPU: ``ops.use_backend("simt32" | "simt64")``
+runs every op of speculative_generate on the CUDA kernels of csrc/cuda under the CPU SIMT emulator
+(warps of 32 and 64 lanes). Greedy float32 tokens equal the CPU engine's for every method and tree
+shape at batch sizes 1 and 3, and sampling follows the target distribution (chi-square, with its
+negative control). On a machine with a GPU the same kernels run natively in the CUDA tests."""
+
+import threading
+
+import pytest
+import torch
+
+from jakiro_ext import ops
+from jakiro_ext.engine import TreeConfig, speculative_generate
+from test_batch import PROMPTS, same
+from test_generate import HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution, random_head, \
+    tiny_target
+
+BACKENDS = ["simt32", "simt64"]
+NEW_TOKENS = 16
+# The tree shapes of test_generate with a smaller wide tree (the emulator is ~1000x slower than the
+# CPU kernels): a dynamic tree whose frontier (8) is wider than its depth, a deep narrow one, a static one.
+EMULATED_TREES = {"dynamic-small": TREES["dynamic-small"], "dynamic-wide": TreeConfig(24, 3, 8),
+                  "static": TREES["static"]}
+CASES = [(k, m, t) for k, m in HEAD_METHODS for t in EMULATED_TREES if not (m == "jakiro" and t == "static")] + [
+    (None, "ar", None)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,method,tree", CASES)
+def test_greedy_tokens_equal_the_cpu_engine(target, backend, kind, method, tree):
+    tree = None if tree is None else EMULATED_TREES[tree]
+    # The copy head's drafts are accepted (multi-token paths); the random head's, mostly rejected,
+    # at one warp width (the emulator's time is what CI has to spend).
+    runs = [(None, [PROMPTS[0]]), (None, PROMPTS[:3])] if kind is None else [
+        (copy_head(target, kind), [PROMPTS[0]]), (copy_head(target, kind), PROMPTS[:3])]
+    if kind is not None and backend == "simt32":
+        runs.append((random_head(target, kind), PROMPTS[2:5]))
+    for head, prompts in runs:
+        # One prompt goes in alone (batch size 1), not as a batch of one.
+        run = lambda: speculative_generate(target, head, prompts if len(prompts) > 1 else prompts[0], NEW_TOKENS,
+                                           method=method, tree=tree)
+        cpu = run()
+        with ops.use_backend(backend):
+            assert ops.backend() == backend
+            gpu = run()
+        if len(prompts) == 1:
+            cpu, gpu = [cpu], [gpu]
+        for g, c in zip(gpu, cpu, strict=True):
+            assert same(g, c), (g.token_ids, c.token_ids)
+        if kind is not None and head is runs[0][0]:
+            assert max(cpu[0].stats.accept_lengths) >= 2  # multi-token paths were exercised
+    assert ops.backend() == "native"
+
+
+def test_sampling_through_the_gpu_kernels_follows_the_target_distribution():
+    """At warp width 32 (the verification kernel's sampling at 64 lanes is checked against the
+    reference in test_gpu_head_verify)."""
+    vocab = 12
+    target = tiny_target(vocab=vocab, embed_std=0.03, seed=3)
+    head = copy_head(target, "jakiro", scale=5.0)
+    ids = torch.tensor([3, 7, 7, 1, 7, 7])
+    temperature, top_p, top_k = 0.8, 0.9, 6
+    expected = exact_distribution(target, ids, temperature, top_p, top_k)
+    counts, accepted, n, per_call = {}, 0, 600, 300
+    with ops.use_backend("simt32"):
+        for call in range(n // per_call):  # a batch of 300 copies: each sequence samples with seed + its index
+            outs = speculative_generate(target, head, [ids] * per_call, SAMPLED, method="jakiro",
+                                        tree=TreeConfig(8, 2, 3), temperature=temperature, top_p=top_p, top_k=top_k,
+                                        seed=call * per_call)
+            for out in outs:
+                key = tuple(out.token_ids)
+                counts[key] = counts.get(key, 0) + 1
+                accepted += sum(out.stats.accept_lengths)
+    assert 0.5 < accepted / n < 2.5, accepted / n
+    assert chi_square_p(counts, expected, n) > 1e-3
+    # Negative control: the same samples against the unfiltered distribution are rejected.
+    assert chi_square_p(counts, exact_distribution(target, ids, temperature, 1.0, 0), n) < 1e-6
+
+
+def test_use_backend_nests_is_per_thread_and_checks_its_name(target):
+    seen = {}
+    with ops.use_backend("simt32"):
+        with ops.use_backend("native"):
+            seen["inner"] = ops.backend()
+        seen["outer"] = ops.backend()
+        worker = threading.Thread(target=lambda: seen.update(thread=ops.backend()))
+        worker.start()
+        worker.join()
+    assert seen == {"inner": "native", "outer": "simt32", "thread": "native"}
+    assert ops.backend() == "native"
+    with pytest.raises(ValueError, match=r"one of \('native', 'simt32', 'simt64'\), got 'cuda'"):
+        with ops.use_backend("cuda"):
+            pass
+    # The emulated kernels take CPU tensors: another device is a clear error, not a wrong result.
+    with ops.use_backend("simt64"), pytest.raises((RuntimeError, NotImplementedError), match="jakiro_simt64"):
+        ops.linear(torch.ones(2, 4, device="meta"), torch.ones(3, 4, device="meta"))

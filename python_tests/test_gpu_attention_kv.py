@@ -88,3 +88,61 @@ def test_gpu_kernels_check_their_inputs(gpu_backend):
     big = torch.zeros(1, 1, 1, 1025)
     with pytest.raises(RuntimeError, match=r"the GPU kernel supports head dims up to \d+, got 1025"):
         gpu_backend.run("tree_attention", big, big, big, torch.tensor([0]), torch.ones(1, 1, 1, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- tensor cores
+# bf16 trees of >= 16 query rows per KV head (tree tokens x GQA group) with head dims of a multiple
+# of 16 up to 128 run on tensor cores (kernels/tree_attention_wmma.cuh; WMMA, emulated here).
+TENSOR_CORE_SHAPES = [
+    (2, 17, 9, 3, 64, [0, 97], 128),    # 51 rows per KV head (one block, a partial tile), empty prefix
+    (1, 60, 8, 2, 128, [600], 700),     # an EAGLE-sized tree, GQA 4: 240 rows, four blocks
+    (2, 16, 4, 4, 32, [37, 300], 400),  # exactly one tile, keys not a multiple of 16
+    (1, 20, 2, 1, 16, [5], 64),         # one 16-dim step
+]
+
+
+@pytest.mark.parametrize("shape", TENSOR_CORE_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_gpu_tree_attention_on_tensor_cores_matches_reference(gpu_backend, shape, num_splits, monkeypatch):
+    q, k, v, lens, mask = make_inputs(*shape, dtype=torch.bfloat16, seed=50)
+    out, lse = gpu_backend.run("tree_attention", q, k, v, lens, mask, num_splits=num_splits)
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])  # the softmax sum stays in float
+    # The CUDA-core kernel (JAKIRO_GPU_TENSOR_CORES=0) rounds differently: the switch took effect.
+    monkeypatch.setenv("JAKIRO_GPU_TENSOR_CORES", "0")
+    cuda_cores, _ = gpu_backend.run("tree_attention", q, k, v, lens, mask, num_splits=num_splits)
+    torch.testing.assert_close(cuda_cores.float(), ref_out.float(), **TOL[torch.bfloat16])
+    assert not torch.equal(cuda_cores, out)
+
+
+def test_gpu_tree_attention_on_tensor_cores_empty_splits_and_masked_rows(gpu_backend):
+    q, k, v, lens, mask = make_inputs(2, 16, 4, 2, 32, [0, 21], 64, dtype=torch.bfloat16, seed=60)
+    mask[0, 5] = 0  # a row that sees nothing (sequence 0 has no prefix)
+    out_p, lse_p = gpu_backend.run("tree_attention_partial", q, k, v, lens, mask, 40)  # 40 splits: most empty
+    ref_p, ref_lse_p = reference.tree_attention_partial(q, k, v, lens, mask, 40)
+    torch.testing.assert_close(out_p, ref_p, **TOL[torch.bfloat16])
+    torch.testing.assert_close(lse_p, ref_lse_p, **TOL[torch.float32])  # -inf for the empty splits on both
+    out, lse = gpu_backend.run("tree_attention", q, k, v, lens, mask)
+    assert torch.equal(out[0, 5].float(), torch.zeros(4, 32)) and bool(torch.isneginf(lse[0, 5]).all())
+
+
+# Where a non-finite value goes: q, a prefix key, a tree key that some rows do not see, a prefix
+# value, a tree value that some rows do not see (0 * NaN must not reach them), a value past the tree.
+NONFINITE_PLACES = {"nan_in_q": ("q", (0, 3, 1, 5)), "inf_in_prefix_key": ("k", (0, 1, 9, 2)),
+                    "nan_in_masked_tree_key": ("k", (0, 0, 30 + 2, 3)), "nan_in_prefix_value": ("v", (0, 1, 4, 7)),
+                    "nan_in_masked_tree_value": ("v", (0, 0, 30 + 2, 6)), "nan_beyond_the_tree": ("v", (0, 0, 30 + 9, 1))}
+
+
+@pytest.mark.parametrize("place", list(NONFINITE_PLACES))
+def test_gpu_tree_attention_on_tensor_cores_nonfinite_reaches_only_what_reads_it(gpu_backend, place):
+    q, k, v, lens, _ = make_inputs(1, 8, 8, 2, 16, [30], 48, dtype=torch.bfloat16, seed=70)  # 32 rows per KV head
+    mask = ops.build_tree_mask(torch.tensor([[-1, 0, 0, 1, 2, 2, 3, 4]]))  # node 2: seen by 2, 4, 5, 7 only
+    name, index = NONFINITE_PLACES[place]
+    dict(q=q, k=k, v=v)[name][index] = float("inf") if place.startswith("inf") else float("nan")
+    out, lse = gpu_backend.run("tree_attention", q, k, v, lens, mask, num_splits=2)
+    ref_out, ref_lse = reference.tree_attention(q.float(), k.float(), v.float(), lens, mask, num_splits=2)
+    assert torch.equal(out.float().isnan(), ref_out.isnan()) and torch.equal(lse.isnan(), ref_lse.isnan()), place
+    assert bool(out.float().isnan().any()) == (place != "nan_beyond_the_tree")
+    finite = ~ref_out.isnan()
+    torch.testing.assert_close(out.float()[finite], ref_out[finite], **TOL[torch.bfloat16])

@@ -5,7 +5,8 @@
 //   * g++ -DSIMT_EMU (csrc/simt/simt_emu.h): the kernels run on the CPU, warp width
 //     SIMT_WARP_SIZE (32 or 64), for tests without a GPU.
 // Kernels use only what is here plus plain CUDA C++ (__global__, __shared__, threadIdx,
-// __syncthreads, atomics): no PTX, tensor cores, async copies or grid-wide sync.
+// __syncthreads, atomics), and tensor cores only through the WMMA API (CUDA and the emulator; HIP keeps
+// the CUDA-core kernels): no PTX, async copies or grid-wide sync.
 #pragma once
 
 #include <cstdint>

@@ -1,9 +1,13 @@
-// Torch glue of GPU tree attention: tree_attention_partial (kernels/tree_attention.cuh) and
-// tree_attention = partial pass + merge (kernels/merge_attention_states.cuh).
+// Torch glue of GPU tree attention: tree_attention_partial (kernels/tree_attention.cuh on CUDA
+// cores, kernels/tree_attention_wmma.cuh on tensor cores for bf16 trees of >= 16 query rows per
+// KV head) and tree_attention = partial pass + merge (kernels/merge_attention_states.cuh).
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/tree_attention.cuh"
+#include "cuda/kernels/tree_attention_wmma.cuh"
 #include "cuda/launch.h"
 #include "ops.h"
 
@@ -15,6 +19,41 @@ constexpr int64_t kMinSplitLen = 256;
 // Blocks of the partial kernel resident per multiprocessor (128 threads, ~128 registers each):
 // the split count aims at filling them all.
 constexpr int64_t kBlocksPerMultiprocessor = 4;
+
+// Whether this call runs on tensor cores: the shape qualifies, the device has bf16 WMMA (sm_80+;
+// HIP keeps the CUDA-core kernel) and JAKIRO_GPU_TENSOR_CORES is not 0 (the switch that compares
+// the two kernels).
+bool use_tensor_cores(const TreeAttentionShape& sh, const at::Tensor& q) {
+#if defined(JAKIRO_HAS_WMMA)
+  if (!tree_attention_uses_tensor_cores(q.scalar_type() == at::kBFloat16, sh.head_dim,
+                                        sh.tree_len * (sh.q_heads / sh.kv_heads)))
+    return false;
+  const char* env = std::getenv("JAKIRO_GPU_TENSOR_CORES");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+#if defined(SIMT_EMU)
+  return true;
+#else
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+  return major >= 8;
+#endif
+#else
+  (void)sh;
+  (void)q;
+  return false;
+#endif
+}
+
+template <typename kv_t>
+void launch_partial(const TreeAttentionParams<kv_t>& p, bool tensor_cores, cudaStream_t stream) {
+#if defined(JAKIRO_HAS_WMMA)
+  if constexpr (std::is_same_v<kv_t, bf16>) {
+    if (tensor_cores) return launch_tree_attention_partial_wmma(p, stream);
+  }
+#endif
+  (void)tensor_cores;
+  launch_tree_attention_partial(p, stream);
+}
 
 std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& prefix_lens,
@@ -31,6 +70,7 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
   auto out = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits, sh.head_dim}, q.options().dtype(at::kFloat));
   auto lse = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits}, q.options().dtype(at::kFloat));
   const float sc = attention_scale(op, scale, sh.head_dim);
+  const bool tensor_cores = use_tensor_cores(sh, q);
   JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_gpu", [&] {
     using kv_t = device_t<scalar_t>;
     const TreeAttentionParams<kv_t> p{device_ptr<scalar_t>(qc),
@@ -50,7 +90,7 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
                                       k_cache.stride(0),
                                       k_cache.stride(1),
                                       sc};
-    launch_tree_attention_partial(p, device.stream());
+    launch_partial(p, tensor_cores, device.stream());
   });
   check_launch();
   return {out, lse};

@@ -9,6 +9,7 @@
 // kernel whose barrier some threads skip, which the emulator itself must catch.
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 #include "cuda/kernels/rms_norm.cuh"
 #include "cuda/kernels/rope_kv_write.cuh"
 #include "cuda/kernels/tree_attention.cuh"
+#include "cuda/kernels/tree_attention_wmma.cuh"
 #include "cuda/kernels/verify_tree.cuh"
 
 namespace {
@@ -71,6 +73,24 @@ void attention(const char* name) {
   launch_merge_attention_states<elem_t>(MergeParams{out_p.data(), lse_p.data(), out.data(), lse.data(), B * T * Hq, splits, D},
                                    nullptr);
   report(name, checksum(out_p) ^ checksum(lse_p) ^ checksum(out) ^ checksum(lse));
+}
+
+// The tensor-core kernel (WMMA): bf16, 36 query rows per KV head (3 tiles), a NaN value in a tree
+// node that some rows do not see (the element-wise fix-up path).
+void attention_tensor_cores() {
+  Random rng{7};
+  const int64_t B = 2, T = 9, Hq = 4, Hkv = 1, D = 32, S = 320, splits = 2;
+  auto q = rng.values<bf16>(B * T * Hq * D);
+  auto k = rng.values<bf16>(B * Hkv * S * D), v = rng.values<bf16>(B * Hkv * S * D);
+  std::vector<int64_t> lens{300, 0};
+  v[(300 + 2) * D + 5] = from_float<bf16>(std::numeric_limits<float>::quiet_NaN());
+  std::vector<int64_t> mask(B * T);  // a binary tree: node i's parent is (i - 1) / 2
+  for (int64_t i = 0; i < T; ++i) mask[i] = mask[T + i] = (i == 0 ? 0 : mask[(i - 1) / 2]) | (int64_t{1} << i);
+  std::vector<float> out_p(B * T * Hq * splits * D), lse_p(B * T * Hq * splits);
+  const TreeAttentionParams<bf16> p{q.data(), k.data(), v.data(), lens.data(), mask.data(), out_p.data(), lse_p.data(),
+                                    B, T, Hq, Hkv, D, splits, 1, Hkv * S * D, S * D, 0.15f};
+  launch_tree_attention_partial_wmma(p, nullptr);
+  report("tree_attention tensor cores", checksum(out_p) ^ checksum(lse_p));
 }
 
 void compaction() {
@@ -219,6 +239,7 @@ int main(int argc, char** argv) {
   std::printf("warp width %d\n", kWarp);
   attention<float>("tree_attention float32");
   attention<bf16>("tree_attention bfloat16");
+  attention_tensor_cores();
   compaction();
   linear<float>("linear float32");
   linear<bf16>("linear bfloat16");

@@ -21,7 +21,8 @@
 // or shuffle that some threads of the block (warp) never reach, blocks over 1024 threads,
 // shared memory requests over 228 KiB.
 // Limits: warp-synchronous code must name full warps (masks other than all lanes are not
-// emulated); no PTX, tensor cores, async copies, cooperative groups or grid-wide sync; no
+// emulated); tensor cores only through the WMMA subset at the end of this file (16x16x16, bf16
+// into float); no PTX, async copies, cooperative groups or grid-wide sync; no
 // independent forward progress between blocks (a block that waits for another block deadlocks);
 // no memory model beyond "barriers and atomics order everything" (weaker GPU orderings that a
 // kernel might wrongly rely on are not reproduced); `__shared__` variables keep their values from
@@ -45,6 +46,7 @@
 #include <mutex>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #ifndef SIMT_WARP_SIZE
@@ -451,3 +453,95 @@ T atomicMin(T* address, T value) {
 }
 
 #define SIMT_DYNAMIC_SHARED(T, name) T* name = reinterpret_cast<T*>(::simt::dynamic_shared_memory())
+
+// ----------------------------------------------------------------------------- WMMA (tensor cores)
+// nvcuda::wmma's 16x16x16 bf16 -> float subset, as the tensor-core kernels use it. The API hides
+// which lane holds which element of a fragment. Here a fragment is the whole tile, row-major
+// (x[r * cols + c], num_elements = 256): a load or fill sets all of it in every lane, while an
+// accumulator's element e belongs to lane e % warp, which alone computes it in mma_sync and
+// writes it in store_matrix_sync (the other elements of its copy are stale: element-wise code over
+// x[0 .. num_elements) is fine, as on a GPU, as long as only the API moves elements between lanes).
+// What a GPU does and is reproduced: a load reads memory as it is when the lane gets there
+// (shared memory written by other lanes needs a __syncwarp first: fibers switch only at barriers,
+// so a missing one reads stale data or the NaN fill), and reading another lane's stored elements
+// needs a __syncwarp too. Products of bf16 are exact in float; the sums run in float in k order
+// (tensor cores round differently: tests compare with tolerances).
+struct __nv_bfloat16 {
+  uint16_t bits;
+};
+
+namespace nvcuda::wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <typename Use, int M, int N, int K, typename T, typename Layout = void>
+struct fragment {
+  static_assert(M == 16 && N == 16 && K == 16, "the SIMT emulator's WMMA has the 16x16x16 shape only");
+  static_assert(std::is_same_v<Use, accumulator> ? std::is_same_v<T, float> : std::is_same_v<T, __nv_bfloat16>,
+                "the SIMT emulator's WMMA multiplies bf16 tiles into float accumulators only");
+  static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
+  static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
+  static constexpr int num_elements = rows * cols;
+  T x[num_elements];
+};
+
+namespace detail {
+inline float to_float(__nv_bfloat16 v) {
+  const uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float to_float(float v) { return v; }
+
+template <typename Frag, typename T>
+void load(Frag& f, const T* p, unsigned ldm, bool col_major) {
+  for (int r = 0; r < Frag::rows; ++r)
+    for (int c = 0; c < Frag::cols; ++c) f.x[r * Frag::cols + c] = col_major ? p[c * ldm + r] : p[r * ldm + c];
+}
+}  // namespace detail
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, T value) {
+  for (auto& v : f.x) v = value;
+}
+
+template <typename Use, int M, int N, int K, typename T, typename Layout>
+void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* p, unsigned ldm) {
+  static_assert(!std::is_same_v<Layout, void>, "a matrix_a or matrix_b fragment names its layout");
+  detail::load(f, p, ldm, std::is_same_v<Layout, col_major>);
+}
+
+template <int M, int N, int K>
+void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* p, unsigned ldm, layout_t layout) {
+  detail::load(f, p, ldm, layout == mem_col_major);
+}
+
+template <int M, int N, int K>
+void store_matrix_sync(float* p, const fragment<accumulator, M, N, K, float>& f, unsigned ldm, layout_t layout) {
+  const int lane = ::simt::linear_thread_index() % SIMT_WARP_SIZE;
+  for (int e = lane; e < M * N; e += SIMT_WARP_SIZE) {
+    const int r = e / N, c = e % N;
+    (layout == mem_col_major ? p[c * ldm + r] : p[r * ldm + c]) = f.x[e];
+  }
+}
+
+template <int M, int N, int K, typename LayoutA, typename LayoutB>
+void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, __nv_bfloat16, LayoutA>& a,
+              const fragment<matrix_b, M, N, K, __nv_bfloat16, LayoutB>& b,
+              const fragment<accumulator, M, N, K, float>& c) {
+  const int lane = ::simt::linear_thread_index() % SIMT_WARP_SIZE;
+  for (int e = lane; e < M * N; e += SIMT_WARP_SIZE) {  // this lane's elements (d may alias c)
+    const int m = e / N, n = e % N;
+    float s = c.x[e];
+    for (int k = 0; k < K; ++k) s += detail::to_float(a.x[m * K + k]) * detail::to_float(b.x[k * N + n]);
+    d.x[e] = s;
+  }
+}
+
+}  // namespace nvcuda::wmma

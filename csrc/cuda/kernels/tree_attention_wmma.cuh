@@ -1,0 +1,263 @@
+// Tensor-core split-KV tree attention (bf16 in, float accumulation) through the WMMA API: the
+// same contract as tree_attention.cuh's CUDA-core kernel (partial output and log-sum-exp per
+// split, merged by merge_attention_states.cuh), for trees whose query rows per KV head
+// (tree tokens x GQA group) fill 16-row tiles.
+//
+// Grid: (split, batch x KV head, chunk of 64 query rows). Each of the block's 4 warps owns 16
+// query rows (a WMMA tile); the block stages 16 keys of K and V at a time in shared memory, which
+// every warp reads (each K/V load serves all 64 rows). Per key chunk a warp computes
+//   S = Q K^T (16 x 16, float)     by D/16 mma_sync over the head dimension,
+//   the online softmax of its rows  (lane r < 16 takes row r: mask, poison, rescale factor; the
+//                                    sum, hence the log-sum-exp, in float),
+//   O = O * factor + P V            (P rounded to bf16; O in D/16 float accumulator fragments).
+// The accumulators are rescaled element-wise through a fragment of row indices (an accumulator
+// loaded from a matrix whose entry (r, c) is r): the element-to-lane layout stays hidden.
+// Non-finite values keep the CUDA-core kernel's semantics: a NaN or +inf score poisons its row;
+// a value row is read only by the rows that see its key (a non-finite value is staged as 0 and
+// its products are added element-wise for the rows that see it, as 0 * NaN must not reach the
+// others).
+#pragma once
+
+#include "cuda/device.h"
+#include "cuda/kernels/tree_attention.cuh"
+
+#if defined(SIMT_EMU) || !defined(__HIPCC__)
+#define JAKIRO_HAS_WMMA 1
+#if !defined(SIMT_EMU)
+#include <cuda_bf16.h>
+#include <mma.h>
+#endif
+
+namespace jakiro::gpu {
+
+namespace wmma = nvcuda::wmma;
+
+constexpr int kTcTile = 16;                    // WMMA tile: 16 x 16 x 16
+constexpr int kTcWarps = 4;                    // warps (row tiles) per block
+constexpr int kTcRows = kTcTile * kTcWarps;    // query rows per block
+constexpr int64_t kTcMaxHeadDim = 128;         // accumulators: D / 16 fragments per warp
+constexpr int kTcPad = 8;                      // bf16 row padding (keeps ldm a multiple of 8, spreads banks)
+
+// The tensor-core kernel serves bf16 heads of a multiple of 16 up to 128 dims whose rows per KV
+// head fill at least one 16-row tile.
+inline bool tree_attention_uses_tensor_cores(bool bf16, int64_t head_dim, int64_t rows_per_kv_head) {
+  return bf16 && head_dim % kTcTile == 0 && head_dim <= kTcMaxHeadDim && rows_per_kv_head >= kTcTile;
+}
+
+struct TcSmemLayout {  // byte offsets into the dynamic shared memory
+  size_t q, k, v, s, p, row_id, col_id, state, flag, total;
+  JAKIRO_HOST_DEVICE explicit TcSmemLayout(int64_t head_dim) {
+    const size_t ld = static_cast<size_t>(head_dim) + kTcPad;
+    q = 0;                                                                 // bf16 [kTcRows][ld]
+    k = q + sizeof(__nv_bfloat16) * kTcRows * ld;                          // bf16 [16][ld]
+    v = k + sizeof(__nv_bfloat16) * kTcTile * ld;                          // bf16 [16][ld]
+    s = v + sizeof(__nv_bfloat16) * kTcTile * ld;                          // float [warps][16][16]
+    p = s + sizeof(float) * kTcWarps * kTcTile * kTcTile;                  // bf16 [warps][16][16 + pad]
+    row_id = p + sizeof(__nv_bfloat16) * kTcWarps * kTcTile * (kTcTile + kTcPad);  // float [16][16]
+    col_id = row_id + sizeof(float) * kTcTile * kTcTile;                   // float [16][16]
+    state = col_id + sizeof(float) * kTcTile * kTcTile;                    // float [warps][16]: factor, then 1/sum
+    flag = state + sizeof(float) * kTcWarps * kTcTile;                     // int [2]: a non-finite value in the chunk
+    total = flag + 16;
+  }
+};
+
+template <int kDims>  // head_dim / 16
+__global__ void __launch_bounds__(kTcWarps * kWarp)
+    tree_attention_partial_wmma_kernel(TreeAttentionParams<bf16> p) {
+  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
+  using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
+  using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
+  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  return;  // bf16 WMMA needs sm_80; the glue never launches this kernel on older devices
+#else
+  constexpr int D = kDims * kTcTile, ld = D + kTcPad, ldp = kTcTile + kTcPad;
+  const int64_t split = blockIdx.x;
+  const int64_t b = blockIdx.y / p.kv_heads, kvh = blockIdx.y % p.kv_heads;
+  const int64_t group = p.q_heads / p.kv_heads, rows = p.tree_len * group;
+  const int warp = warp_id(), lane = lane_id();
+  const int64_t block_row0 = static_cast<int64_t>(blockIdx.z) * kTcRows, row0 = block_row0 + warp * kTcTile;
+
+  JAKIRO_DYNAMIC_SMEM(unsigned char, smem);
+  const TcSmemLayout L(D);
+  auto* q_s = reinterpret_cast<bf16*>(smem + L.q);
+  auto* k_s = reinterpret_cast<bf16*>(smem + L.k);
+  auto* v_s = reinterpret_cast<bf16*>(smem + L.v);
+  float* s_w = reinterpret_cast<float*>(smem + L.s) + warp * kTcTile * kTcTile;
+  bf16* p_w = reinterpret_cast<bf16*>(smem + L.p) + warp * kTcTile * ldp;
+  float* row_id_s = reinterpret_cast<float*>(smem + L.row_id);
+  float* col_id_s = reinterpret_cast<float*>(smem + L.col_id);
+  float* state_w = reinterpret_cast<float*>(smem + L.state) + warp * kTcTile;
+  int* nonfinite_flags = reinterpret_cast<int*>(smem + L.flag);  // by chunk parity: reset while the next is staged
+  auto tc = [](const bf16* x) { return reinterpret_cast<const __nv_bfloat16*>(x); };
+
+  // Query row r of the block: tree token t = row / group, query head kvh * group + row % group
+  // (unscaled: the scale is applied to the float scores). Rows past the end are zeros.
+  for (int64_t i = threadIdx.x; i < kTcRows * D; i += blockDim.x) {
+    const int64_t r = i / D, d = i % D, row = block_row0 + r;
+    bf16 v{0};
+    if (row < rows) v = p.q[((b * p.tree_len + row / group) * p.q_heads + kvh * group + row % group) * D + d];
+    q_s[r * ld + d] = v;
+  }
+  for (int i = threadIdx.x; i < kTcTile * kTcTile; i += blockDim.x) {
+    row_id_s[i] = static_cast<float>(i / kTcTile);
+    col_id_s[i] = static_cast<float>(i % kTcTile);
+  }
+  if (threadIdx.x == 0) nonfinite_flags[0] = nonfinite_flags[1] = 0;
+  __syncthreads();
+
+  FragC row_of, col_of, acc[kDims];
+  wmma::load_matrix_sync(row_of, row_id_s, kTcTile, wmma::mem_row_major);
+  wmma::load_matrix_sync(col_of, col_id_s, kTcTile, wmma::mem_row_major);
+  for (int n = 0; n < kDims; ++n) wmma::fill_fragment(acc[n], 0.f);
+  FragA q_frag[kDims];
+  for (int k = 0; k < kDims; ++k) wmma::load_matrix_sync(q_frag[k], tc(q_s + warp * kTcTile * ld + k * kTcTile), ld);
+
+  const int64_t prefix = p.prefix_lens[b], length = prefix + p.tree_len;
+  const int64_t chunk = ceil_div(length, p.splits);
+  const int64_t lo = split * chunk < length ? split * chunk : length;
+  const int64_t hi = (split + 1) * chunk < length ? (split + 1) * chunk : length;
+  const bf16* k_base = p.k_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
+  const bf16* v_base = p.v_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
+
+  // Does query row `row` (< rows) see key `key` (< hi)?
+  auto sees = [&](int64_t row, int64_t key) {
+    return key < prefix || mask_bit(p.tree_mask + (b * p.tree_len + row / group) * p.mask_stride, key - prefix);
+  };
+
+  OnlineSoftmax state;  // lane r < 16: the state of row row0 + r
+  const int64_t my_row = row0 + lane;
+  const bool owns_row = lane < kTcTile && my_row < rows;
+
+  for (int64_t key0 = lo, chunk_index = 0; key0 < hi; key0 += kTcTile, ++chunk_index) {  // block-uniform loop
+    int* nonfinite_s = nonfinite_flags + (chunk_index & 1);
+    // Stage 16 keys of K and V (zeros past hi); a non-finite value is staged as 0 and flagged.
+    for (int64_t i = threadIdx.x; i < kTcTile * D; i += blockDim.x) {
+      const int64_t j = i / D, d = i % D, key = key0 + j;
+      bf16 kv{0}, vv{0};
+      if (key < hi) {
+        kv = k_base[key * D + d];
+        vv = v_base[key * D + d];
+        if (!(fabsf(to_float(vv)) < INFINITY)) {
+          vv = bf16{0};
+          atomicMax(nonfinite_s, 1);
+        }
+      }
+      k_s[j * ld + d] = kv;
+      v_s[j * ld + d] = vv;
+    }
+    __syncthreads();
+
+    // S = Q K^T for this warp's 16 rows and the chunk's 16 keys.
+    FragC score;
+    wmma::fill_fragment(score, 0.f);
+    for (int k = 0; k < kDims; ++k) {
+      FragBCol k_frag;  // K^T: element (dim, key) at k_s[key * ld + dim]
+      wmma::load_matrix_sync(k_frag, tc(k_s + k * kTcTile), ld);
+      wmma::mma_sync(score, q_frag[k], k_frag, score);
+    }
+    wmma::store_matrix_sync(s_w, score, kTcTile, wmma::mem_row_major);
+    warp_sync();
+
+    // Online softmax: lane r takes row r (mask, poison, running max and sum); P to shared memory.
+    if (lane < kTcTile) {
+      float s[kTcTile], chunk_max = neg_inf();
+      bool poisoned = false;
+      for (int j = 0; j < kTcTile; ++j) {
+        const int64_t key = key0 + j;
+        s[j] = owns_row && key < hi && sees(my_row, key) ? s_w[lane * kTcTile + j] * p.scale : neg_inf();
+        poisoned |= poisons(s[j]);
+        chunk_max = fmaxf(chunk_max, s[j]);
+      }
+      float factor = 1.f;
+      if (poisoned || state.poisoned()) {
+        state.poison();
+        for (int j = 0; j < kTcTile; ++j) p_w[lane * ldp + j] = bf16{0};
+      } else {
+        factor = state.rescale_for(chunk_max);
+        for (int j = 0; j < kTcTile; ++j) {
+          const float pj = s[j] == neg_inf() ? 0.f : expf(s[j] - state.max);
+          p_w[lane * ldp + j] = from_float<bf16>(pj);  // the product rounds P to bf16; the sum (lse) does not
+          state.sum += pj;
+        }
+      }
+      state_w[lane] = factor;
+    }
+    warp_sync();
+
+    // O = O * factor + P V.
+    FragA p_frag;
+    wmma::load_matrix_sync(p_frag, tc(p_w), ldp);
+    for (int n = 0; n < kDims; ++n) {
+      for (int i = 0; i < acc[n].num_elements; ++i) acc[n].x[i] *= state_w[static_cast<int>(row_of.x[i])];
+      FragBRow v_frag;  // V: element (key, dim) at v_s[key * ld + dim]
+      wmma::load_matrix_sync(v_frag, tc(v_s + n * kTcTile), ld);
+      wmma::mma_sync(acc[n], p_frag, v_frag, acc[n]);
+    }
+    if (*nonfinite_s) {  // rare: add p * v of the non-finite values for the rows that see them
+      for (int n = 0; n < kDims; ++n)
+        for (int i = 0; i < acc[n].num_elements; ++i) {
+          const int r = static_cast<int>(row_of.x[i]);
+          const int64_t row = row0 + r, d = n * kTcTile + static_cast<int>(col_of.x[i]);
+          if (row >= rows) continue;
+          for (int j = 0; j < kTcTile && key0 + j < hi; ++j) {
+            const float v = to_float(v_base[(key0 + j) * D + d]);
+            if (!(fabsf(v) < INFINITY) && sees(row, key0 + j)) acc[n].x[i] += to_float(p_w[r * ldp + j]) * v;
+          }
+        }
+    }
+    __syncthreads();  // every warp is done with this chunk's K, V and flag
+    if (threadIdx.x == 0) *nonfinite_s = 0;  // for the chunk after next
+  }
+
+  // Normalise and write: lane r publishes row r's 1 / sum (NaN when poisoned, 0 when empty).
+  if (lane < kTcTile) {
+    state_w[lane] = state.poisoned() ? quiet_nan() : state.sum > 0.f ? 1.f / state.sum : 0.f;
+    if (owns_row) {
+      const int64_t t = my_row / group, h = kvh * group + my_row % group;
+      p.lse_partial[((b * p.tree_len + t) * p.q_heads + h) * p.splits + split] =
+          state.poisoned() ? quiet_nan() : state.sum > 0.f ? state.max + logf(state.sum) : neg_inf();
+    }
+  }
+  for (int n = 0; n < kDims; ++n) {
+    warp_sync();  // state_w written; s_w free again
+    wmma::store_matrix_sync(s_w, acc[n], kTcTile, wmma::mem_row_major);
+    warp_sync();
+    for (int e = lane; e < kTcTile * kTcTile; e += kWarp) {
+      const int r = e / kTcTile;
+      const int64_t row = row0 + r;
+      if (row >= rows) continue;
+      const int64_t out_row = ((b * p.tree_len + row / group) * p.q_heads + kvh * group + row % group) * p.splits + split;
+      const float inv = state_w[r];
+      p.out_partial[out_row * D + n * kTcTile + e % kTcTile] = inv != inv ? quiet_nan() : s_w[e] * inv;
+    }
+  }
+#endif
+}
+
+template <int kDims>
+void launch_tree_attention_partial_wmma_with(const TreeAttentionParams<bf16>& p, cudaStream_t stream) {
+  const int64_t rows = p.tree_len * (p.q_heads / p.kv_heads);
+  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.batch * p.kv_heads),
+                  static_cast<unsigned>(ceil_div(rows, kTcRows)));
+  const size_t smem = TcSmemLayout(kDims * kTcTile).total;  // <= 36 KB at 128 dims: no opt-in beyond 48 KB
+  JAKIRO_LAUNCH(grid, kTcWarps * kWarp, smem, stream, tree_attention_partial_wmma_kernel<kDims>)(p);
+}
+
+// Requires tree_attention_uses_tensor_cores(...) and a device with bf16 WMMA (sm_80+).
+inline void launch_tree_attention_partial_wmma(const TreeAttentionParams<bf16>& p, cudaStream_t stream) {
+  if (p.batch == 0 || p.splits == 0 || p.q_heads == 0) return;
+  switch (p.head_dim / kTcTile) {
+    case 1: return launch_tree_attention_partial_wmma_with<1>(p, stream);
+    case 2: return launch_tree_attention_partial_wmma_with<2>(p, stream);
+    case 3: return launch_tree_attention_partial_wmma_with<3>(p, stream);
+    case 4: return launch_tree_attention_partial_wmma_with<4>(p, stream);
+    case 5: return launch_tree_attention_partial_wmma_with<5>(p, stream);
+    case 6: return launch_tree_attention_partial_wmma_with<6>(p, stream);
+    case 7: return launch_tree_attention_partial_wmma_with<7>(p, stream);
+    default: return launch_tree_attention_partial_wmma_with<8>(p, stream);
+  }
+}
+
+}  // namespace jakiro::gpu
+#endif  // JAKIRO_HAS_WMMA

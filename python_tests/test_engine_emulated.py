@@ -57,7 +57,7 @@ def test_greedy_tokens_equal_the_cpu_engine(target, backend, kind, method, tree)
     assert ops.backend() == "native"
 
 
-def test_sampling_through_the_gpu_kernels_follows_the_target_distribution():
+def test_sampling_through_the_simt32_kernels_follows_the_target_distribution():
     """At warp width 32 (the verification kernel's sampling at 64 lanes is checked against the
     reference in test_gpu_head_verify)."""
     vocab = 12
@@ -82,7 +82,7 @@ def test_sampling_through_the_gpu_kernels_follows_the_target_distribution():
     assert chi_square_p(counts, exact_distribution(target, ids, temperature, 1.0, 0), n) < 1e-6
 
 
-def test_use_backend_nests_is_per_thread_and_checks_its_name(target):
+def test_use_backend_simt_nests_is_per_thread_and_checks_its_name(target):
     seen = {}
     with ops.use_backend("simt32"):
         with ops.use_backend("native"):

@@ -463,13 +463,13 @@ class _Batch:
         if any(seq.done for seq in self.seqs):
             return
         seqs, B = self.rows, len(self.rows)
-        idle = torch.tensor([seq is None for seq in seqs], device=self.device)
-        if bool(idle.any()):  # a free row computes a throw-away tree at position 0, never growing
+        if any(seq is None for seq in seqs):  # a free row computes a throw-away tree at position 0, never growing
+            idle = torch.tensor([seq is None for seq in seqs], device=self.device)
             self.cache.lengths.masked_fill_(idle, 0)
             self.drafter.reset_rows(idle)
         forwards = self.drafter.forwards
         tree = self.drafter.draft(torch.tensor([seq.root if seq else 0 for seq in seqs], device=self.device))
-        logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents), tree.depths)
+        logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents, check=False), tree.depths)
         uniforms = None
         if s.temperature > 0:
             T = tree.tokens.shape[1]
@@ -482,20 +482,23 @@ class _Batch:
             uniforms = uniforms.to(self.device)
         path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,
                                                 s.top_p, s.top_k)
-        if bool((accepted < 0).any()):
+        # Each sequence's new tokens: its accepted drafts, then the bonus (row b: accepted[b] + 1
+        # of them); read by the host in one piece, with the accepted lengths (one sync).
+        kept = path.clamp(min=0)
+        tokens = torch.cat([tree.tokens.gather(1, kept[:, 1:]), torch.zeros_like(bonus).unsqueeze(1)], 1)
+        tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
+        read = torch.cat([accepted.unsqueeze(1), tokens], 1).tolist()
+        accepted_list = [r[0] for r in read]
+        if min(accepted_list) < 0:
             raise _no_distribution()
         self.cache.commit_path(path, accepted + 1)
-        # Each sequence's new tokens: its accepted drafts, then the bonus; with the target's
-        # hidden states at the root and the accepted nodes, they are the draft's catch-up.
-        n = int(accepted.max()) + 1
-        kept = path[:, :n].clamp(min=0)
-        tokens = torch.cat([tree.tokens.gather(1, kept[:, 1:]), torch.zeros_like(bonus).unsqueeze(1)], 1)
-        tokens.scatter_(1, accepted.unsqueeze(1), bonus.unsqueeze(1))
-        index = kept.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        # With the target's hidden states at the root and the accepted nodes, they are the draft's catch-up.
+        n = max(accepted_list) + 1
+        index = kept[:, :n].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         features = hidden.gather(1, index)
-        self.drafter.catch_up(tokens, features, accepted + 1)
+        self.drafter.catch_up(tokens[:, :n], features, accepted + 1)
         drafted = self.drafter.forwards - forwards
-        for b, (seq, a, row) in enumerate(zip(seqs, accepted.tolist(), tokens.tolist())):
+        for b, (seq, a, row) in enumerate(zip(seqs, accepted_list, (r[1:] for r in read))):
             if seq is None:
                 continue
             seq.stats.target_forwards += 1

@@ -294,18 +294,19 @@ def compact_kv(cache, prefix_lens, path, path_len) -> None:
     _kernel("compact_kv")(cache, prefix_lens, path, path_len)
 
 
-def build_tree_mask(parents: torch.Tensor) -> torch.Tensor:
+def build_tree_mask(parents: torch.Tensor, check: bool = True) -> torch.Tensor:
     """Bit-packed ancestor mask [B, T, ceil(T / 64)] int64 of trees given by parents [B, T]:
-    bit j of row i is set when node j is node i itself or one of its ancestors."""
-    check_parents(parents)
+    bit j of row i is set when node j is node i itself or one of its ancestors. ``check=False``
+    skips :func:`check_parents` (which reads the values on the host) for trees valid by
+    construction, as the engine's are."""
+    if check:
+        check_parents(parents)
     B, T = parents.shape
     seen = torch.zeros(B, T, T, dtype=torch.bool, device=parents.device)
     idx = torch.arange(B, device=parents.device)
-    for i in range(T):  # parents precede children, so each row extends its parent's
-        p = parents[:, i]
-        has_parent = p >= 0
-        if has_parent.any():
-            seen[idx[has_parent], i] = seen[idx[has_parent], p[has_parent]]
+    seen[:, 0, 0] = True
+    for i in range(1, T):  # parents precede children, so each row extends its parent's (no host read)
+        seen[:, i] = seen[idx, parents[:, i]]
         seen[:, i, i] = True
     return pack_bits(seen)
 

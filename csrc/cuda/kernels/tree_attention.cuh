@@ -47,6 +47,24 @@ inline size_t tree_attention_smem_bytes(int64_t head_dim, int rows_per_block) {
                           + warps * rows_per_block * 2);                           // warp max and sum
 }
 
+// The keys [lo, hi) that split `split` of sequence b covers (its prefix, then its tree), and the
+// K/V rows of KV head kvh.
+template <typename kv_t>
+struct SplitKeys {
+  int64_t prefix, lo, hi;
+  const kv_t* k;
+  const kv_t* v;
+};
+template <typename kv_t>
+JAKIRO_DEVICE SplitKeys<kv_t> split_keys(const TreeAttentionParams<kv_t>& p, int64_t b, int64_t kvh, int64_t split) {
+  const int64_t prefix = p.prefix_lens[b], length = prefix + p.tree_len;
+  const int64_t chunk = ceil_div(length, p.splits);
+  const int64_t lo = split * chunk < length ? split * chunk : length;
+  const int64_t hi = (split + 1) * chunk < length ? (split + 1) * chunk : length;
+  const int64_t offset = b * p.kv_batch_stride + kvh * p.kv_head_stride;
+  return {prefix, lo, hi, p.k_cache + offset, p.v_cache + offset};
+}
+
 template <typename kv_t, int R, int kDimsPerLane>
 __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(TreeAttentionParams<kv_t> p) {
   const int64_t split = blockIdx.x;
@@ -74,12 +92,7 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
   }
   __syncthreads();
 
-  const int64_t prefix = p.prefix_lens[b], length = prefix + p.tree_len;
-  const int64_t chunk = ceil_div(length, p.splits);
-  const int64_t lo = split * chunk < length ? split * chunk : length;
-  const int64_t hi = (split + 1) * chunk < length ? (split + 1) * chunk : length;
-  const kv_t* k_base = p.k_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
-  const kv_t* v_base = p.v_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
+  const auto [prefix, lo, hi, k_base, v_base] = split_keys(p, b, kvh, split);
 
   OnlineSoftmax state[R];
   float acc[R][kDimsPerLane];

@@ -113,12 +113,9 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   FragA q_frag[kDims];
   for (int k = 0; k < kDims; ++k) wmma::load_matrix_sync(q_frag[k], tc(q_s + warp * kTcTile * ld + k * kTcTile), ld);
 
-  const int64_t prefix = p.prefix_lens[b], length = prefix + p.tree_len;
-  const int64_t chunk = ceil_div(length, p.splits);
-  const int64_t lo = split * chunk < length ? split * chunk : length;
-  const int64_t hi = (split + 1) * chunk < length ? (split + 1) * chunk : length;
-  const bf16* k_base = p.k_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
-  const bf16* v_base = p.v_cache + b * p.kv_batch_stride + kvh * p.kv_head_stride;
+  const SplitKeys<bf16> keys = split_keys(p, b, kvh, split);
+  const int64_t prefix = keys.prefix, lo = keys.lo, hi = keys.hi;  // (plain variables: `sees` captures prefix)
+  const bf16 *k_base = keys.k, *v_base = keys.v;
 
   // Does query row `row` (< rows) see key `key` (< hi)?
   auto sees = [&](int64_t row, int64_t key) {

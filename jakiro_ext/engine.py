@@ -463,8 +463,9 @@ class _Batch:
         if any(seq.done for seq in self.seqs):
             return
         seqs, B = self.rows, len(self.rows)
-        if any(seq is None for seq in seqs):  # a free row computes a throw-away tree at position 0, never growing
-            idle = torch.tensor([seq is None for seq in seqs], device=self.device)
+        idle_rows = [seq is None for seq in seqs]
+        if any(idle_rows):  # a free row computes a throw-away tree at position 0, never growing
+            idle = torch.tensor(idle_rows, device=self.device)
             self.cache.lengths.masked_fill_(idle, 0)
             self.drafter.reset_rows(idle)
         forwards = self.drafter.forwards

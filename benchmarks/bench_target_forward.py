@@ -137,7 +137,7 @@ def main():
         # The forward alone, on a cache holding the prompt.
         cache = target.new_cache(1, PREFIX + max(TREE_SIZES))
         target(prompt.unsqueeze(0), cache, last_logits_only=True)
-        cache.lengths += PREFIX
+        cache.commit(PREFIX)
         g = torch.Generator().manual_seed(0)
         forward = {}
         for T in TREE_SIZES:
@@ -159,7 +159,7 @@ def main():
         # 3. One draft layer of the shipped Jakiro head: 4 frontier rows and its top-k pass.
         head = load_head("jakiro", None, target, DEFAULT_MODEL)
         draft_cache = head.new_cache(PREFIX + 16)
-        draft_cache.lengths += PREFIX
+        draft_cache.commit(PREFIX)
         rows = 4
         itself = ops.pack_bits(torch.eye(rows, dtype=torch.bool)).unsqueeze(0)
         feats = torch.randn(1, rows, target.config.hidden_size, generator=g).to(dtype)
@@ -178,7 +178,7 @@ def main():
         batch_cache = target.new_cache(BATCH, 129)
         batch_prompt = prompt[:128].repeat(BATCH, 1)
         target(batch_prompt, batch_cache)
-        batch_cache.lengths += 128
+        batch_cache.commit(128)
         last = prompt[128:129].repeat(BATCH, 1)
         bmask, bdepths = causal_tree_mask(BATCH, 1), torch.zeros(BATCH, 1, dtype=torch.int64)
         b = timeit(lambda: target(last, batch_cache, bmask, bdepths), max(3, args.reps // 3))["median_ms"]

@@ -9,7 +9,7 @@ node slots, a tree with fewer real nodes being padded with nodes that verificati
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -37,6 +37,12 @@ class Method:
         """Candidates drafted per expanded node."""
         return 2 * top_k if self.children_per_expert else top_k
 
+
+# What can go wrong in drafting, found on the device (VerifyTree.errors, in this order): the
+# round raises the message when it reads its accepted tokens, before anything is emitted.
+DRAFT_ERRORS = ("the draft head produced non-finite logits (NaN or inf): no token can be drafted "
+                "(check the head's weights)",
+                "a draft tree with only its root cannot be padded (no child to repeat)")
 
 METHODS = {m.name: m for m in (Method("ar", None), Method("eagle2", "any"), Method("jakiro", "moe", hybrid_last_layer=True),
                                Method("jakiro_star", "moe", children_per_expert=True))}
@@ -92,15 +98,15 @@ class DraftTree:
         lower index), best first: positions [B, min(k, M)] into ``nodes``."""
         return self.scores.gather(1, nodes).sort(dim=1, descending=True, stable=True).indices[:, :k]
 
-    def ancestors_among(self, rows: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+    def ancestors_among(self, rows: torch.Tensor, earlier: torch.Tensor, depth: int) -> torch.Tensor:
         """Which of the nodes ``earlier`` [B, M] are proper ancestors (the root excepted) of the
-        nodes ``rows`` [B, R]: bool [B, R, M]."""
+        nodes ``rows`` [B, R], all at ``depth`` or less: bool [B, R, M]."""
         B, M = earlier.shape
         slot = torch.full((B, self.size), -1, dtype=torch.int64, device=rows.device)
         slot.scatter_(1, earlier, torch.arange(M, device=rows.device).expand(B, -1))
         visible = torch.zeros(B, rows.shape[1], M + 1, dtype=torch.bool, device=rows.device)  # column M: none
         node = self.parents.gather(1, rows)
-        for _ in range(int(self.depths.max())):
+        for _ in range(depth):
             at = torch.where(node > 0, slot.gather(1, node.clamp(min=0)), -1)
             visible.scatter_(2, torch.where(at >= 0, at, M).unsqueeze(-1), True)
             node = torch.where(node > 0, self.parents.gather(1, node.clamp(min=0)), node)
@@ -114,10 +120,10 @@ class DraftTree:
         order = scores.sort(dim=1, descending=True, stable=True).indices[:, : total - 1] + 1
         real = self.scores.gather(1, order) > float("-inf")
         counts = real.sum(1) + 1
-        width = int(counts.max())
-        # Sorted by index with the unkept (set to a large index) last.
+        # Sorted by index with the unkept (set to a large index) last. Every round verifies the
+        # same number of nodes (padding where a tree has fewer real ones): no read of the counts.
         big = self.size
-        keep = torch.where(real, order, big).sort(dim=1).values[:, : width - 1]
+        keep = torch.where(real, order, big).sort(dim=1).values
         keep = torch.cat([torch.zeros_like(keep[:, :1]), keep], 1)  # [B, width], the root first
         return VerifyTree.select(self, keep, counts)
 
@@ -133,11 +139,13 @@ class DraftTree:
 class VerifyTree:
     """The nodes a round verifies: tokens, parents (indices into these), depths [B, T], and the
     number of real nodes of each sequence ``counts`` [B]; nodes beyond a sequence's count are
-    padding (:meth:`padded`)."""
+    padding (:meth:`padded`). ``errors`` [len(DRAFT_ERRORS)] bool: what went wrong in drafting,
+    found on the device and read with the round's accepted tokens (None: nothing drafted)."""
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     counts: torch.Tensor
+    errors: Optional[torch.Tensor] = None
 
     @classmethod
     def select(cls, tree: DraftTree, keep: torch.Tensor, counts: torch.Tensor) -> "VerifyTree":
@@ -159,13 +167,12 @@ class VerifyTree:
         """Nodes beyond a sequence's count become copies of its node 1 (a child of the root, same
         parent and token): verification takes the first child with a token (greedy) and skips a
         repeated sibling (sampling), so a copy is never accepted and the trees of a batch can
-        share one size."""
+        share one size. A tree with its root alone has no node 1 to copy: the drafter flags it
+        (``bare_tree``), and the round raises before anything is emitted."""
         B, T = self.tokens.shape
-        pad = torch.arange(T, device=self.tokens.device).expand(B, -1) >= self.counts.unsqueeze(1)
-        if T == 1 or not bool(pad.any()):
+        if T == 1:
             return self
-        if bool((self.counts < 2).any()):
-            raise RuntimeError("a draft tree with only its root cannot be padded (no child to repeat)")
+        pad = torch.arange(T, device=self.tokens.device).expand(B, -1) >= self.counts.unsqueeze(1)
         first = lambda t: t[:, 1:2].expand(B, T)  # noqa: E731
         self.tokens = torch.where(pad, first(self.tokens), self.tokens)
         self.parents = torch.where(pad, 0, self.parents)
@@ -187,6 +194,8 @@ class Drafter:
         self.forwards = 0
         self.root_step: Optional[DraftStep] = None  # [B, 1, ...] rows
         self.cache = None
+        self._plan: Optional[list] = None  # a static tree's index tensors (_static_plan)
+        self._errors: Optional[torch.Tensor] = None  # the round's DRAFT_ERRORS flags
         if self.check(head, method, tree):
             # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
             # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
@@ -225,7 +234,7 @@ class Drafter:
         return _width(self.tree)
 
     # ------------------------------------------------------------------ the committed side
-    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor, counts: torch.Tensor) -> None:
+    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor, counts: List[int]) -> None:
         """Run the pairs (tokens[b, i], features[b, i]) for i < counts[b] (token t+1 with the
         target's feature at t; [B, n] and [B, n, H], rows beyond a count are ignored), commit
         them, and keep each sequence's last row's output."""
@@ -234,9 +243,10 @@ class Drafter:
         B, n = tokens.shape
         positions = self.cache.lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)
         step = self.head(tokens, features, positions, self.cache, causal_tree_mask(B, n, tokens.device))
-        self.cache.commit(counts)
+        on_device = ops.to_device(torch.tensor(counts), tokens.device)
+        self.cache.commit(on_device, counts)
         self.forwards += 1
-        last = (counts - 1).view(B, 1)
+        last = (on_device - 1).view(B, 1)
         self.root_step = DraftStep(*(None if t is None else _take_rows(t, last) for t in step))
 
     def load(self, row: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
@@ -260,23 +270,24 @@ class Drafter:
             if mine is not None:
                 mine[row] = new[0]
 
-    def select_rows(self, rows: torch.Tensor, max_capacity: Optional[int] = None) -> None:
+    def select_rows(self, rows: List[int], max_capacity: Optional[int] = None) -> None:
         """The sequences become ``rows`` (indices of the current ones, in their new order; -1: a
         new one, to :meth:`load`); ``max_capacity`` raises the bound on committed positions."""
         if self.cache is None:
             return
         self.cache.select_rows(rows, None if max_capacity is None else max_capacity + self.scratch)
-        self.root_step = DraftStep(*(None if t is None else t[rows.clamp(min=0)] for t in self.root_step))
+        index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.cache.kv.device)
+        self.root_step = DraftStep(*(None if t is None else t[index] for t in self.root_step))
 
     def allow(self, max_capacity: int) -> None:
         """Raise the bound on committed positions per sequence."""
         if self.cache is not None:
             self.cache.allow(max_capacity + self.scratch)
 
-    def reset_rows(self, rows: torch.Tensor) -> None:
-        """Hold the sequences of the bool mask ``rows`` (free rows of a batch) at length 0."""
+    def reset_rows(self, rows: List[int]) -> None:
+        """Hold the sequences ``rows`` (free rows of a batch) at length 0."""
         if self.cache is not None:
-            self.cache.lengths.masked_fill_(rows, 0)
+            self.cache.clear(rows)
 
     # ------------------------------------------------------------------ the tree
     def draft(self, roots: torch.Tensor) -> VerifyTree:
@@ -284,17 +295,19 @@ class Drafter:
         tree = DraftTree(roots)
         if self.cache is None:
             return tree.every_node()
-        if self.tree.choices is not None:
-            return self._draft_static(tree)
-        return self._draft_dynamic(tree)
+        self._errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool, device=roots.device)
+        verify = self._draft_static(tree) if self.tree.choices is not None else self._draft_dynamic(tree)
+        if verify.tokens.shape[1] > 1:
+            self._errors[1] |= (verify.counts < 2).any()
+        verify.errors = self._errors
+        return verify
 
     def _topk(self, features: torch.Tensor, k: int):
         """Top-k (log-probabilities, target token ids) of features [B, R, (E,) H] under the draft's LM head."""
         lp, ids = ops.contrastive_topk(features, None, None, self.head.lm_head_weight, k)
-        if bool((ids < 0).any()):  # the op's mark of a row whose logits are not finite
-            raise RuntimeError("the draft head produced non-finite logits (NaN or inf): no token can be drafted "
-                               "(check the head's weights)")
-        return lp, self.head.target_ids(ids)
+        bad = ids < 0  # the op's mark of a row whose logits are not finite
+        self._errors[0] |= bad.any()
+        return lp, self.head.target_ids(ids.masked_fill(bad, 0))
 
     def _children(self, step: DraftStep, hybrid: bool = False):
         """Candidate children of each row of ``step``: (logprobs, ids) [B, R, C], and with
@@ -309,17 +322,16 @@ class Drafter:
             return (lp[:, :, 0], ids[:, :, 0]), (lp[:, :, 1], ids[:, :, 1])
         return self._topk(step.feature, k), None
 
-    def _run_layer(self, tree: DraftTree, frontier: torch.Tensor, features: torch.Tensor, tree_kv: TreeKV,
-                   kv_nodes: Optional[torch.Tensor]) -> DraftStep:
-        """One draft forward over the frontier nodes [B, R] (all at one depth) with the features
+    def _run_layer(self, tree: DraftTree, frontier: torch.Tensor, depth: int, features: torch.Tensor,
+                   tree_kv: TreeKV, kv_nodes: Optional[torch.Tensor]) -> DraftStep:
+        """One draft forward over the frontier nodes [B, R] (all at ``depth``) with the features
         [B, R, H] their parents' step predicted, attending to the committed prefix, their
         ancestors among earlier layers' nodes ``kv_nodes`` [B, M] (keys in ``tree_kv``), and
         themselves."""
         B, R = frontier.shape
-        depth = tree.depths.gather(1, frontier[:, :1])  # [B, 1]
         positions = (self.cache.lengths.unsqueeze(1) - 1 + depth).expand(B, R)
         if kv_nodes is not None:
-            tree_kv.visible = tree.ancestors_among(frontier, kv_nodes)
+            tree_kv.visible = tree.ancestors_among(frontier, kv_nodes, depth)
         rows = torch.arange(R, device=frontier.device)
         itself = packed_bit_ranges(rows, rows, R).unsqueeze(0).expand(B, -1, -1)
         step = self.head(tree.tokens.gather(1, frontier), features, positions, self.cache, itself, tree_kv)
@@ -338,7 +350,7 @@ class Drafter:
             pick = tree.frontier(layer, k)
             frontier = layer.gather(1, pick)
             features = _take_rows(prev_step.feature, prev_rows.gather(1, pick))
-            step = self._run_layer(tree, frontier, features, tree_kv, kv_nodes)
+            step = self._run_layer(tree, frontier, d, features, tree_kv, kv_nodes)
             kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
             hybrid = self.method.hybrid_last_layer and d == expansions
             (lp, ids), contrastive = self._children(step, hybrid)
@@ -357,29 +369,43 @@ class Drafter:
     def _draft_static(self, tree: DraftTree) -> VerifyTree:
         """Every path of the static tree, as the same nodes for every sequence: the candidates of
         a node are its draft's distinct tokens in rank order, and path (..., r) takes rank r."""
-        paths = sorted({tuple(p) for p in self.tree.choices}, key=lambda p: (len(p), p))
-        B, device = tree.tokens.shape[0], tree.tokens.device
-        node_of, parent_of = {(): 0}, {0: -1}
+        B = tree.tokens.shape[0]
         step, tree_kv, kv_nodes = self.root_step, TreeKV(), None
-        row_of = {0: 0}  # node -> its row in `step`, the forward whose output predicts its children
-        for depth in range(1, max(map(len, paths)) + 1):
-            layer = [p for p in paths if len(p) == depth]
-            if depth > 1:  # run the layer above (the parents) to get their outputs
-                above = sorted({node_of[p[:-1]] for p in layer})
-                frontier = torch.tensor(above, device=device).expand(B, -1)
-                rows = torch.tensor([row_of[parent_of[n]] for n in above], device=device).expand(B, -1)
-                step = self._run_layer(tree, frontier, _take_rows(step.feature, rows), tree_kv, kv_nodes)
+        for depth, (above, above_rows, parents, rows, ranks) in enumerate(self._static_plan(tree.tokens.device), 1):
+            if above is not None:  # run the layer above (the parents) to get their outputs
+                frontier = above.expand(B, -1)
+                step = self._run_layer(tree, frontier, depth - 1, _take_rows(step.feature, above_rows.expand(B, -1)),
+                                       tree_kv, kv_nodes)
                 kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
-                row_of = {n: r for r, n in enumerate(above)}
             (lp, ids), _ = self._children(step)  # [B, R, C] for the step's rows
-            parents = [node_of[p[:-1]] for p in layer]
-            rows = torch.tensor([row_of[n] for n in parents], device=device)
-            ranks = torch.tensor([p[-1] for p in layer], device=device)
-            new = tree.add_children(torch.tensor(parents, device=device).expand(B, -1),
-                                    ids[:, rows, ranks].unsqueeze(-1), lp[:, rows, ranks].unsqueeze(-1))
-            for p, parent, node in zip(layer, parents, new[0].tolist()):
-                node_of[p], parent_of[node] = node, parent
+            tree.add_children(parents.expand(B, -1), ids[:, rows, ranks].unsqueeze(-1), lp[:, rows, ranks].unsqueeze(-1))
         return tree.every_node()
+
+    def _static_plan(self, device) -> list:
+        """The static tree as index tensors, worked out once on the host: per depth, the nodes of
+        the layer above to run first (None at depth 1: the root's step is at hand) with their
+        parents' rows in the step before, then each new node's parent, its parent's row in the
+        step and its child rank."""
+        if self._plan is None:
+            paths = sorted({tuple(p) for p in self.tree.choices}, key=lambda p: (len(p), p))
+            node_of, parent_of, row_of = {(): 0}, {0: -1}, {0: 0}  # row_of: a node's row in the step run over it
+            as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+            plan = []
+            for depth in range(1, max(map(len, paths)) + 1):
+                layer = [p for p in paths if len(p) == depth]
+                above = above_rows = None
+                if depth > 1:
+                    nodes = sorted({node_of[p[:-1]] for p in layer})
+                    above, above_rows = as_tensor([nodes]), as_tensor([[row_of[parent_of[n]] for n in nodes]])
+                    row_of = {n: r for r, n in enumerate(nodes)}
+                parents = [node_of[p[:-1]] for p in layer]
+                first = len(node_of)  # the new nodes' indices follow the tree's current ones
+                for i, (p, parent) in enumerate(zip(layer, parents)):
+                    node_of[p], parent_of[first + i] = first + i, parent
+                plan.append((above, above_rows, as_tensor([parents]), as_tensor([row_of[n] for n in parents]),
+                             as_tensor([p[-1] for p in layer])))
+            self._plan = plan
+        return self._plan
 
 
 def _width(tree) -> int:

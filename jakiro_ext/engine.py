@@ -33,7 +33,7 @@ import torch
 
 from jakiro_ext import ops
 from jakiro_ext.drafting import METHODS as METHOD_SPECS
-from jakiro_ext.drafting import Drafter, Method
+from jakiro_ext.drafting import DRAFT_ERRORS, Drafter, Method
 from jakiro_ext.models.draft_head import DraftHead
 from jakiro_ext.models.llama import LlamaModel
 
@@ -388,9 +388,9 @@ class _Batch:
         uniforms = seq.draws(2).to(self.device) if s.temperature > 0 else None
         _, accepted, bonus = ops.verify_tree(self.root_parent, ids[-1:].unsqueeze(0), logits, uniforms,
                                              s.temperature, s.top_p, s.top_k)
-        if int(accepted[0]) < 0:  # the op's mark of a logit row it cannot use (on a GPU; on the CPU it raises)
+        accepted_0, seq.root = torch.cat([accepted, bonus]).tolist()
+        if accepted_0 < 0:  # the op's mark of a logit row it cannot use (on a GPU; on the CPU it raises)
             raise _no_distribution()
-        seq.root = int(bonus[0])
         if s.keep_features:
             seq.features.append(hidden[0])
         seq.stats.prefill_s = time.perf_counter() - seq.t0
@@ -419,8 +419,7 @@ class _Batch:
             self.cache = self.target.new_cache(len(seqs), room, bound)
             self.rows = [None] * len(seqs)
         elif extra > 0:
-            rows = torch.arange(len(self.rows) + extra, device=self.device)
-            rows[len(self.rows):] = -1  # new rows
+            rows = list(range(len(self.rows))) + [-1] * extra  # -1: a new row
             self.cache.select_rows(rows, bound)
             self.drafter.select_rows(rows, bound)
             self.rows += [None] * extra
@@ -447,57 +446,66 @@ class _Batch:
         if not busy:
             self.rows, self.cache, self.drafter = [], None, None
         elif len(self.rows) - len(busy) > len(busy):
-            rows = torch.tensor(busy, device=self.device)
-            self.cache.select_rows(rows)
-            self.drafter.select_rows(rows)
+            self.cache.select_rows(busy)
+            self.drafter.select_rows(busy)
             self.rows = [self.rows[b] for b in busy]
 
     # ------------------------------------------------------------------ a round
     def round(self) -> None:
-        """Draft, verify and commit once for every sequence of the batch."""
+        """Draft, verify and commit once for every sequence of the batch. The host reads the
+        device once: the accepted tokens, with the drafter's error flags."""
         s = self.settings
-        lengths = self.cache.lengths.tolist()
-        for seq, length in zip(self.rows, lengths):
+        for seq, length in zip(self.rows, self.cache.host_lengths):
             if seq is not None and length + self.tree_nodes > seq.bound:  # only a max_cache_len smaller than the need
                 seq.stats.stop_reason = "cache_full"
         if any(seq.done for seq in self.seqs):
             return
         seqs, B = self.rows, len(self.rows)
-        idle_rows = [seq is None for seq in seqs]
-        if any(idle_rows):  # a free row computes a throw-away tree at position 0, never growing
-            idle = torch.tensor(idle_rows, device=self.device)
-            self.cache.lengths.masked_fill_(idle, 0)
+        idle = [b for b, seq in enumerate(seqs) if seq is None]
+        if idle:  # a free row computes a throw-away tree at position 0, never growing
+            self.cache.clear(idle)
             self.drafter.reset_rows(idle)
         forwards = self.drafter.forwards
-        tree = self.drafter.draft(torch.tensor([seq.root if seq else 0 for seq in seqs], device=self.device))
+        roots = ops.to_device(torch.tensor([seq.root if seq else 0 for seq in seqs]), self.device)
+        tree = self.drafter.draft(roots)
         logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents, check=False), tree.depths)
         uniforms = None
         if s.temperature > 0:
+            # Node i of a sequence uses its i-th draw, the bonus token its last: a sequence draws
+            # the same whatever the round's padded tree size (set by the other sequences).
             T = tree.tokens.shape[1]
-            uniforms = torch.full((B, T + 1), 0.5, dtype=torch.float64)  # padding nodes: never read
-            for b, (seq, count) in enumerate(zip(seqs, tree.counts.tolist())):
-                if seq is None:
-                    continue
-                draws = seq.draws(count + 1)[0]
-                uniforms[b, :count], uniforms[b, T] = draws[:count], draws[count]
-            uniforms = uniforms.to(self.device)
+            uniforms = torch.full((B, T + 1), 0.5, dtype=torch.float64)  # free rows: never read
+            for b, seq in enumerate(seqs):
+                if seq is not None:
+                    draws = seq.draws(self.tree_nodes + 1)[0]
+                    uniforms[b, :T], uniforms[b, T] = draws[:T], draws[-1]
+            uniforms = ops.to_device(uniforms, self.device)
         path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,
                                                 s.top_p, s.top_k)
         # Each sequence's new tokens: its accepted drafts, then the bonus (row b: accepted[b] + 1
-        # of them); read by the host in one piece, with the accepted lengths (one sync).
+        # of them); read by the host in one piece, with the accepted lengths and the draft's
+        # error flags (the round's one read of the device).
         kept = path.clamp(min=0)
         tokens = torch.cat([tree.tokens.gather(1, kept[:, 1:]), torch.zeros_like(bonus).unsqueeze(1)], 1)
         tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
-        read = torch.cat([accepted.unsqueeze(1), tokens], 1).tolist()
+        errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
+                                                                         device=self.device)
+        read = torch.cat([errors.long(), torch.cat([accepted.unsqueeze(1), tokens], 1).flatten()]).tolist()
+        for message, flagged in zip(DRAFT_ERRORS, read):
+            if flagged:
+                raise RuntimeError(message)
+        width, first = tokens.shape[1] + 1, len(DRAFT_ERRORS)
+        read = [read[first + b * width: first + (b + 1) * width] for b in range(B)]
         accepted_list = [r[0] for r in read]
         if min(accepted_list) < 0:
             raise _no_distribution()
-        self.cache.commit_path(path, accepted + 1)
+        counts = [a + 1 for a in accepted_list]
+        self.cache.commit_path(path, accepted + 1, counts)
         # With the target's hidden states at the root and the accepted nodes, they are the draft's catch-up.
-        n = max(accepted_list) + 1
+        n = max(counts)
         index = kept[:, :n].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         features = hidden.gather(1, index)
-        self.drafter.catch_up(tokens[:, :n], features, accepted + 1)
+        self.drafter.catch_up(tokens[:, :n], features, counts)
         drafted = self.drafter.forwards - forwards
         for b, (seq, a, row) in enumerate(zip(seqs, accepted_list, (r[1:] for r in read))):
             if seq is None:

@@ -340,3 +340,12 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     shifts = torch.arange(64, device=bits.device, dtype=torch.int64)
     # Summing distinct powers of two is an OR; 1 << 63 wraps to int64's minimum, as intended.
     return (padded.view(*lead, words, 64) << shifts).sum(-1)
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on ``device`` without stalling the host: on a GPU through pinned memory,
+    asynchronously (a plain copy from pageable memory waits for the device's queue to drain)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)

@@ -106,7 +106,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
 
     device = target.lm_head.weight.device
     B = batch
-    rows_of = torch.zeros(B, dtype=torch.int64, device=device)  # every sequence: a copy of the first
+    rows_of = [0] * B  # every sequence: a copy of the first
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
     one = target.new_cache(1, CONTEXT)
@@ -133,9 +133,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
             draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(roots), repeats)
     for n in range(1, 9):
         def run():
-            drafter.catch_up(prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1),
-                             torch.full((B,), n, device=device))
-            drafter.cache.lengths -= n
+            drafter.catch_up(prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1), [n] * B)
+            drafter.cache.commit(-n)
         catch_up[str(n)] = _median_seconds(run, repeats)
     return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, batch=B)
 

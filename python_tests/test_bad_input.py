@@ -189,7 +189,7 @@ def test_tree_node_bound_is_what_the_drafting_can_produce(target):
             drafter = Drafter(random_head(target, kind), METHOD_SPECS[method], tree, 1, 64)
             cache = target.new_cache(1, 64)
             _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-            drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], torch.tensor([ids.numel() - 1]))
+            drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], [ids.numel() - 1])
             tokens = drafter.draft(ids[-1:]).tokens[0]
             bound = tree.max_nodes_for(method)
             assert tokens.numel() <= bound
@@ -201,7 +201,7 @@ def test_kv_cache_grows_on_demand_and_keeps_committed_entries(target):
     cache = target.new_cache(1, 4, 20)
     assert cache.capacity == 4 and cache.max_capacity == 20
     cache.kv.normal_()
-    cache.lengths += 3
+    cache.commit(3)
     committed = cache.kv[..., :3, :].clone()
     cache.reserve(4)
     assert cache.capacity == 4

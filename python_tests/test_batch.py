@@ -107,7 +107,7 @@ def test_finished_rows_are_refilled_in_place(target, monkeypatch):
     given = []
 
     def spy(self, rows, *args, **kwargs):
-        copies.append((self.batch, rows.tolist(), len(given)))
+        copies.append((self.batch, list(rows), len(given)))
         return original(self, rows, *args, **kwargs)
 
     def requests():
@@ -239,3 +239,23 @@ def test_bad_batches_are_clear_errors(target):
     with pytest.raises(ValueError):
         speculative_generate(target, None, [PROMPTS[0], []], 5, on_tokens=lambda i, t: calls.append(i))
     assert calls == []
+
+
+@pytest.mark.parametrize("method,kind,tree_name", [("ar", None, "dynamic-small"), ("eagle2", "eagle2", "dynamic-small"),
+                                                   ("jakiro", "jakiro", "dynamic-60-5-10"),
+                                                   ("jakiro_star", "jakiro", "static")])
+def test_a_round_reads_the_device_once(target, method, kind, tree_name):
+    # On a GPU every read of a device value by the host stalls the launch queue (issue 15): a
+    # round reads its accepted tokens, and nothing else, greedy or sampling, with rows that finish
+    # and rows that start while others decode (continuous batching: 5 prompts through 3 rows).
+    from jakiro_ext.host_reads import HostReads, counted_rounds
+
+    head = None if kind is None else random_head(target, kind)
+    eos = eos_for_different_lengths([speculative_generate(target, None, PROMPTS[0], 8)])
+    for temperature in (0.0, 1.0):
+        with HostReads() as reads, counted_rounds(reads) as rounds:
+            got = dict(generate_many(target, head, iter(PROMPTS), 3, 12, method=method, tree=TREES[tree_name],
+                                     temperature=temperature, eos_token_id=eos))
+        assert len(got) == len(PROMPTS)
+        in_rounds = sum(v for (where, _), v in reads.counts.items() if where == "round")
+        assert rounds[0] > 5 and in_rounds == rounds[0], (temperature, rounds[0], dict(reads.counts))

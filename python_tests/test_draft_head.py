@@ -36,7 +36,7 @@ def test_draft_tree_layers_match_the_training_forward_on_each_path(kind):
     prefix = head(tokens[:n].unsqueeze(0), feats[:n].unsqueeze(0), torch.arange(n).unsqueeze(0), cache,
                   causal_tree_mask(1, n))
     assert_steps_close(prefix, head.train_forward(tokens[:n].unsqueeze(0), feats[:n].unsqueeze(0)), slice(0, n))
-    cache.lengths += n
+    cache.commit(n)
     # Layer 1: three siblings at position n; layer 2: two nodes, children of siblings 2 and 0.
     l1_tok, l1_feat = torch.tensor([5, 17, 42]), torch.randn(3, H, generator=gen(3))
     l2_tok, l2_feat, l2_parent = torch.tensor([7, 99]), torch.randn(2, H, generator=gen(4)), [2, 0]

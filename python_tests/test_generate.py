@@ -126,7 +126,7 @@ def test_static_decoupled_tree_ranks_distinct_tokens(target):
     drafter = Drafter(head, METHODS["jakiro_star"], tree, 1, 64)
     cache = target.new_cache(1, 64)
     _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-    drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], torch.tensor([ids.numel() - 1]))
+    drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], [ids.numel() - 1])
     drafted = drafter.draft(ids[-1:])
     tokens, parents = drafted.tokens[0], drafted.parents[0]
     assert tokens.numel() == 5 and parents.tolist() == [-1, 0, 0, 1, 2]

@@ -53,11 +53,11 @@ def test_model_decoding_on_the_cache_matches_transformers():
     want = reference_logits(hf, tokens)
     cache = ours.new_cache(batch=1, capacity=40)
     logits, _ = ours(tokens[:, :20], cache)
-    cache.lengths += 20
+    cache.commit(20)
     steps = [logits]
     for t in range(20, 30):  # one token at a time, as plain autoregressive decoding
         logits, _ = ours(tokens[:, t : t + 1], cache)
-        cache.lengths += 1
+        cache.commit(1)
         steps.append(logits)
     torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-4, rtol=1e-4)
 
@@ -68,7 +68,7 @@ def test_model_tree_forward_matches_each_path_and_compacts():
     prefix = torch.randint(0, 211, (1, 25), generator=gen(4))
     cache = ours.new_cache(batch=1, capacity=80)
     ours(prefix, cache)
-    cache.lengths += 25
+    cache.commit(25)
     T = 20
     parents = random_parents(1, T, seed=5, max_children=3)
     tree_tokens = torch.randint(0, 211, (1, T), generator=gen(6))
@@ -89,7 +89,7 @@ def test_model_tree_forward_matches_each_path_and_compacts():
     # Keep the deepest path: after compaction the cache continues as if it had been decoded.
     keep = max(paths, key=len)
     ops.compact_kv(cache.kv, cache.lengths, torch.tensor([keep + [-1] * (T - len(keep))]), torch.tensor([len(keep)]))
-    cache.lengths += len(keep)
+    cache.commit(len(keep))
     nxt = torch.randint(0, 211, (1, 3), generator=gen(7))
     logits, _ = ours(nxt, cache)
     seq = torch.cat([prefix, tree_tokens[:, keep], nxt], 1)
@@ -131,11 +131,11 @@ def test_default_model_logits_match_transformers():
     want = reference_logits(hf, tokens)
     torch.testing.assert_close(logits, want, atol=2e-3, rtol=1e-4)
     assert torch.equal(logits[0].argmax(-1), want[0].argmax(-1))
-    cache.lengths += tokens.shape[1]
+    cache.commit(tokens.shape[1])
     seq = tokens
     for _ in range(3):
         nxt = logits[:, -1:].argmax(-1)
         seq = torch.cat([seq, nxt], 1)
         logits, _ = ours(nxt, cache)
-        cache.lengths += 1
+        cache.commit(1)
         torch.testing.assert_close(logits[:, -1], reference_logits(hf, seq)[:, -1], atol=2e-3, rtol=1e-4)

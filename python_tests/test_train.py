@@ -106,7 +106,7 @@ def test_reduced_vocab_heads_are_lossless_and_draft_target_ids(target, kind, met
     d = Drafter(head, METHODS[method], TreeConfig(12, 3, 4), 1, 64)
     x = prompt(11, seed=0)
     _, hidden = target(x.unsqueeze(0), target.new_cache(1, 16), last_logits_only=True)
-    d.catch_up(x[1:].unsqueeze(0), hidden[:, :-1], torch.tensor([10]))
+    d.catch_up(x[1:].unsqueeze(0), hidden[:, :-1], [10])
     tokens = d.draft(x[-1:]).tokens[0]
     assert set(tokens[1:].tolist()) <= set(ids_in_vocab.tolist())
     # Saved and loaded with its vocabulary.

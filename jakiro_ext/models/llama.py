@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -66,7 +66,10 @@ class LlamaConfig:
 
 class KVCache(nn.Module):
     """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one
-    ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B].
+    ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B],
+    with the same lengths kept on the host (``host_lengths``): sizing a forward never reads the
+    device (on a GPU such a read stalls the launch queue). Change the lengths only through the
+    verbs below, which keep the two equal.
 
     The buffer starts at ``capacity`` positions and grows on demand (:meth:`reserve`, called by
     the forwards) up to ``max_capacity`` (default ``capacity``: a fixed cache), so a caller sizes
@@ -84,6 +87,7 @@ class KVCache(nn.Module):
                              f"{config.sliding_window}, which this implementation does not apply")
         self.register_buffer("kv", self._new_buffer(capacity, dtype, device), persistent=False)
         self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
+        self.host_lengths: List[int] = [0] * batch
 
     @property
     def capacity(self) -> int:
@@ -107,24 +111,39 @@ class KVCache(nn.Module):
         if positions > self.max_capacity:
             raise ValueError(f"{positions} cache positions needed, beyond the cache capacity {self.max_capacity}")
         kv = self._new_buffer(min(max(positions, 2 * self.capacity), self.max_capacity), self.kv.dtype, self.kv.device)
-        used = int(self.lengths.max())
+        used = max(self.host_lengths)
         kv[..., :used, :] = self.kv[..., :used, :]
         self.kv = kv
 
     # ------------------------------------------------------------------ its verbs
     # A forward writes the keys/values of its T new tokens at [lengths[b], lengths[b] + T) of each
     # sequence without committing them; the caller keeps what it accepts with these.
-    def commit(self, n) -> None:
-        """The first n (an int, or [B] per sequence) of the tokens last written become part of
-        each sequence's prefix."""
+    def commit(self, n, host: Optional[List[int]] = None) -> None:
+        """The first n of the tokens last written become part of each sequence's prefix: n an
+        int (every sequence; negative: the last -n committed are dropped), or a [B] tensor whose
+        values the caller knows on the host as ``host``."""
+        if isinstance(n, torch.Tensor):
+            if host is None or len(host) != self.batch:
+                raise ValueError(f"commit of a [B] tensor needs its {self.batch} values on the host, got {host!r}")
+            self.host_lengths = [a + b for a, b in zip(self.host_lengths, host)]
+        else:
+            self.host_lengths = [a + n for a in self.host_lengths]
+        if min(self.host_lengths) < 0:
+            raise ValueError(f"a sequence's committed length would fall below 0: {self.host_lengths}")
         self.lengths += n
 
-    def commit_path(self, path: torch.Tensor, path_len: torch.Tensor) -> None:
+    def commit_path(self, path: torch.Tensor, path_len: torch.Tensor, host_path_len: List[int]) -> None:
         """Keep each sequence's accepted path of the tree last written: the keys/values of nodes
         path[b, :path_len[b]] move right after the prefix (``jakiro::compact_kv``, every layer
-        in one call) and are committed."""
+        in one call) and are committed. ``host_path_len``: path_len's values, known on the host."""
         ops.compact_kv(self.kv, self.lengths, path, path_len)
-        self.lengths += path_len
+        self.commit(path_len, host_path_len)
+
+    def clear(self, rows: List[int]) -> None:
+        """The sequences ``rows`` become empty (length 0)."""
+        for b in rows:
+            self.lengths[b] = 0
+            self.host_lengths[b] = 0
 
     def written(self, layer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, rows, Hkv, D] of ``layer`` last written after each sequence's prefix."""
@@ -136,7 +155,7 @@ class KVCache(nn.Module):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write keys and values [B, T, Hkv, D] of ``layer`` after each sequence's prefix (uncommitted)."""
         B, T = k.shape[:2]
-        self.reserve(int(self.lengths.max()) + T)
+        self.reserve(max(self.host_lengths) + T)
         slots = self.lengths.unsqueeze(1) + torch.arange(T, device=k.device)
         batch = torch.arange(B, device=k.device).unsqueeze(1)
         self.kv[layer, 0][batch, :, slots] = k.to(self.kv.dtype)
@@ -144,21 +163,25 @@ class KVCache(nn.Module):
 
     def load(self, row: int, other: "KVCache") -> None:
         """Sequence ``row`` becomes ``other``'s only sequence: its committed keys/values and length."""
-        n = int(other.lengths[0])
+        n = other.host_lengths[0]
         self.reserve(n)
         self.kv[:, :, row, :, :n] = other.kv[:, :, 0, :, :n]
         self.lengths[row] = n
+        self.host_lengths[row] = n
 
-    def select_rows(self, rows: torch.Tensor, max_capacity: Optional[int] = None) -> None:
-        """The sequences become ``rows`` (int64 indices of the current ones, in their new order;
-        -1: a new empty sequence); the others are dropped. ``max_capacity`` raises the bound on
+    def select_rows(self, rows: List[int], max_capacity: Optional[int] = None) -> None:
+        """The sequences become ``rows`` (indices of the current ones, in their new order; -1: a
+        new empty sequence); the others are dropped. ``max_capacity`` raises the bound on
         positions (what the new sequences may need)."""
-        fresh = rows < 0
-        kv = self.kv[:, :, rows.clamp(min=0)]
-        kv[:, :, fresh] = 0
-        self.kv = kv.contiguous()
-        self.lengths = torch.where(fresh, 0, self.lengths[rows.clamp(min=0)])
-        self.batch = rows.numel()
+        index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.kv.device)
+        self.kv = self.kv[:, :, index].contiguous()
+        self.lengths = self.lengths[index]
+        self.host_lengths = [self.host_lengths[r] if r >= 0 else 0 for r in rows]
+        self.batch = len(rows)
+        fresh = [i for i, r in enumerate(rows) if r < 0]
+        if fresh:
+            self.kv[:, :, fresh] = 0
+            self.clear(fresh)
         if max_capacity is not None:
             self.allow(max_capacity)
 
@@ -322,9 +345,9 @@ class LlamaModel(nn.Module):
         if tokens.dim() != 2 or B != cache.lengths.shape[0]:
             raise ValueError(f"tokens must be [B, T] with B = {cache.lengths.shape[0]} (the cache's batch), "
                              f"got {tuple(tokens.shape)}")
-        longest = int(cache.lengths.max()) + T
+        longest = max(cache.host_lengths) + T
         if longest > cache.max_capacity:
-            raise ValueError(f"{T} new tokens after a prefix of {int(cache.lengths.max())} need {longest} cache "
+            raise ValueError(f"{T} new tokens after a prefix of {max(cache.host_lengths)} need {longest} cache "
                              f"positions, beyond the cache capacity {cache.max_capacity}")
         cache.reserve(longest)
         device = tokens.device

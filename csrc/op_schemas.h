@@ -44,6 +44,10 @@ inline void define_ops(torch::Library& m) {
       "float temperature=0.0, float top_p=1.0, int top_k=0) -> (Tensor path, Tensor accept_len, Tensor bonus)");
   // Move the accepted path's cache entries into place right after each sequence's prefix (in place).
   m.def("compact_kv(Tensor(a!) cache, Tensor prefix_lens, Tensor path, Tensor path_len) -> ()");
+  // The bad index values the GPU kernels met (and skipped instead of reading or writing out of
+  // bounds) on like's device since the last call: DeviceError bits, int32 [1] on that device,
+  // read and cleared in stream order. Always 0 on the CPU, whose ops raise at once.
+  m.def("device_errors(Tensor like) -> Tensor");
 }
 
 }  // namespace jakiro

@@ -11,8 +11,15 @@ namespace jakiro {
 namespace {
 
 // Value checks need the data on the host. On the GPU they would cost a device-to-host copy
-// and a sync per call, so there the kernels guard their indices instead.
-bool host_readable(const at::Tensor& t) { return t.device().is_cpu(); }
+// and a sync per call, so there the kernels check their index values and report a bad one to
+// the device's error word (jakiro::device_errors) instead. The emulated GPU build does as the GPU.
+bool host_readable([[maybe_unused]] const at::Tensor& t) {
+#if defined(SIMT_EMU)
+  return false;
+#else
+  return t.device().is_cpu();
+#endif
+}
 
 void check_lengths(const char* op, const char* name, const at::Tensor& t, int64_t batch) {
   check_dim(op, name, t, 1, "[B]");

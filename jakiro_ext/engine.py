@@ -388,7 +388,8 @@ class _Batch:
         uniforms = seq.draws(2).to(self.device) if s.temperature > 0 else None
         _, accepted, bonus = ops.verify_tree(self.root_parent, ids[-1:].unsqueeze(0), logits, uniforms,
                                              s.temperature, s.top_p, s.top_k)
-        accepted_0, seq.root = torch.cat([accepted, bonus]).tolist()
+        device_errors, accepted_0, seq.root = torch.cat([ops.device_errors(logits).long(), accepted, bonus]).tolist()
+        ops.raise_device_errors(device_errors)
         if accepted_0 < 0:  # the op's mark of a logit row it cannot use (on a GPU; on the CPU it raises)
             raise _no_distribution()
         if s.keep_features:
@@ -483,18 +484,20 @@ class _Batch:
         path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,
                                                 s.top_p, s.top_k)
         # Each sequence's new tokens: its accepted drafts, then the bonus (row b: accepted[b] + 1
-        # of them); read by the host in one piece, with the accepted lengths and the draft's
-        # error flags (the round's one read of the device).
+        # of them); read by the host in one piece, with the accepted lengths, the bad values the
+        # kernels met and the draft's error flags (the round's one read of the device).
         kept = path.clamp(min=0)
         tokens = torch.cat([tree.tokens.gather(1, kept[:, 1:]), torch.zeros_like(bonus).unsqueeze(1)], 1)
         tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
         errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
                                                                          device=self.device)
-        read = torch.cat([errors.long(), torch.cat([accepted.unsqueeze(1), tokens], 1).flatten()]).tolist()
-        for message, flagged in zip(DRAFT_ERRORS, read):
+        read = torch.cat([ops.device_errors(logits).long(), errors.long(),
+                          torch.cat([accepted.unsqueeze(1), tokens], 1).flatten()]).tolist()
+        ops.raise_device_errors(read[0])
+        for message, flagged in zip(DRAFT_ERRORS, read[1:]):
             if flagged:
                 raise RuntimeError(message)
-        width, first = tokens.shape[1] + 1, len(DRAFT_ERRORS)
+        width, first = tokens.shape[1] + 1, 1 + len(DRAFT_ERRORS)
         read = [read[first + b * width: first + (b + 1) * width] for b in range(B)]
         accepted_list = [r[0] for r in read]
         if min(accepted_list) < 0:

@@ -44,6 +44,7 @@ OP_NAMES = (
     "rope_kv_write",
     "verify_tree",
     "compact_kv",
+    "device_errors",
 )
 
 
@@ -175,6 +176,10 @@ if LOAD_ERROR is None:
         B = parents.shape[0]
         return parents.new_empty(parents.shape), parents.new_empty((B,)), parents.new_empty((B,))
 
+    @torch.library.register_fake("jakiro::device_errors")
+    def _device_errors_fake(like):
+        return like.new_empty((1,), dtype=torch.int32)
+
     @torch.library.register_fake("jakiro::compact_kv")
     def _compact_kv_fake(cache, prefix_lens, path, path_len):
         _same_device("compact_kv", cache=cache, prefix_lens=prefix_lens, path=path, path_len=path_len)
@@ -292,6 +297,40 @@ def compact_kv(cache, prefix_lens, path, path_len) -> None:
     prefix_lens[b] + j for j < path_len[b]. cache [..., B, H, S, D] contiguous (e.g. all
     layers' K and V in one buffer); path [B, P] int64 increasing tree indices."""
     _kernel("compact_kv")(cache, prefix_lens, path, path_len)
+
+
+# What each bit of jakiro::device_errors means (DeviceError in csrc/cuda/device.h): the value a
+# GPU kernel met where the CPU op would have raised, and what the kernel did instead.
+DEVICE_ERRORS = {
+    1: "jakiro::tree_attention: prefix_lens[b] + tree tokens beyond [0, cache capacity] (no key was read)",
+    2: "jakiro::rope_kv_write: lengths[b] + new tokens beyond [0, cache capacity] (k and v were not written)",
+    4: "jakiro::compact_kv: prefix_lens, path_len or path out of range, or path not strictly increasing "
+       "(the sequence's entries were not moved)",
+    8: "jakiro::verify_tree: parents are not a tree in topological order (parents[b, 0] = -1, "
+       "0 <= parents[b, i] < i)",
+    16: "jakiro::verify_tree: a draft token id outside the vocabulary [0, target_logits.shape[2])",
+    32: "jakiro::verify_tree: a uniform outside [0, 1)",
+}
+
+
+def device_errors(like: torch.Tensor) -> torch.Tensor:
+    """The bad index values the GPU kernels met on ``like``'s device since the last call, as
+    :data:`DEVICE_ERRORS` bits in an int32 [1] tensor on that device, read and cleared in stream
+    order (no synchronisation: read it with a value the host reads anyway, and pass that to
+    :func:`raise_device_errors`). Always 0 on the CPU, whose ops raise at once."""
+    if not isinstance(like, torch.Tensor):
+        raise TypeError(f"device_errors: like must be a tensor on the device to ask, got {type(like).__name__}")
+    return _kernel("device_errors")(like)
+
+
+def raise_device_errors(word: int) -> None:
+    """Raise a RuntimeError naming every error of the :func:`device_errors` bits ``word`` (none: return)."""
+    if word:
+        found = [message for bit, message in DEVICE_ERRORS.items() if word & bit]
+        unknown = word & ~sum(DEVICE_ERRORS)
+        if unknown:
+            found.append(f"unknown error bits {unknown:#x}")
+        raise RuntimeError("the GPU kernels met bad input values: " + "; ".join(found))
 
 
 def build_tree_mask(parents: torch.Tensor, check: bool = True) -> torch.Tensor:

@@ -99,3 +99,25 @@ def test_use_backend_simt_nests_is_per_thread_and_checks_its_name(target):
     # The emulated kernels take CPU tensors: another device is a clear error, not a wrong result.
     with ops.use_backend("simt64"), pytest.raises((RuntimeError, NotImplementedError), match="jakiro_simt64"):
         ops.linear(torch.ones(2, 4, device="meta"), torch.ones(3, 4, device="meta"))
+
+
+def test_a_bad_value_met_by_a_simt_kernel_ends_the_round_before_anything_is_emitted(target, monkeypatch):
+    # As on a GPU, the emulated ops do not read index values on the host: a kernel that meets a
+    # bad one (here a draft token beyond the vocabulary, in the second round's verification)
+    # reports it to the device's error word, which the round reads with its accepted tokens.
+    verify_tree, calls = ops.verify_tree, []
+
+    def corrupts_second_round(parents, tokens, *args):
+        calls.append(1)
+        if len(calls) == 3:  # the prefill's, the first round's, then this one
+            tokens = tokens.clone()
+            tokens[:, -1] = target.config.vocab_size + 5
+        return verify_tree(parents, tokens, *args)
+    monkeypatch.setattr(ops, "verify_tree", corrupts_second_round)
+    seen = []
+    with ops.use_backend("simt32"), pytest.raises(RuntimeError, match=r"a draft token id outside the vocabulary"):
+        speculative_generate(target, copy_head(target, "eagle2"), PROMPTS[0], NEW_TOKENS, method="eagle2",
+                             tree=EMULATED_TREES["dynamic-small"], on_tokens=seen.append)
+    assert len(calls) == 3 and len(seen) == 2  # the prefill's token and the first round's, nothing after
+    with ops.use_backend("simt32"):
+        assert ops.device_errors(torch.zeros(1)).tolist() == [0]  # the round read and cleared the word

@@ -183,7 +183,7 @@ def test_verify_tree_never_returns_a_token_from_logits_without_distribution(any_
         logits[0, node, 7] = NAN if poison == "nan" else INF
     uniforms = torch.full((1, 6), 1e-9, dtype=torch.float64)  # accept every child that has mass
     args = (VERIFY_PARENTS, tokens, logits, uniforms, temperature)
-    if any_backend.name == "cuda":  # no sync inside the op: the row says it
+    if any_backend.name != "cpu":  # on a GPU (and its emulation) no host read inside the op: the row says it
         path, accept_len, bonus = any_backend.run("verify_tree", *args)
         assert accept_len.tolist() == [-1] and bonus.tolist() == [-1] and (path == -1).all()
     else:
@@ -245,7 +245,7 @@ def _op_calls():
     }
 
 
-@pytest.mark.parametrize("op", J.ops.OP_NAMES)
+@pytest.mark.parametrize("op", [name for name in J.ops.OP_NAMES if name != "device_errors"])  # (one tensor)
 def test_every_op_refuses_inputs_on_different_devices(op):
     args = list(_op_calls()[op])
     tensor_positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]

@@ -23,7 +23,8 @@ void compact_kv_gpu(const at::Tensor& cache, const at::Tensor& prefix_lens, cons
                           H,
                           S,
                           D * static_cast<int64_t>(cache.element_size()),
-                          path.size(1)};
+                          path.size(1),
+                          error_word(cache)};
   launch_compact_kv(p, device.stream());
   check_launch();
 }

@@ -132,4 +132,18 @@ JAKIRO_DEVICE float add_rn(float a, float b) {
 
 JAKIRO_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Bits of the device's error word (read and cleared by jakiro::device_errors). A kernel that
+// meets one of these bad index values, which the CPU ops reject on the host (on a GPU a host
+// check would cost a synchronisation per call), skips the memory accesses the value would
+// direct and sets the bit; jakiro_ext/ops.py holds the message of each.
+enum DeviceError : int32_t {
+  kBadPrefixLens = 1,  // tree_attention: prefix_lens[b] outside [0, capacity - T]: no key read
+  kBadLengths = 2,     // rope_kv_write: lengths[b] outside [0, capacity - T]: k, v not written
+  kBadPath = 4,        // compact_kv: prefix_lens, path_len or path out of range: the sequence not moved
+  kBadParents = 8,     // verify_tree: parents not a tree in topological order
+  kBadTokens = 16,     // verify_tree: a draft token id outside the vocabulary
+  kBadUniforms = 32,   // verify_tree: a uniform outside [0, 1)
+};
+JAKIRO_DEVICE void report_error(int32_t* word, DeviceError e) { atomicOr(word, static_cast<int32_t>(e)); }
+
 }  // namespace jakiro::gpu

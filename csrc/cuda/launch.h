@@ -68,6 +68,11 @@ inline int64_t multiprocessor_count() {
 #endif
 }
 
+// The device's error word (DeviceError bits) for the kernels to report to: one int32 per
+// device (under the emulator, one for the CPU), allocated on first use and never moved, so a
+// captured CUDA graph keeps reporting to it.
+int32_t* error_word(const at::Tensor& like);
+
 inline void check_launch() {
 #if !defined(SIMT_EMU)
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -15,7 +15,7 @@ at::Tensor rope_kv_write_gpu(const at::Tensor& qkv, const at::Tensor& cos, const
   JAKIRO_DISPATCH_FLOAT_BF16(qkv.scalar_type(), "rope_kv_write_gpu", [&] {
     const RopeKvParams p{x.data_ptr(), c.data_ptr(), sn.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                          lens.data_ptr<int64_t>(), q.data_ptr(), s.batch, s.tokens, s.q_heads, s.kv_heads,
-                         s.head_dim, kv_cache.stride(1), kv_cache.stride(2)};
+                         s.head_dim, kv_cache.stride(1), kv_cache.stride(2), s.capacity, error_word(qkv)};
     launch_rope_kv_write<device_t<scalar_t>>(p, scope.stream());
   });
   check_launch();

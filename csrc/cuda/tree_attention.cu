@@ -89,7 +89,9 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
                                       mask.size(2),
                                       k_cache.stride(0),
                                       k_cache.stride(1),
-                                      sc};
+                                      sc,
+                                      sh.capacity,
+                                      error_word(q)};
     launch_partial(p, tensor_cores, device.stream());
   });
   check_launch();

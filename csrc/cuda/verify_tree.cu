@@ -40,7 +40,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_tree_gpu(const at::Tensor&
                        V,
                        temperature,
                        top_p,
-                       top_k};
+                       top_k,
+                       error_word(parents)};
   JAKIRO_DISPATCH_FLOAT_BF16(logits.scalar_type(), "verify_tree_gpu", [&] {
     launch_verify_tree<device_t<scalar_t>>(p, scope.stream());
   });

@@ -427,6 +427,10 @@ T atomicSub(T* address, T value) {
   return std::atomic_ref<T>(*address).fetch_sub(value);
 }
 template <typename T>
+T atomicOr(T* address, T value) {
+  return std::atomic_ref<T>(*address).fetch_or(value);
+}
+template <typename T>
 T atomicExch(T* address, T value) {
   return std::atomic_ref<T>(*address).exchange(value);
 }

@@ -16,7 +16,22 @@ struct CompactKvParams {
   const int64_t* path;         // [B, path_width]
   const int64_t* path_len;     // [B]
   int64_t slabs, batch, heads, capacity, row_bytes, path_width;
+  int32_t* errors;             // the device's error word
 };
+
+// Whether sequence b's move stays inside the cache: 0 <= path_len <= path_width, prefix >= 0 and
+// path strictly increasing from >= 0 to < capacity - prefix (what the CPU op checks on the host).
+JAKIRO_DEVICE bool valid_path(const CompactKvParams& p, int64_t b) {
+  const int64_t prefix = p.prefix_lens[b], len = p.path_len[b];
+  if (len < 0 || len > p.path_width || prefix < 0) return false;
+  int64_t last = -1;
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t src = p.path[b * p.path_width + j];
+    if (src <= last || src >= p.capacity - prefix) return false;
+    last = src;
+  }
+  return true;
+}
 
 struct alignas(16) Words16 {
   uint64_t lo, hi;
@@ -28,6 +43,10 @@ __global__ void compact_kv_kernel(CompactKvParams p) {
   const int64_t b = (slab / p.heads) % p.batch;
   const int64_t words = p.row_bytes / static_cast<int64_t>(sizeof(word_t));
   word_t* rows = reinterpret_cast<word_t*>(static_cast<unsigned char*>(p.cache) + slab * p.capacity * p.row_bytes);
+  if (!valid_path(p, b)) {  // (the same answer in every thread: nothing moves)
+    if (threadIdx.x == 0) report_error(p.errors, kBadPath);
+    return;
+  }
   const int64_t prefix = p.prefix_lens[b], len = p.path_len[b];
   for (int64_t j = 0; j < len; ++j) {
     const int64_t src = prefix + p.path[b * p.path_width + j], dst = prefix + j;

@@ -17,6 +17,8 @@ struct RopeKvParams {
   void* q;                  // [B, T, Hq, D]
   int64_t batch, tokens, q_heads, kv_heads, head_dim;
   int64_t batch_stride, head_stride;  // of the cache, in elements (a slot is D elements)
+  int64_t capacity;                   // S
+  int32_t* errors;                    // the device's error word
 };
 
 constexpr int kRopeKvThreads = 128;
@@ -28,7 +30,10 @@ __global__ void rope_kv_write_kernel(RopeKvParams p) {
   const scalar_t* row = static_cast<const scalar_t*>(p.qkv) + r * heads * D;
   const scalar_t* cos = static_cast<const scalar_t*>(p.cos) + r * D;
   const scalar_t* sin = static_cast<const scalar_t*>(p.sin) + r * D;
-  const int64_t slot = p.lengths[b] + t;
+  const int64_t length = p.lengths[b], slot = length + t;
+  // A length that leaves no room for the T new tokens: q is still written, k and v are not.
+  const bool in_cache = length >= 0 && length <= p.capacity - p.tokens;
+  if (!in_cache && threadIdx.x == 0) report_error(p.errors, kBadLengths);
   for (int64_t e = threadIdx.x; e < heads * D; e += blockDim.x) {
     const int64_t h = e / D, i = e % D;
     scalar_t value = row[e];
@@ -40,7 +45,7 @@ __global__ void rope_kv_write_kernel(RopeKvParams p) {
     }
     if (h < p.q_heads) {
       static_cast<scalar_t*>(p.q)[(r * p.q_heads + h) * D + i] = value;
-    } else {
+    } else if (in_cache) {
       const bool is_key = h < p.q_heads + p.kv_heads;
       const int64_t kvh = is_key ? h - p.q_heads : h - p.q_heads - p.kv_heads;
       scalar_t* cache = static_cast<scalar_t*>(is_key ? p.keys : p.values);

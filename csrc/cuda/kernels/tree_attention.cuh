@@ -29,6 +29,8 @@ struct TreeAttentionParams {
   int64_t batch, tree_len, q_heads, kv_heads, head_dim, splits, mask_stride;
   int64_t kv_batch_stride, kv_head_stride;
   float scale;
+  int64_t capacity;  // S
+  int32_t* errors;   // the device's error word
 };
 
 // Query rows of a block: 4 when a KV head has at most 4 (decoding, GQA groups of up to 4),
@@ -48,7 +50,8 @@ inline size_t tree_attention_smem_bytes(int64_t head_dim, int rows_per_block) {
 }
 
 // The keys [lo, hi) that split `split` of sequence b covers (its prefix, then its tree), and the
-// K/V rows of KV head kvh.
+// K/V rows of KV head kvh. A prefix length that leaves no room for the tree is reported and
+// covers no key (the rows then see nothing: out 0, lse -inf).
 template <typename kv_t>
 struct SplitKeys {
   int64_t prefix, lo, hi;
@@ -57,11 +60,15 @@ struct SplitKeys {
 };
 template <typename kv_t>
 JAKIRO_DEVICE SplitKeys<kv_t> split_keys(const TreeAttentionParams<kv_t>& p, int64_t b, int64_t kvh, int64_t split) {
+  const int64_t offset = b * p.kv_batch_stride + kvh * p.kv_head_stride;
   const int64_t prefix = p.prefix_lens[b], length = prefix + p.tree_len;
+  if (prefix < 0 || prefix > p.capacity - p.tree_len) {
+    if (threadIdx.x == 0) report_error(p.errors, kBadPrefixLens);
+    return {0, 0, 0, p.k_cache + offset, p.v_cache + offset};
+  }
   const int64_t chunk = ceil_div(length, p.splits);
   const int64_t lo = split * chunk < length ? split * chunk : length;
   const int64_t hi = (split + 1) * chunk < length ? (split + 1) * chunk : length;
-  const int64_t offset = b * p.kv_batch_stride + kvh * p.kv_head_stride;
   return {prefix, lo, hi, p.k_cache + offset, p.v_cache + offset};
 }
 

@@ -31,7 +31,29 @@ struct VerifyParams {
   int64_t batch, nodes, vocab;
   double temperature, top_p;
   int64_t top_k;
+  int32_t* errors;         // the device's error word
 };
+
+// Reports what the CPU op rejects on the host in sequence b's tree: parents not a tree in
+// topological order, draft token ids outside the vocabulary, uniforms outside [0, 1). The
+// walks stay inside the tree whatever the values (children are searched among nodes 0..T-1, a
+// bad token weighs 0), so checking is all that is left to do. One thread.
+JAKIRO_DEVICE void report_bad_tree(const VerifyParams& p, int64_t b) {
+  const int64_t T = p.nodes;
+  const int64_t* parents = p.parents + b * T;
+  const int64_t* tokens = p.tokens + b * T;
+  if (parents[0] != -1) report_error(p.errors, kBadParents);
+  for (int64_t i = 1; i < T; ++i) {
+    if (parents[i] < 0 || parents[i] >= i) report_error(p.errors, kBadParents);
+    if (tokens[i] < 0 || tokens[i] >= p.vocab) report_error(p.errors, kBadTokens);
+  }
+  if (p.temperature > 0.0) {
+    for (int64_t i = 0; i <= T; ++i) {
+      const double u = p.uniforms[b * (T + 1) + i];
+      if (!(u >= 0.0 && u < 1.0)) report_error(p.errors, kBadUniforms);
+    }
+  }
+}
 
 namespace verify {
 constexpr int kThreads = 256;       // sampling blocks
@@ -89,6 +111,7 @@ template <typename scalar_t>
 __global__ void verify_greedy_walk_kernel(VerifyParams p) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (b >= p.batch) return;  // no barriers in this kernel
+  report_bad_tree(p, b);
   const int64_t T = p.nodes;
   const int64_t* choice = p.choice + b * T;
   const int64_t length = greedy_walk(
@@ -300,7 +323,10 @@ __global__ void __launch_bounds__(THREADS) verify_sampling_kernel(VerifyParams p
   const double* u = p.uniforms + b * (T + 1);
   double* w = p.weights + b * V;
   int64_t* path = p.path + b * T;
-  if (threadIdx.x == 0) path[0] = 0;
+  if (threadIdx.x == 0) {
+    path[0] = 0;
+    report_bad_tree(p, b);
+  }
   int64_t node = 0, length = 1;  // the same in every thread
   while (true) {
     const double total = filtered_distribution(logits + node * V, V, p, w, sh);

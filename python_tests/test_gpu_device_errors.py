@@ -1,0 +1,99 @@
+"""jakiro::device_errors, the device's error word (issue 15): on a GPU the ops do not read their
+index values on the host (a synchronisation per call); the kernels check them, skip the memory
+accesses a bad one would direct, and set a bit that the engine reads with its one read per round.
+Tested under the SIMT emulator (whose build skips the host checks, as on a GPU) and on CUDA when
+there is one."""
+import pytest
+import torch
+
+from conftest import randn
+from jakiro_ext import ops, reference
+
+
+def test_device_errors_matches_reference():
+    # The CPU ops raise at once, so there is never anything to report on the CPU.
+    with pytest.raises(RuntimeError, match=r"lengths\[0\] \+ new tokens"):
+        ops.rope_kv_write(randn(1, 2, 4, 8, seed=1), randn(1, 2, 8, seed=2), randn(1, 2, 8, seed=3),
+                          torch.zeros(2, 1, 1, 6, 8), torch.tensor([5]))
+    word = ops.device_errors(torch.zeros(3))
+    assert word.dtype == torch.int32 and word.tolist() == [0]
+    assert torch.equal(word, reference.device_errors(torch.zeros(3)))
+
+
+def test_device_errors_opcheck():
+    torch.library.opcheck(torch.ops.jakiro.device_errors.default, (torch.zeros(3),))
+
+
+def test_device_errors_bad_input_errors():
+    with pytest.raises(TypeError, match=r"device_errors: like must be a tensor on the device to ask, got NoneType"):
+        ops.device_errors(None)
+    # Each bit is named; several at once are all named; an unknown bit is not hidden.
+    for bit, message in ops.DEVICE_ERRORS.items():
+        with pytest.raises(RuntimeError, match=r"the GPU kernels met bad input values: " + message.split(":")[0]):
+            ops.raise_device_errors(bit)
+    with pytest.raises(RuntimeError, match=r"rope_kv_write.*; jakiro::verify_tree: a uniform.*; unknown error bits 0x40"):
+        ops.raise_device_errors(2 | 32 | 64)
+    ops.raise_device_errors(0)
+
+
+def _cases():
+    """(name, op, args, the bit it must set, what must stay untouched: an index into args or None)."""
+    logits = randn(1, 4, 10, seed=7)
+    parents, tokens = torch.tensor([[-1, 0, 0, 1]]), torch.tensor([[3, 1, 2, 4]])
+    mask = ops.build_tree_mask(parents)
+    q, k, v = randn(1, 4, 4, 16, seed=4), randn(1, 2, 12, 16, seed=5), randn(1, 2, 12, 16, seed=6)
+    qkv = randn(2, 3, 4, 8, seed=8)
+    cs = randn(2, 3, 8, seed=9), randn(2, 3, 8, seed=10)
+    cache = randn(2, 2, 1, 6, 8, seed=11)
+    kv = randn(2, 2, 1, 12, 4, seed=12)
+    u = torch.rand(1, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    return [
+        ("tree_attention prefix beyond the cache", "tree_attention", (q, k, v, torch.tensor([9]), mask), 1, None),
+        ("tree_attention negative prefix", "tree_attention", (q, k, v, torch.tensor([-3]), mask), 1, None),
+        ("rope_kv_write lengths beyond the cache", "rope_kv_write", (qkv, *cs, cache, torch.tensor([1, 4])), 2, 3),
+        ("rope_kv_write negative length", "rope_kv_write", (qkv, *cs, cache, torch.tensor([-1, 0])), 2, 3),
+        ("compact_kv path beyond the cache", "compact_kv",
+         (kv, torch.tensor([5, 4]), torch.tensor([[0, 9], [0, 1]]), torch.tensor([2, 2])), 4, 0),
+        ("compact_kv path not increasing", "compact_kv",
+         (kv, torch.tensor([5, 4]), torch.tensor([[1, 0], [0, 1]]), torch.tensor([2, 2])), 4, 0),
+        ("compact_kv path_len beyond the path", "compact_kv",
+         (kv, torch.tensor([5, 4]), torch.tensor([[0, 1], [0, 1]]), torch.tensor([3, 2])), 4, 0),
+        ("verify_tree a parent after its child", "verify_tree", (torch.tensor([[-1, 0, 3, 1]]), tokens, logits), 8, None),
+        ("verify_tree a root with a parent", "verify_tree", (torch.tensor([[0, 0, 0, 1]]), tokens, logits), 8, None),
+        ("verify_tree a token beyond the vocabulary", "verify_tree", (parents, torch.tensor([[3, 1, 10, 4]]), logits),
+         16, None),
+        ("verify_tree a negative token", "verify_tree", (parents, torch.tensor([[3, -1, 2, 4]]), logits), 16, None),
+        ("verify_tree a uniform of 1", "verify_tree", (parents, tokens, logits, u.index_fill(1, torch.tensor([2]), 1.0),
+                                                      1.0), 32, None),
+        ("verify_tree a NaN uniform", "verify_tree", (parents, tokens, logits, u.index_fill(1, torch.tensor([4]),
+                                                                                           float("nan")), 1.0), 32, None),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_cases())), ids=[c[0].replace(" ", "-") for c in _cases()])
+def test_gpu_device_errors_matches_reference(gpu_backend, case):
+    _, op, args, bit, untouched = _cases()[case]
+    args = [gpu_backend.to_device(a) for a in args]
+    like = args[0]
+    assert gpu_backend.ops.device_errors(like).tolist() == [0]  # (cleared by an earlier call)
+    before = args[untouched].clone() if untouched is not None else None
+    getattr(gpu_backend.ops, op)(*args)
+    assert gpu_backend.ops.device_errors(like).tolist() == [bit]
+    assert gpu_backend.ops.device_errors(like).tolist() == [0]  # read once, then cleared
+    if before is not None:  # the bad sequence's entries were neither written nor moved
+        changed = (args[untouched] != before).flatten(2 if op == "rope_kv_write" else 0)
+        if op == "rope_kv_write":  # the good sequence (row 0 or 1) is written, the bad one not
+            bad_row = 1 if int(args[4][1]) == 4 else 0
+            assert not bool(changed[:, bad_row].any()) and bool(changed[:, 1 - bad_row].any())
+        else:  # compact_kv: sequence 0 is bad (nothing moves), sequence 1 moves nothing anyway (path 0, 1)
+            assert not bool(changed.any())
+    # Good inputs report nothing.
+    good = {"tree_attention": lambda a: (*a[:3], torch.tensor([2]).to(a[0].device), a[4]),
+            "rope_kv_write": lambda a: (*a[:4], torch.tensor([1, 2]).to(a[0].device)),
+            "compact_kv": lambda a: (a[0], a[1], torch.tensor([[0, 1], [0, 1]]).to(a[0].device),
+                                     torch.tensor([2, 2]).to(a[0].device)),
+            "verify_tree": lambda a: (torch.tensor([[-1, 0, 0, 1]]).to(a[0].device), torch.tensor([[3, 1, 2, 4]]).to(
+                a[0].device), a[2], *([torch.full((1, 5), 0.5, dtype=torch.float64).to(a[0].device), 1.0]
+                                      if len(a) > 3 else []))}[op]
+    getattr(gpu_backend.ops, op)(*good(args))
+    assert gpu_backend.ops.device_errors(like).tolist() == [0]

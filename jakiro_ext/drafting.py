@@ -284,6 +284,11 @@ class Drafter:
         if self.cache is not None:
             self.cache.allow(max_capacity + self.scratch)
 
+    def reserve(self) -> None:
+        """Room in the cache for a round's drafting beyond the committed tokens."""
+        if self.cache is not None:
+            self.cache.reserve(max(self.cache.host_lengths) + self.scratch)
+
     def reset_rows(self, rows: List[int]) -> None:
         """Hold the sequences ``rows`` (free rows of a batch) at length 0."""
         if self.cache is not None:

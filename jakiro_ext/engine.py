@@ -34,12 +34,14 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.drafting import METHODS as METHOD_SPECS
 from jakiro_ext.drafting import DRAFT_ERRORS, Drafter, Method
-from jakiro_ext.models.draft_head import DraftHead
+from jakiro_ext.graphs import MODES, Replay
+from jakiro_ext.models.draft_head import DraftHead, DraftStep
 from jakiro_ext.models.llama import LlamaModel
 
 METHODS = tuple(METHOD_SPECS)  # ("ar", "eagle2", "jakiro", "jakiro_star")
 INITIAL_ROOM = 256  # new tokens the KV caches hold before their first growth
 MAX_BATCH = 1024  # sequences decoded together (each holds its own KV cache rows)
+GRAPH_MODES = ("eager", *MODES)  # how a round's device work is launched (speculative_generate's graphs)
 # Bounds of a draft tree (TreeConfig): far beyond every published tree (60 nodes, depth 5-8,
 # top-k 10), and small enough that one round can neither hang nor allocate without bound.
 MAX_TREE_NODES, MAX_TREE_DEPTH, MAX_TREE_TOP_K = 1024, 64, 128
@@ -286,6 +288,7 @@ class _Settings:
     seed: int
     max_cache_len: Optional[int]
     keep_features: bool = False
+    graphs: str = "eager"
 
 
 class _Sequence:
@@ -364,6 +367,7 @@ class _Batch:
         self.cache = None
         self.drafter: Optional[Drafter] = None
         self.root_parent = torch.tensor([[-1]], device=self.device)
+        self.replay = None if s.graphs == "eager" else Replay(self._draft_and_verify, s.graphs)
 
     @property
     def seqs(self) -> List[_Sequence]:
@@ -454,7 +458,7 @@ class _Batch:
     # ------------------------------------------------------------------ a round
     def round(self) -> None:
         """Draft, verify and commit once for every sequence of the batch. The host reads the
-        device once: the accepted tokens, with the drafter's error flags."""
+        device once: the accepted tokens, with the kernels' and the drafter's error flags."""
         s = self.settings
         for seq, length in zip(self.rows, self.cache.host_lengths):
             if seq is not None and length + self.tree_nodes > seq.bound:  # only a max_cache_len smaller than the need
@@ -466,39 +470,31 @@ class _Batch:
         if idle:  # a free row computes a throw-away tree at position 0, never growing
             self.cache.clear(idle)
             self.drafter.reset_rows(idle)
-        forwards = self.drafter.forwards
-        roots = ops.to_device(torch.tensor([seq.root if seq else 0 for seq in seqs]), self.device)
-        tree = self.drafter.draft(roots)
-        logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents, check=False), tree.depths)
-        uniforms = None
+        inputs = [ops.to_device(torch.tensor([seq.root if seq else 0 for seq in seqs]), self.device)]
         if s.temperature > 0:
-            # Node i of a sequence uses its i-th draw, the bonus token its last: a sequence draws
-            # the same whatever the round's padded tree size (set by the other sequences).
-            T = tree.tokens.shape[1]
-            uniforms = torch.full((B, T + 1), 0.5, dtype=torch.float64)  # free rows: never read
+            # Node i of a sequence's tree uses its i-th draw, the bonus token its last: a sequence
+            # draws the same whatever the round's padded tree size (set by the other sequences).
+            draws = torch.full((B, self.tree_nodes + 1), 0.5, dtype=torch.float64)  # free rows: never read
             for b, seq in enumerate(seqs):
                 if seq is not None:
-                    draws = seq.draws(self.tree_nodes + 1)[0]
-                    uniforms[b, :T], uniforms[b, T] = draws[:T], draws[-1]
-            uniforms = ops.to_device(uniforms, self.device)
-        path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,
-                                                s.top_p, s.top_k)
-        # Each sequence's new tokens: its accepted drafts, then the bonus (row b: accepted[b] + 1
-        # of them); read by the host in one piece, with the accepted lengths, the bad values the
-        # kernels met and the draft's error flags (the round's one read of the device).
-        kept = path.clamp(min=0)
-        tokens = torch.cat([tree.tokens.gather(1, kept[:, 1:]), torch.zeros_like(bonus).unsqueeze(1)], 1)
-        tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
-        errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
-                                                                         device=self.device)
-        read = torch.cat([ops.device_errors(logits).long(), errors.long(),
-                          torch.cat([accepted.unsqueeze(1), tokens], 1).flatten()]).tolist()
+                    draws[b] = seq.draws(self.tree_nodes + 1)[0]
+            inputs.append(ops.to_device(draws, self.device))
+        root_step = [] if self.drafter.root_step is None else [t for t in self.drafter.root_step if t is not None]
+        # What the device part may write beyond the committed tokens (a replay cannot grow a cache).
+        self.cache.reserve(max(self.cache.host_lengths) + self.tree_nodes)
+        self.drafter.reserve()
+        if self.replay is None:
+            (path, accepted, tokens, hidden, read), drafted = self._draft_and_verify(*inputs, *root_step)
+        else:
+            key = (B, s.temperature > 0, *(t.data_ptr() for t in self._buffers()))
+            (path, accepted, tokens, hidden, read), drafted = self.replay(key, inputs + root_step)
+        read = read.tolist()
         ops.raise_device_errors(read[0])
         for message, flagged in zip(DRAFT_ERRORS, read[1:]):
             if flagged:
                 raise RuntimeError(message)
-        width, first = tokens.shape[1] + 1, 1 + len(DRAFT_ERRORS)
-        read = [read[first + b * width: first + (b + 1) * width] for b in range(B)]
+        width, first = tokens.shape[1], 1 + len(DRAFT_ERRORS)
+        read = [read[first + b * (width + 1): first + (b + 1) * (width + 1)] for b in range(B)]
         accepted_list = [r[0] for r in read]
         if min(accepted_list) < 0:
             raise _no_distribution()
@@ -506,10 +502,11 @@ class _Batch:
         self.cache.commit_path(path, accepted + 1, counts)
         # With the target's hidden states at the root and the accepted nodes, they are the draft's catch-up.
         n = max(counts)
-        index = kept[:, :n].unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        index = path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         features = hidden.gather(1, index)
+        forwards = self.drafter.forwards
         self.drafter.catch_up(tokens[:, :n], features, counts)
-        drafted = self.drafter.forwards - forwards
+        drafted += self.drafter.forwards - forwards
         for b, (seq, a, row) in enumerate(zip(seqs, accepted_list, (r[1:] for r in read))):
             if seq is None:
                 continue
@@ -520,6 +517,41 @@ class _Batch:
                 seq.features.append(features[b, : a + 1])
             seq.root = row[a]
             seq.emit(row[: a + 1])
+
+    def _draft_and_verify(self, roots: torch.Tensor, *rest: torch.Tensor):
+        """The round's device work, from the roots [B] (and with sampling the draws [B, nodes + 1])
+        and the drafter's root step (its non-None tensors) to what the host reads: a function of
+        these tensors and of the caches alone, with no read of the device, so a CUDA graph can
+        replay it (:mod:`jakiro_ext.graphs`). Returns ((path, accepted, tokens [B, width],
+        hidden, read), the draft forwards it ran); ``read`` packs the device's error word, the
+        drafter's error flags and each row's accepted count then its tokens."""
+        s = self.settings
+        draws, root_step = (rest[0], rest[1:]) if s.temperature > 0 else (None, rest)
+        if root_step:
+            fields = iter(root_step)
+            self.drafter.root_step = DraftStep(*(None if t is None else next(fields) for t in self.drafter.root_step))
+        forwards = self.drafter.forwards
+        tree = self.drafter.draft(roots)
+        logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents, check=False), tree.depths)
+        T = tree.tokens.shape[1]
+        uniforms = None if draws is None else torch.cat([draws[:, :T], draws[:, -1:]], 1)
+        path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,
+                                                s.top_p, s.top_k)
+        # Each sequence's new tokens: its accepted drafts, then the bonus (row b: accepted[b] + 1 of them).
+        tokens = torch.cat([tree.tokens.gather(1, path[:, 1:].clamp(min=0)), torch.zeros_like(bonus).unsqueeze(1)], 1)
+        tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
+        errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
+                                                                         device=roots.device)
+        read = torch.cat([ops.device_errors(logits).long(), errors.long(),
+                          torch.cat([accepted.unsqueeze(1), tokens], 1).flatten()])
+        return (path, accepted, tokens, hidden, read), self.drafter.forwards - forwards
+
+    def _buffers(self) -> List[torch.Tensor]:
+        """The long-lived tensors a capture of the round points to: a new one means a new capture."""
+        found = [self.cache.kv, self.cache.lengths]
+        if self.drafter.cache is not None:
+            found += [self.drafter.cache.kv, self.drafter.cache.lengths]
+        return found
 
 
 def _decode(target, draft, method: Method, tree: TreeConfig, s: _Settings, requests, max_rows: int):
@@ -546,7 +578,7 @@ def _decode(target, draft, method: Method, tree: TreeConfig, s: _Settings, reque
 
 
 def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed,
-              max_cache_len, on_tokens, keep_features: bool = False):
+              max_cache_len, on_tokens, keep_features: bool = False, graphs: str = "eager"):
     """The checked arguments shared by the entry points: (Method, _Settings)."""
     if not isinstance(target, LlamaModel):
         raise TypeError(f"target must be a LlamaModel, got {type(target).__name__}")
@@ -570,7 +602,11 @@ def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, t
     spec = METHOD_SPECS[method]
     if spec.head is not None and draft is None:
         raise ValueError(f"method {method!r} needs a draft head")
-    return spec, _Settings(max_new_tokens, temperature, top_p, top_k, eos, seed, max_cache_len, keep_features)
+    if graphs not in GRAPH_MODES:
+        raise ValueError(f"graphs must be one of {GRAPH_MODES}, got {_brief(graphs)}")
+    if graphs == "cuda" and target.lm_head.weight.device.type != "cuda":
+        raise ValueError(f"graphs='cuda' needs the target on a CUDA device, it is on {target.lm_head.weight.device}")
+    return spec, _Settings(max_new_tokens, temperature, top_p, top_k, eos, seed, max_cache_len, keep_features, graphs)
 
 
 def _default_tree(target, draft, method: Method, tree: Optional[TreeConfig], batch: int) -> TreeConfig:
@@ -604,13 +640,20 @@ _DOC_OPTIONS = """
         stops with ``stop_reason`` "cache_full" when it runs out. Either way the caches start
         small and grow on demand, up to prompt + the tokens left to generate + the largest tree
         the method can draft (:meth:`TreeConfig.max_nodes_for`).
+    graphs : how a round's device work (drafting, verification forward, verification) is
+        launched: ``"eager"`` (op by op, the default), ``"cuda"`` (captured once as a CUDA graph
+        per batch size and cache buffer, then replayed: one launch instead of hundreds; a CUDA
+        target only) or ``"recorded"`` (the same capture-and-replay rules, run by replaying the
+        recorded ops on any device: for tests and debugging). Every mode gives the same tokens
+        (:mod:`jakiro_ext.graphs`).
 """
 
 
 def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_ids, max_new_tokens: int = 128, *,
                          lengths=None, method: Optional[str] = None, tree: Optional[TreeConfig] = None,
                          temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None,
-                         seed: int = 0, max_cache_len: Optional[int] = None, on_tokens: Optional[Callable] = None):
+                         seed: int = 0, max_cache_len: Optional[int] = None, on_tokens: Optional[Callable] = None,
+                         graphs: str = "eager"):
     """Generate up to ``max_new_tokens`` tokens after each prompt, losslessly: at temperature 0
     the tokens are the target's greedy ones; above it they follow the target's distribution
     (after temperature, top-k, top-p).
@@ -644,7 +687,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     MemoryError : a KV cache could not be allocated (the message says how many bytes).
     """
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
-                          seed, max_cache_len, on_tokens)
+                          seed, max_cache_len, on_tokens, graphs=graphs)
     prompts, batched = _prompts(input_ids, lengths, target.config.vocab_size)
     tree = _default_tree(target, draft, method, tree, len(prompts))
     nodes, limit = tree.max_nodes_for(method), target.config.max_position_embeddings
@@ -663,7 +706,7 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
                   max_new_tokens: int = 128, *, method: Optional[str] = None, tree: Optional[TreeConfig] = None,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None, seed: int = 0,
                   max_cache_len: Optional[int] = None, on_tokens: Optional[Callable] = None,
-                  keep_features: bool = False) -> Iterator[Tuple[int, GenerationOutput]]:
+                  keep_features: bool = False, graphs: str = "eager") -> Iterator[Tuple[int, GenerationOutput]]:
     """Continuous batching: decode the prompts of ``requests`` with up to ``max_batch_size`` in
     flight, a finished one's rows taken by the next prompt; yields (i, output) for the i-th
     prompt as each finishes. Each prompt gets exactly what ``speculative_generate`` gives it alone
@@ -677,13 +720,13 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
         more by then: follow-up turns queued as answers finish), the generation ending when it
         has nothing while no sequence is in flight. A bad prompt raises when it is reached.
     max_batch_size : sequences decoded at once, in [1, MAX_BATCH].
-    max_new_tokens, method, tree, temperature, top_p, top_k, eos_token_id, seed, max_cache_len :
+    max_new_tokens, method, tree, temperature, top_p, top_k, eos_token_id, seed, max_cache_len, graphs :
         as for :func:`speculative_generate`, one setting for every prompt.
     on_tokens : None or a callable ``on_tokens(i, tokens)`` (streaming).
     keep_features : also return the target's hidden states (``GenerationOutput.features``).
     """
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
-                          seed, max_cache_len, on_tokens, bool(keep_features))
+                          seed, max_cache_len, on_tokens, bool(keep_features), graphs)
     max_batch_size = _int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
     tree = _default_tree(target, draft, method, tree, max_batch_size)
     nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size

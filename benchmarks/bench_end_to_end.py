@@ -66,6 +66,8 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling above temperature 0")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--graphs", choices=["eager", "cuda"], default="eager", help="cuda: CUDA graphs (with --device cuda)")
     ap.add_argument("--jakiro-head", help="a Jakiro head directory (default: the shipped one)")
     ap.add_argument("--eagle2-head", help="an EAGLE-2 head directory (default: the shipped one)")
     ap.add_argument("--total-tokens", type=int, help="a fixed tree (default: each head's tree chosen by measured cost)")
@@ -81,14 +83,15 @@ def main():
     from tqdm import tqdm
 
     from jakiro_ext.cli import chat_ids, load_head
-    from jakiro_ext.engine import CPU_TREE, TreeConfig, speculative_generate
+    from jakiro_ext.engine import CPU_TREE, GPU_TREE, TreeConfig, speculative_generate
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
     from jakiro_ext.models.llama import LlamaModel
     from jakiro_ext.tree_cost import auto_tree
 
     dtype = getattr(torch, args.dtype)
     hf, tokenizer = load_default_hf(dtype)
-    target = LlamaModel.from_hf(hf, dtype)
+    target = LlamaModel.from_hf(hf, dtype).to(args.device)
+    hf = hf.to(args.device)
     heads = {k: load_head(k, getattr(args, f"{k}_head"), target, DEFAULT_MODEL) for k in ("eagle2", "jakiro")}
     head_of = lambda method: heads["eagle2" if method == "eagle2" else "jakiro"]  # noqa: E731
     if any(x is not None for x in (args.total_tokens, args.depth, args.top_k_draft)):
@@ -96,7 +99,8 @@ def main():
                            args.top_k_draft or CPU_TREE.top_k)
         trees = {m: fixed for m in args.methods}
     else:
-        trees = {m: auto_tree(target, head_of(m), m) or CPU_TREE for m in args.methods}
+        trees = {m: (auto_tree(target, head_of(m), m) or CPU_TREE) if args.device == "cpu" else GPU_TREE
+                 for m in args.methods}
     print("trees: " + ", ".join(f"{m} {t.total_tokens}/{t.depth}/{t.top_k}" for m, t in trees.items()), flush=True)
     eos = tokenizer.eos_token_id
     questions = load_questions(args.per_category, args.categories)
@@ -105,7 +109,7 @@ def main():
         head = head_of(method) if method != "ar" else None
         out = speculative_generate(target, head, ids, args.max_new_tokens, method=method, tree=trees.get(method),
                                    temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
-                                   eos_token_id=eos, seed=seed)
+                                   eos_token_id=eos, seed=seed, graphs=args.graphs)
         s = out.stats
         return out.token_ids, s.new_tokens, s.wall_time_s, s.tau, s.target_forwards
 
@@ -115,7 +119,10 @@ def main():
             kwargs["prompt_lookup_num_tokens"] = 10
         t = time.perf_counter()
         with torch.no_grad():
+            ids = ids.to(args.device)
             seq = hf.generate(ids.unsqueeze(0), attention_mask=torch.ones_like(ids).unsqueeze(0), **kwargs)[0]
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t
         new = seq[ids.numel():].tolist()
         return new, len(new), dt, float("nan"), None

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from jakiro_ext.engine import (CPU_TREE, GPU_TREE, MAX_BATCH, METHODS, GenerationOutput, TreeConfig,
+from jakiro_ext.engine import (CPU_TREE, GPU_TREE, GRAPH_MODES, MAX_BATCH, METHODS, GenerationOutput, TreeConfig,
                                check_sampling_options, speculative_generate)
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -29,10 +29,11 @@ HEAD_KIND = {"eagle2": "eagle2", "jakiro": "jakiro", "jakiro_star": "jakiro"}
 
 
 # ----------------------------------------------------------------------------- set-up
-def load_target(dtype_name: str):
+def load_target(dtype_name: str, device: str = "cpu"):
     from jakiro_ext.models import load_default_target
 
-    return load_default_target(getattr(torch, dtype_name))
+    target, tokenizer = load_default_target(getattr(torch, dtype_name))
+    return target.to(device), tokenizer
 
 
 def load_head(kind: str, path: Optional[str], target, model_name: str):
@@ -114,6 +115,10 @@ def check_generation_args(args) -> Optional[TreeConfig]:
     batch_size = getattr(args, "batch_size", 1)
     if not 1 <= batch_size <= MAX_BATCH:
         raise ValueError(f"--batch-size must be in [1, {MAX_BATCH}], got {batch_size}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    if args.graphs == "cuda" and args.device != "cuda":
+        raise ValueError(f"--graphs cuda needs --device cuda, got --device {args.device}")
     return tree_from_args(args)
 
 
@@ -127,7 +132,7 @@ class Runner:
         self.args = args
         self.tree = tree
         self.trees: Dict[str, TreeConfig] = {}
-        self.target, self.tokenizer = load_target(args.dtype)
+        self.target, self.tokenizer = load_target(args.dtype, args.device)
         self.heads: Dict[str, object] = {}
         for kind in sorted({HEAD_KIND[m] for m in methods if m != "ar"}):
             self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, DEFAULT_MODEL)
@@ -155,7 +160,8 @@ class Runner:
         return speculative_generate(self.target, head, prompt_ids, max_new_tokens or a.max_new_tokens, method=method,
                                     tree=self.tree_for(method),
                                     temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                                    eos_token_id=self.tokenizer.eos_token_id, seed=a.seed, on_tokens=on_tokens)
+                                    eos_token_id=self.tokenizer.eos_token_id, seed=a.seed, on_tokens=on_tokens,
+                                    graphs=a.graphs)
 
 
 def print_stats(method: str, out: GenerationOutput) -> None:
@@ -494,6 +500,9 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k of the target (0: off)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--graphs", choices=list(GRAPH_MODES), default="eager",
+                   help="cuda: replay each round's device work as a CUDA graph (with --device cuda)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--jakiro-head", help="directory of a trained Jakiro head (default: the shipped one)")

@@ -474,7 +474,10 @@ OPTION_ERRORS = [
     (["--depth", "100000"], r"depth in \[1, 64\]"),
     (["--static-tree", "[[0], [0, 0], [0, 200]]"], r"ranks below 128"),
     (["--static-tree", "[[0.5]]"], r"static tree choices must be a list of lists of child ranks"),
-]
+    (["--graphs", "cuda"], r"--graphs cuda needs --device cuda, got --device cpu"),
+    (["--graphs", "fast"], r"argument --graphs: invalid choice: 'fast'"),
+] + ([] if torch.cuda.is_available() else [
+    (["--device", "cuda"], r"--device cuda: no CUDA device is available")])
 
 
 @pytest.mark.parametrize("options,message", OPTION_ERRORS, ids=[" ".join(o) for o, _ in OPTION_ERRORS])

@@ -29,11 +29,25 @@ HEAD_KIND = {"eagle2": "eagle2", "jakiro": "jakiro", "jakiro_star": "jakiro"}
 
 
 # ----------------------------------------------------------------------------- set-up
-def load_target(dtype_name: str, device: str = "cpu"):
+def load_target(dtype_name: str, device: str = "cpu", directory: Optional[str] = None):
+    """(the engine's target, its tokenizer, its name): the default model, or the transformers
+    model in ``directory`` (a local directory: nothing is fetched from a hub)."""
     from jakiro_ext.models import load_default_target
+    from jakiro_ext.models.default import DEFAULT_MODEL
 
-    target, tokenizer = load_default_target(getattr(torch, dtype_name))
-    return target.to(device), tokenizer
+    dtype = getattr(torch, dtype_name)
+    if directory is None:
+        target, tokenizer = load_default_target(dtype)
+        return target.to(device), tokenizer, DEFAULT_MODEL
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from jakiro_ext.models.llama import LlamaModel
+
+    if not Path(directory, "config.json").is_file():
+        raise ValueError(f"--target {directory}: not a transformers model directory (no config.json)")
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return LlamaModel.from_hf(hf, dtype).to(device), tokenizer, Path(directory).name
 
 
 def load_head(kind: str, path: Optional[str], target, model_name: str):
@@ -126,16 +140,14 @@ class Runner:
     """The target, its tokenizer and the heads the requested methods need, loaded once."""
 
     def __init__(self, args, methods: List[str], tree: Optional[TreeConfig]):
-        from jakiro_ext.models.default import DEFAULT_MODEL
-
         set_threads(args.threads)
         self.args = args
         self.tree = tree
         self.trees: Dict[str, TreeConfig] = {}
-        self.target, self.tokenizer = load_target(args.dtype, args.device)
+        self.target, self.tokenizer, self.name = load_target(args.dtype, args.device, args.target)
         self.heads: Dict[str, object] = {}
         for kind in sorted({HEAD_KIND[m] for m in methods if m != "ar"}):
-            self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, DEFAULT_MODEL)
+            self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, self.name)
 
     def tree_for(self, method: str) -> TreeConfig:
         """The asked tree, else the one chosen by measured cost for the method's head (when it
@@ -319,7 +331,7 @@ def cmd_demo(args) -> int:
         raise ValueError("demo compares greedy decodings (temperature 0); use generate to sample")
     runner = Runner(args, ["ar", "jakiro"], check_generation_args(args))
     ids = chat_ids(runner.tokenizer, args.prompt, True)
-    print(f"prompt: {args.prompt!r} ({ids.numel()} tokens), SmolLM2-135M-Instruct {args.dtype}, greedy\n")
+    print(f"prompt: {args.prompt!r} ({ids.numel()} tokens), {runner.name} {args.dtype}, greedy\n")
     ar = runner.run("ar", ids)
     jakiro = runner.run("jakiro", ids)
     print(runner.tokenizer.decode(jakiro.token_ids, skip_special_tokens=True), "\n")
@@ -339,7 +351,7 @@ def cmd_corpus(args) -> int:
     from jakiro_ext.trainset import feature_cache_dir
 
     set_threads(args.threads)
-    target, tokenizer = load_target("float32")
+    target, tokenizer, _ = load_target("float32")
     conversations = None
     if args.conversations:
         from jakiro_ext.data import load_sharegpt
@@ -367,7 +379,7 @@ def cmd_calibrate(args) -> int:
     set_threads(args.threads)
     if args.eval_every_nth < 1:
         raise ValueError(f"--eval-every-nth must be >= 1, got {args.eval_every_nth}")
-    target, _ = load_target("float32")
+    target, _, _ = load_target("float32")
     head = DraftHead.load(args.head, target)
     examples, _ = corpus_examples(args.data, target)
     held_out = [ex for ex in examples if ex.conversation % args.eval_every_nth == 0]
@@ -389,44 +401,38 @@ def cmd_train(args) -> int:
 
     from jakiro_ext.models.default import DEFAULT_MODEL, cache_root
     from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-    from jakiro_ext.train import TrainConfig, train_head
+    from jakiro_ext.train import TrainConfig, init_distributed, train_head
     from jakiro_ext.trainset import build_trainset, load_trainset, select_draft_vocab
 
     set_threads(args.threads)
-    if args.target:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from jakiro_ext.models.llama import LlamaModel
-
-        hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, local_files_only=True)
-        target, tokenizer = LlamaModel.from_hf(hf, torch.float32), AutoTokenizer.from_pretrained(args.target)
-        name = Path(args.target).name
-    else:
-        target, tokenizer = load_target("float32")
-        name = DEFAULT_MODEL
+    ranks = init_distributed()  # several processes under torchrun: data-parallel
+    main = ranks.rank == 0
+    target, tokenizer, name = load_target("float32", directory=args.target)
     from jakiro_ext.corpus import CORPUS_META
     from jakiro_ext.trainset import corpus_examples
 
     t0 = time.perf_counter()
     if args.data and (Path(args.data) / CORPUS_META).exists():  # a token corpus: features cached or recomputed
         data_dir = Path(args.data)
-        examples, corpus_meta = corpus_examples(data_dir, target)
-        shards = corpus_meta["shards"]
-        meta = dict(settings=dict(corpus_meta["settings"], corpus=str(data_dir)),
+        examples, corpus_meta = corpus_examples(data_dir, target, progress=main, ranks=ranks)
+        meta = dict(settings=dict(corpus_meta["settings"], corpus=str(data_dir)), shards=len(corpus_meta["shards"]),
                     sequences=len(examples), tokens=sum(int(ex.tokens.numel()) for ex in examples),
                     learned_tokens=sum(int(ex.loss_mask.sum()) for ex in examples))
-        print(f"token corpus {data_dir}: {len(shards)} shards", file=sys.stderr)
     else:
         data_dir = Path(args.data or cache_root() / "trainsets" / f"{name}-{args.source}")
-        build_trainset(data_dir, target, tokenizer, name, args.source, args.max_tokens, args.max_prompt_tokens,
-                       args.max_new_tokens, args.generation_batch, args.corpus)
+        if main:  # (the others wait for it)
+            build_trainset(data_dir, target, tokenizer, name, args.source, args.max_tokens, args.max_prompt_tokens,
+                           args.max_new_tokens, args.generation_batch, args.corpus)
+        ranks.barrier()
         examples, meta = load_trainset(data_dir)
     # Held out by conversation: a conversation's later turns contain its earlier ones.
     n = args.eval_every_nth
     held_out = [ex for ex in examples if n and ex.conversation % n == 0]
     train = [ex for ex in examples if not n or ex.conversation % n]
-    print(f"training set {data_dir}: {meta['sequences']} sequences, {meta['tokens']} tokens "
-          f"({meta['learned_tokens']} learned); {len(train)} for training, {len(held_out)} held out", file=sys.stderr)
+    say = (lambda text: print(text, file=sys.stderr)) if main else (lambda text: None)
+    say(f"training set {data_dir}: {meta['sequences']} sequences, {meta['tokens']} tokens ({meta['learned_tokens']} "
+        f"learned); {len(train)} for training, {len(held_out)} held out"
+        + (f"; {ranks.world} processes, each {args.batch // ranks.world}+ sequences of every batch" if ranks.world > 1 else ""))
 
     # Default widths: the dense MLP as wide as the target's; N experts that together hold the
     # same parameters (each target_intermediate / N wide), so both heads are the same size.
@@ -440,7 +446,7 @@ def cmd_train(args) -> int:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         ids, coverage = select_draft_vocab(train, args.draft_vocab, eos)
         head.set_draft_vocab(ids)
-        print(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens", file=sys.stderr)
+        say(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens")
     if args.init_from:  # continue from a trained head (e.g. a training-time-test phase after the recipe)
         start = DraftHead.load(args.init_from)
         if start.config != head.config or not torch.equal(start.state_dict().get("draft_to_target", torch.zeros(0)),
@@ -456,7 +462,7 @@ def cmd_train(args) -> int:
                       seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step")
+    bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step", disable=not main)
 
     def on_step(step: int, record: dict) -> None:
         bar.n = step + 1
@@ -466,8 +472,12 @@ def cmd_train(args) -> int:
             bar.write(f"step {step + 1}: held-out top-1 {evals}")
 
     t_train = time.perf_counter()
-    history = train_head(head, train, cfg, held_out, out / "checkpoint.pt" if args.checkpoint_every else None, on_step)
+    history = train_head(head, train, cfg, held_out, out / "checkpoint.pt" if args.checkpoint_every else None, on_step,
+                         ranks)
     bar.close()
+    if not main:  # rank 0 writes the head
+        ranks.close()
+        return 0
     train_s = time.perf_counter() - t_train
     total = len(history)
     final = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
@@ -476,7 +486,7 @@ def cmd_train(args) -> int:
                    tokens=meta["tokens"], learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out)),
                    train=dict(asdict(cfg), total_steps=total, epochs_seen=round(total * cfg.batch_sequences / len(train), 2),
                               tokens_seen=round(total * cfg.batch_sequences * mean_len), seconds=round(train_s, 1),
-                              threads=torch.get_num_threads()),
+                              threads=torch.get_num_threads(), processes=ranks.world),
                    draft_vocab=dict(size=args.draft_vocab, coverage=round(coverage, 4)), final_eval=final,
                    init_from=args.init_from,
                    eval_history=[{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
@@ -490,6 +500,7 @@ def cmd_train(args) -> int:
     (out / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(f"saved {args.kind} head to {out} ({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training); "
           f"held-out top-1: {final}", file=sys.stderr)
+    ranks.close()
     return 0
 
 
@@ -501,6 +512,8 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k of the target (0: off)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--target", help="a local transformers model directory of a Llama-family model (default: "
+                                    "SmolLM2-135M-Instruct); pass its heads with --jakiro-head / --eagle2-head")
     p.add_argument("--graphs", choices=list(GRAPH_MODES), default="eager",
                    help="cuda: replay each round's device work as a CUDA graph (with --device cuda)")
     p.add_argument("--seed", type=int, default=0)

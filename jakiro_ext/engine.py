@@ -36,7 +36,7 @@ from jakiro_ext.drafting import METHODS as METHOD_SPECS
 from jakiro_ext.drafting import DRAFT_ERRORS, Drafter, Method
 from jakiro_ext.graphs import MODES, Replay
 from jakiro_ext.models.draft_head import DraftHead, DraftStep
-from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.models.llama import LlamaModel, as_target
 
 METHODS = tuple(METHOD_SPECS)  # ("ar", "eagle2", "jakiro", "jakiro_star")
 INITIAL_ROOM = 256  # new tokens the KV caches hold before their first growth
@@ -580,8 +580,6 @@ def _decode(target, draft, method: Method, tree: TreeConfig, s: _Settings, reque
 def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed,
               max_cache_len, on_tokens, keep_features: bool = False, graphs: str = "eager"):
     """The checked arguments shared by the entry points: (Method, _Settings)."""
-    if not isinstance(target, LlamaModel):
-        raise TypeError(f"target must be a LlamaModel, got {type(target).__name__}")
     if draft is not None and not isinstance(draft, DraftHead):
         raise TypeError(f"draft must be a DraftHead or None, got {type(draft).__name__}")
     max_new_tokens, temperature, top_p, top_k, seed = check_sampling_options(max_new_tokens, temperature, top_p,
@@ -660,7 +658,8 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
 
     Parameters
     ----------
-    target : the target model.
+    target : the target model: a :class:`LlamaModel`, or a transformers ``*ForCausalLM`` of a
+        supported family (Llama, Mistral, Qwen2), converted once and cached (:func:`as_target`).
     draft : a draft head bound to ``target`` (``DraftHead.load(path, target)``); None for ``ar``.
     input_ids : one prompt (a list of ints, an integer tensor [n] or [1, n]), or a batch of
         prompts of any lengths (a list of such prompts, or an integer tensor [B, n] with
@@ -686,6 +685,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
         is ever emitted that the target did not give.
     MemoryError : a KV cache could not be allocated (the message says how many bytes).
     """
+    target = as_target(target)
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, graphs=graphs)
     prompts, batched = _prompts(input_ids, lengths, target.config.vocab_size)
@@ -725,6 +725,7 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     on_tokens : None or a callable ``on_tokens(i, tokens)`` (streaming).
     keep_features : also return the target's hidden states (``GenerationOutput.features``).
     """
+    target = as_target(target)
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, bool(keep_features), graphs)
     max_batch_size = _int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)

@@ -32,6 +32,60 @@ from jakiro_ext.models.llama import LlamaModel
 BUDGET_PROBE_STEPS = 10  # with a budget in minutes, the steps are set from these first steps' time
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in a data-parallel run: rank ``rank`` of ``world`` processes (one
+    process: rank 0 of 1, and every collective is the identity)."""
+    rank: int = 0
+    world: int = 1
+
+    def sum(self, values: Sequence[float]) -> List[float]:
+        """Each value summed over the processes (float64)."""
+        if self.world == 1:
+            return [float(v) for v in values]
+        import torch.distributed as dist
+
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def max(self, value: float) -> float:
+        if self.world == 1:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def close(self) -> None:
+        """Leave the process group, all processes together (one leaving while another still
+        talks to it can end the process with an abort)."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+            dist.destroy_process_group()
+
+
+def init_distributed() -> Ranks:
+    """Join the process group when launched by ``torchrun`` with more than one process
+    (``WORLD_SIZE``; gloo, which runs on the CPU: the training here does); else one process."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Ranks()
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
 @dataclass
 class TrainConfig:
     epochs: float = 4.0
@@ -85,6 +139,10 @@ def make_example(target: LlamaModel, tokens: torch.Tensor, loss_mask: Optional[t
     return Example(tokens, target_features(target, tokens), mask)
 
 
+def batch_length(examples: Sequence[Example], max_len: int) -> int:
+    return min(max_len, max(ex.tokens.numel() for ex in examples))
+
+
 @dataclass
 class Batch:
     tokens: torch.Tensor  # [B, L], padded with 0
@@ -92,9 +150,10 @@ class Batch:
     loss_mask: torch.Tensor  # [B, L], False on padding
 
 
-def collate(examples: Sequence[Example], max_len: int) -> Batch:
-    """Right-padded batch (causal attention: padding never reaches the real rows)."""
-    L = min(max_len, max(ex.tokens.numel() for ex in examples))
+def collate(examples: Sequence[Example], max_len: int, length: Optional[int] = None) -> Batch:
+    """Right-padded batch (causal attention: padding never reaches the real rows), ``length``
+    positions long (default: the longest example's, at most ``max_len``)."""
+    L = length or batch_length(examples, max_len)
     if L < 4:
         raise ValueError(f"training sequences need at least 4 tokens, the longest here has {L}")
     B, H = len(examples), examples[0].features.shape[-1]
@@ -109,20 +168,22 @@ def collate(examples: Sequence[Example], max_len: int) -> Batch:
     return Batch(tokens, features, mask)
 
 
-def _branch_loss(head: DraftHead, rows: "Scored", w_feature: float, w_token: float):
+def _branch_loss(head: DraftHead, rows: "Scored", w_feature: float, w_token: float, total: int):
     """One branch's feature + token loss over the masked rows, and its top-1 hits and count
     (the head's best draft token against the sequence's token). The token loss is the cross
-    entropy against the target's distribution of the wanted feature (``rows.want_probs``)."""
+    entropy against the target's distribution of the wanted feature (``rows.want_probs``). The
+    losses are sums over these rows divided by ``total``, the rows of the whole (global) batch:
+    the per-row means of one process, and their shares when several split a batch."""
     mask = rows.mask
     pred, want, next_tokens = rows.pred[mask], rows.want[mask], rows.tokens[mask]
     if pred.shape[0] == 0:
         return pred.sum() * 0.0, 0, 0
-    loss = w_feature * F.smooth_l1_loss(pred, want)
+    loss = w_feature * F.smooth_l1_loss(pred, want, reduction="sum") / (total * pred.shape[-1])
     logits = pred @ head.lm_head_weight.T
     if w_token:  # soft cross entropy against the target's top tokens: -sum p_j log q_j
         probs, ids = rows.want_probs.probs[mask], rows.want_probs.ids[mask]
         ce = -(probs * torch.log_softmax(logits, -1).gather(-1, ids)).sum(-1)  # log_softmax: one fused pass
-        loss = loss + w_token * ce.mean()
+        loss = loss + w_token * ce.sum() / total
     hits = int((head.target_ids(logits.detach().argmax(-1)) == next_tokens).sum())
     return loss, hits, int(mask.sum())
 
@@ -182,14 +243,30 @@ def _scored(batch: Batch, step: DraftStep, s: int, ahead: int, probs: Optional[T
                   batch.loss_mask[:, s + ahead + 1:], batch.tokens[:, s + ahead + 1:])
 
 
-def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, generator: Optional[torch.Generator] = None):
-    """The training loss of a batch and its metrics (top-1 accuracy of each branch at each step).
-    With ``cfg.ttt_steps`` the head is unrolled on its own features for that many extra steps,
-    step s's loss weighted by ``cfg.ttt_decay ** s`` (EAGLE-3's 0.8)."""
-    L = batch.tokens.shape[1]
+def scored_rows(batch: Batch, cfg: TrainConfig, moe: bool) -> Dict[str, int]:
+    """How many rows each loss term of ``batch_loss`` scores (``acc{s}`` and, for a MoE head,
+    ``acc{s}_contrastive``), known from the batch alone: what the terms are divided by."""
+    L, rows = batch.tokens.shape[1], {}
+    for s in range(1 + cfg.ttt_steps):
+        for ahead in ((1, 2) if moe and (cfg.w_feature2 or cfg.w_token2) else (1,)):
+            n = max(L - s - ahead - 1, 0)
+            rows[f"acc{s + ahead}" + ("_contrastive" if ahead == 2 else "")] = int(
+                batch.loss_mask[:, s + ahead + 1:][:, :n].sum())
+    return rows
+
+
+def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[torch.Tensor] = None,
+               totals: Optional[Dict[str, int]] = None):
+    """The training loss of a batch and its metrics: each term's top-1 hits and scored rows
+    (``hits_acc1``, ``rows_acc1``, ...; the accuracy of each branch at each step). With
+    ``cfg.ttt_steps`` the head is unrolled on its own features for that many extra steps, step
+    s's loss weighted by ``cfg.ttt_decay ** s`` (EAGLE-3's 0.8). ``noise`` [B, L - 1, H] is added
+    to the input features; ``totals``: each term's rows in the whole batch when several processes
+    split it (default: this batch's, :func:`scored_rows`)."""
     feats = batch.features[:, :-1]
-    if generator is not None and cfg.noise:
-        feats = feats + (torch.rand(feats.shape, generator=generator) - 0.5) * (cfg.noise * 512 / L)
+    if noise is not None:
+        feats = feats + noise
+    totals = totals or scored_rows(batch, cfg, head.config.num_experts > 0)
     loss = batch.features.new_zeros(())
     metrics = {}
     probs = None
@@ -197,24 +274,35 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, generator: Optio
         probs = target_top_probs(head, batch.features, cfg.token_loss_top)
     for s, step in unroll(head, batch, 1 + cfg.ttt_steps, feats):
         weight = cfg.ttt_decay ** s
-        part, hits, n = _branch_loss(head, _scored(batch, step, s, 1, probs), cfg.w_feature, cfg.w_token)
-        loss = loss + weight * part
-        metrics[f"acc{s + 1}"] = hits / max(n, 1)
+        terms = [(f"acc{s + 1}", 1, cfg.w_feature, cfg.w_token)]
         if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
-            part, hits, n = _branch_loss(head, _scored(batch, step, s, 2, probs), cfg.w_feature2, cfg.w_token2)
+            terms.append((f"acc{s + 2}_contrastive", 2, cfg.w_feature2, cfg.w_token2))
+        for name, ahead, w_feature, w_token in terms:
+            part, hits, n = _branch_loss(head, _scored(batch, step, s, ahead, probs), w_feature, w_token,
+                                         max(totals[name], 1))
             loss = loss + weight * part
-            metrics[f"acc{s + 2}_contrastive"] = hits / max(n, 1)
+            metrics[f"hits_{name}"], metrics[f"rows_{name}"] = hits, n
     return loss, metrics
+
+
+def batch_noise(cfg: TrainConfig, step: int, rows: int, length: int, hidden: int) -> Optional[torch.Tensor]:
+    """Step ``step``'s uniform noise on the input features of a batch of ``rows`` sequences
+    ``length`` long: width cfg.noise * 512 / length, a function of (seed, step) alone."""
+    if not cfg.noise:
+        return None
+    g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
+    return (torch.rand((rows, length - 1, hidden), generator=g) - 0.5) * (cfg.noise * 512 / length)
 
 
 @torch.no_grad()
 def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, batch_sequences: int = 16,
-             steps: int = 4) -> Dict[str, float]:
+             steps: int = 4, ranks: Ranks = Ranks()) -> Dict[str, float]:
     """Top-1 accuracy of the head's draft token against the sequence's own tokens, on the learned
     positions, drafting from the head's own features as the engine does: ``acc{s}`` for the token
     s steps ahead (s = 1..steps; the tokens fed are the sequence's, so ``acc{s}`` is the accuracy
     at depth s given the path so far was drafted right); ``acc{s+1}_contrastive`` (Jakiro) for
-    the contrastive feature of step s, which drafting uses for its parallel last step."""
+    the contrastive feature of step s, which drafting uses for its parallel last step. With
+    several processes each evaluates its share of the examples and the counts are summed."""
     was_training = head.training
     head.eval()
     hits: Dict[str, int] = {}
@@ -226,14 +314,19 @@ def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, bat
         hits[name] = hits.get(name, 0) + int((best == tokens).sum())
         counts[name] = counts.get(name, 0) + int(tokens.numel())
 
-    for i in range(0, len(examples), batch_sequences):
-        b = collate(examples[i: i + batch_sequences], cfg.max_seq_len)
+    mine = list(examples)[ranks.rank::ranks.world]
+    for i in range(0, len(mine), batch_sequences):
+        b = collate(mine[i: i + batch_sequences], cfg.max_seq_len)
         for s, step in unroll(head, b, steps):
             add(f"acc{s + 1}", _scored(b, step, s, 1))
             if step.expert_out is not None:
                 add(f"acc{s + 2}_contrastive", _scored(b, step, s, 2))
     head.train(was_training)
-    return {k: hits[k] / max(counts[k], 1) for k in hits}
+    names = [f"acc{s + 1}" for s in range(steps)]
+    if head.config.num_experts:
+        names += [f"acc{s + 2}_contrastive" for s in range(steps)]
+    summed = ranks.sum([hits.get(k, 0) for k in names] + [counts.get(k, 0) for k in names])
+    return {k: summed[i] / max(summed[len(names) + i], 1) for i, k in enumerate(names)}
 
 
 def _batches(examples: Sequence[Example], cfg: TrainConfig, epoch: int) -> List[List[int]]:
@@ -250,16 +343,37 @@ def _batches(examples: Sequence[Example], cfg: TrainConfig, epoch: int) -> List[
     return [batches[i] for i in perm]
 
 
+class _HeadLoss(torch.nn.Module):
+    """The head's batch loss as a module's forward, for DistributedDataParallel to wrap."""
+
+    def __init__(self, head: DraftHead):
+        super().__init__()
+        self.head = head
+
+    def forward(self, batch: Batch, cfg: TrainConfig, noise: Optional[torch.Tensor], totals: Dict[str, int]):
+        return batch_loss(self.head, batch, cfg, noise, totals)
+
+
 def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                eval_examples: Sequence[Example] = (), checkpoint: Optional[os.PathLike] = None,
-               on_step: Optional[Callable[[int, dict], None]] = None) -> List[dict]:
+               on_step: Optional[Callable[[int, dict], None]] = None, ranks: Ranks = Ranks()) -> List[dict]:
     """Optimise the head's own weights (the target's embedding and LM head stay frozen) with
     AdamW, linear warm-up then cosine decay. Returns the history: one dict per step (loss,
     accuracies, lr, and the evaluation's when one ran).
 
     ``checkpoint``: a file written every ``cfg.checkpoint_every`` steps (head, optimiser, schedule,
     step, history); when it exists the run resumes from it, bit-exactly (the batch order and the
-    noise are functions of the seed and the step)."""
+    noise are functions of the seed and the step).
+
+    ``ranks``: with several processes (:func:`init_distributed`, under torchrun) each takes its
+    share of every batch (sequences rank, rank + world, ...), padded to the whole batch's length,
+    with its rows of the batch's noise; the loss terms are divided by the whole batch's rows and
+    DistributedDataParallel sums the gradients, so the steps are those of one process running the
+    same batches (to float rounding), on any number of processes, resumed on any other number.
+    Rank 0 writes the checkpoint and calls ``on_step``; every process returns the same history."""
+    if cfg.batch_sequences < ranks.world:
+        raise ValueError(f"a batch of {cfg.batch_sequences} sequences cannot be shared by {ranks.world} processes "
+                         "(batch_sequences >= processes)")
     if head.lm_head_weight is None:
         raise ValueError("bind the head to its target first (head.bind(target))")
     if not examples:
@@ -271,6 +385,9 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                          f"their time, before the schedule depends on them), got {cfg.warmup_steps}")
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    model: torch.nn.Module = _HeadLoss(head)
+    if ranks.world > 1:  # (experts no token was routed to get no gradient on some processes)
+        model = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     UNSET = 10**9
     total = cfg.total_steps(len(examples)) or UNSET  # a budget in minutes: set after the probe steps
 
@@ -305,27 +422,42 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     step, t_start = start, time.perf_counter()
     while step < total:
         if cfg.minutes and total == UNSET and step >= BUDGET_PROBE_STEPS and step > start:
-            per_step = (time.perf_counter() - t_start) / (step - start)
+            per_step = ranks.max((time.perf_counter() - t_start) / (step - start))  # (one total for all)
             total = step + max(1, int((cfg.minutes * 60 - per_step * step) / per_step))
         epoch = step // per_epoch
         if epoch != epoch_of:
             epoch_batches, epoch_of = _batches(examples, cfg, epoch), epoch
-        picks = epoch_batches[(step % per_epoch) % len(epoch_batches)]
-        noise = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
-        loss, metrics = batch_loss(head, collate([examples[i] for i in picks], cfg.max_seq_len), cfg, noise)
+        chosen = [examples[i] for i in epoch_batches[(step % per_epoch) % len(epoch_batches)]]
+        length = batch_length(chosen, cfg.max_seq_len)
+        # An epoch's last batch may leave a process without a sequence: it runs the first one
+        # with a zero weight, as every process must take part in the gradients' reduction.
+        share = list(range(len(chosen)))[ranks.rank::ranks.world]
+        idle = not share
+        share = share or [0]
+        batch = collate([chosen[i] for i in share], cfg.max_seq_len, length)
+        noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
+        rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0).items()}
+        names = sorted(rows)
+        totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
+        loss, metrics = model(batch, cfg, None if noise is None else noise[share], totals)
+        if idle:
+            loss, metrics = loss * 0.0, {k: 0 for k in metrics}
         opt.zero_grad()
-        loss.backward()
+        (loss * ranks.world).backward()  # DDP averages the processes' gradients; the batch's are their sum
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
         opt.step()
         sched.step()
-        record = {"step": step + 1, "loss": float(loss.detach()), "lr": opt.param_groups[0]["lr"], **metrics}
+        summed = ranks.sum([float(loss.detach())] + [metrics[f"hits_{k}"] for k in names])
+        record = {"step": step + 1, "loss": summed[0], "lr": opt.param_groups[0]["lr"],
+                  **{k: summed[1 + i] / max(totals[k], 1) for i, k in enumerate(names)}}
         last = step + 1 == total
         if eval_examples and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
-            record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg).items()})
+            record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg, ranks=ranks).items()})
         history.append(record)
-        if on_step:
+        if on_step and ranks.rank == 0:
             on_step(step, record)
-        if checkpoint is not None and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last):
+        if (checkpoint is not None and ranks.rank == 0
+                and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last)):
             tmp = Path(str(checkpoint) + ".tmp")
             torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
                         "step": step + 1, "history": history, "config": asdict(cfg), "total": total,

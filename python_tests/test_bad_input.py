@@ -440,9 +440,11 @@ def cli(monkeypatch, capsys, default_target):
     lines, whether the model was asked for)."""
     loads = []
 
-    def load_target(dtype_name):
+    def load_target(dtype_name, device="cpu", directory=None):
+        from jakiro_ext.models.default import DEFAULT_MODEL
+
         loads.append(dtype_name)
-        return default_target
+        return (*default_target, DEFAULT_MODEL)
     monkeypatch.setattr(cli_module, "load_target", load_target)
 
     def run(*argv):

@@ -86,3 +86,35 @@ def test_bad_options_are_clear_errors(capsys):
     assert "dynamic tree needs total_tokens in [2, 1024]" in capsys.readouterr().err
     assert main(["demo", "--temperature", "0.5"]) == 2
     assert "demo compares greedy decodings" in capsys.readouterr().err
+
+
+def test_generate_and_bench_take_a_local_transformers_target(capsys, tmp_path):
+    # --target DIR: a transformers model directory (here a tiny random Llama with the default
+    # model's tokenizer), nothing fetched; the tokens are the engine's on that model.
+    import torch
+    import transformers
+
+    from jakiro_ext.engine import speculative_generate
+    from jakiro_ext.models.default import load_default_hf
+    from jakiro_ext.models.llama import LlamaModel
+
+    _, tokenizer = load_default_hf(torch.float32)
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path / "tiny")
+    tokenizer.save_pretrained(tmp_path / "tiny")
+    out = run_json(capsys, ["generate", "Name a fruit.", "--target", str(tmp_path / "tiny"), "--method", "ar",
+                            "--max-new-tokens", "8", "--json"])
+    from jakiro_ext.cli import chat_ids
+
+    ids = chat_ids(tokenizer, "Name a fruit.")
+    expected = speculative_generate(LlamaModel.from_hf(hf), None, ids, 8, eos_token_id=tokenizer.eos_token_id)
+    assert out["token_ids"] == expected.token_ids
+    bench = run_json(capsys, ["bench", "--target", str(tmp_path / "tiny"), "--method", "ar", "--method", "eagle2",
+                              "--limit", "1", "--max-new-tokens", "4", "--json"])
+    assert bench["methods"]["eagle2"]["all_same_tokens_as_ar"] is True  # (a random head: the warning says so)
+    assert main(["generate", "x", "--target", str(tmp_path / "nothing")]) == 2
+    assert "not a transformers model directory (no config.json)" in capsys.readouterr().err

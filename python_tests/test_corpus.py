@@ -3,6 +3,7 @@ later turns continue the conversation with the target's own answers, shards resu
 and the target are checked, and the features (cached while generating or recomputed by batched
 prefill) are the target's."""
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -141,6 +142,28 @@ def test_corpus_train_calibrate_commands(tmp_path):
                  "--ttt-steps", "2", "--checkpoint-every", "0"]) == 0
     summary = json.loads((head_dir / "training.json").read_text())
     assert summary["train"]["ttt_steps"] == 2 and summary["data"]["target_sha256"] == meta["settings"]["target_sha256"]
+    # The same training on 2 processes under torchrun (gloo): rank 0 saves the same head (up to
+    # float rounding; test_train_distributed.py compares the trajectories closely).
+    import os
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "jakiro_ext", "train", "--kind", "jakiro", "--out", str(tmp_path / "two"),
+                          "--data", str(corpus), "--steps", "3", "--warmup-steps", "1", "--batch", "2",
+                          "--draft-vocab", "256", "--eval-every-nth", "2", "--ttt-steps", "2", "--checkpoint-every", "0",
+                          "--threads", "1"], env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-8000:]
+    two = json.loads((tmp_path / "two" / "training.json").read_text())
+    assert two["train"]["processes"] == 2 and two["data"] == summary["data"]
+    for key, value in summary["final_eval"].items():
+        assert abs(two["final_eval"][key] - value) <= 0.05, key
+    from safetensors.torch import load_file
+    one, both = load_file(str(head_dir / "model.safetensors")), load_file(str(tmp_path / "two" / "model.safetensors"))
+    for name, value in one.items():
+        torch.testing.assert_close(both[name].float(), value.float(), atol=2e-2, rtol=2e-2)
     # Conversations 0 and 2 held out (every 2nd), with their later turns.
     assert summary["data"]["held_out_sequences"] == sum(1 for q in read_corpus(corpus) if q.conversation % 2 == 0)
     target, tokenizer = load_default_target()

@@ -220,7 +220,7 @@ def cli_cases(rng: random.Random, tmp: Path):
     from jakiro_ext.models import load_default_target
 
     model, tokenizer = load_default_target(torch.float32)
-    cli.load_target = lambda dtype_name: (model, tokenizer)  # loaded once for every case
+    cli.load_target = lambda *args: (model, tokenizer, "SmolLM2-135M-Instruct")  # loaded once for every case
     shipped = REPO / "jakiro_ext" / "heads" / "SmolLM2-135M-Instruct-jakiro"
     (tmp / "empty-head").mkdir()
     (tmp / "corrupt-head").mkdir()

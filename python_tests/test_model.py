@@ -139,3 +139,34 @@ def test_default_model_logits_match_transformers():
         logits, _ = ours(nxt, cache)
         cache.commit(1)
         torch.testing.assert_close(logits[:, -1], reference_logits(hf, seq)[:, -1], atol=2e-3, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    # Llama 3's RoPE scaling with a short original context (16) so that 90 positions reach every
+    # regime (kept, interpolated, stretched wavelengths), and sharper attention (q, k x 8) so that
+    # positions matter: without the scaling the logits are 0.4 apart.
+    torch.manual_seed(0)
+    rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    cfg = transformers.LlamaConfig(**TINY, head_dim=16, tie_word_embeddings=True, rope_parameters=rope)
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:
+            layer.self_attn.q_proj.weight.mul_(8)
+            layer.self_attn.k_proj.weight.mul_(8)
+    ours = LlamaModel.from_hf(hf)
+    assert ours.config.rope_scaling == {k: float(v) for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
+    tokens = torch.randint(0, 211, (2, 90), generator=gen(1))
+    logits, _ = ours(tokens, ours.new_cache(batch=2, capacity=128))
+    reference = reference_logits(hf, tokens)
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+    ours.config.rope_scaling, ours._rope_table = None, None  # the negative control
+    plain, _ = ours(tokens, ours.new_cache(batch=2, capacity=128))
+    assert float((plain - reference).abs().max()) > 0.1
+    # Other scaling types, and llama3 without its numbers, stay errors.
+    for bad, message in [({"rope_type": "yarn", "factor": 4.0}, r"RoPE type 'yarn' is not supported"),
+                         ({"rope_type": "llama3", "factor": 8.0}, r"llama3 RoPE scaling needs the numbers")]:
+        cfg = transformers.LlamaConfig(**TINY, head_dim=16)
+        cfg.rope_parameters = {"rope_theta": 1e4, **bad}  # (set after transformers' own validation)
+        with pytest.raises(ValueError, match=message):
+            LlamaConfig.from_hf(cfg)

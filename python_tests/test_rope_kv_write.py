@@ -85,10 +85,17 @@ def test_rope_kv_write_bad_input_errors(any_backend):
         ((qkv, cos[:, :2], sin, cache, lengths), r"cos must have shape \[B, T, D\] = \[2, 3, 8\], got \[2, 2, 8\]"),
         ((qkv, cos, sin, cache.transpose(3, 4), lengths), r"kv_cache must have contiguous \[S, D\] rows"),
         ((qkv, cos, sin, cache, lengths.int()), r"lengths must have dtype Long"),
-        ((qkv, cos, sin, cache, torch.tensor([0, 6])), r"lengths\[1\] \+ new tokens = 6 \+ 3 must be within \[0, cache "
-                                                       r"capacity 8"),
-        ((qkv, cos, sin, cache, torch.tensor([-1, 0])), r"lengths\[0\] \+ new tokens = -1 \+ 3"),
     ]
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
             any_backend.run("rope_kv_write", *args)
+    # Lengths that leave no room: the CPU op raises; a GPU kernel (and its emulation) reads no
+    # value on the host, writes no k or v there and reports it to the device's error word.
+    for bad, message in [([0, 6], r"lengths\[1\] \+ new tokens = 6 \+ 3 must be within \[0, cache capacity 8"),
+                         ([-1, 0], r"lengths\[0\] \+ new tokens = -1 \+ 3")]:
+        if any_backend.name == "cpu":
+            with pytest.raises(RuntimeError, match=message):
+                any_backend.run("rope_kv_write", qkv, cos, sin, cache, torch.tensor(bad))
+        else:
+            any_backend.run("rope_kv_write", qkv, cos, sin, cache, torch.tensor(bad))
+            assert any_backend.ops.device_errors(any_backend.to_device(qkv)).tolist() == [2]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, project, rope_cos_sin, rotary
+from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project, rope_cos_sin,
+                                     rotary)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -224,7 +225,8 @@ class DraftHead(nn.Module):
 
     def bind(self, target: LlamaModel) -> "DraftHead":
         """Share the target's embedding and LM head (its draft-vocabulary rows); a head made for
-        another target is an error."""
+        another target is an error. ``target``: a LlamaModel or a transformers causal LM (:func:`as_target`)."""
+        target = as_target(target)
         self.check_target(target)
         c = self.config
         self.embed_weight = target.embed_tokens.weight.detach()  # shared, frozen
@@ -235,47 +237,83 @@ class DraftHead(nn.Module):
         self.lm_head_weight = lm_head
         return self.to(dtype=target.lm_head.weight.dtype, device=device)
 
-    def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None) -> None:
+    def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None,
+             format: str = "jakiro_ext", full_vocabulary: bool = False) -> None:
         """``config.json`` plus ``model.safetensors`` (the head's own weights, in ``dtype`` if
-        given, and the draft vocabulary); ``metadata`` (str -> str) goes into the file's header."""
+        given, and the draft vocabulary); ``metadata`` (str -> str) goes into the file's header.
+        ``format="eagle"``: a dense head in the EAGLE-1/2 format that vLLM and SGLang load for
+        their ``eagle`` method (:func:`jakiro_ext.models.head_formats.eagle_files`); a head with a
+        reduced draft vocabulary needs ``full_vocabulary=True`` (that format drafts over the whole
+        vocabulary)."""
         from safetensors.torch import save_file
 
+        from jakiro_ext.models import head_formats
+
+        if format not in ("jakiro_ext", "eagle"):
+            raise ValueError(f"format must be 'jakiro_ext' or 'eagle', got {format!r}")
         path = Path(path)
+        if format == "eagle":
+            head = self
+            if full_vocabulary and self.config.draft_vocab_size:
+                head = DraftHead(replace(self.config, draft_vocab_size=0))
+                head.load_state_dict({k: v for k, v in self.state_dict().items() if k != "draft_to_target"})
+            config, state = head_formats.eagle_files(head)
+        else:
+            config, state = asdict(self.config), self.state_dict()
         path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_FILE).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
-                 for k, v in self.state_dict().items()}
+                 for k, v in state.items()}
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", "kind": self.config.kind, **(metadata or {})})
-        if self.acceptance is not None:
+        if self.acceptance is not None and format == "jakiro_ext":
             (path / ACCEPTANCE_FILE).write_text(json.dumps(self.acceptance, indent=1) + "\n")
 
     @classmethod
-    def load(cls, path, target: Optional[LlamaModel] = None) -> "DraftHead":
-        """Load a saved head (and bind it to ``target`` when given). A missing file is a
-        FileNotFoundError, a malformed one a ValueError, each naming the file; a head made for
-        another target is refused before its weights are read."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
+    def load(cls, path, target: Optional[LlamaModel] = None, format: Optional[str] = None) -> "DraftHead":
+        """Load a head (and bind it to ``target`` when given): saved by this package, or released
+        in the EAGLE-1/2 or Jakiro format (:mod:`jakiro_ext.models.head_formats`), recognised from
+        its config and weight names (``format=`` forces one of ``head_formats.FORMATS``). A missing
+        file is a FileNotFoundError, a malformed one or one that does not match its format or
+        the target a ValueError, each naming the file and the key or shape."""
+        from jakiro_ext.models import head_formats
 
         path = Path(path)
+        target = None if target is None else as_target(target)
         if not path.is_dir():
             raise FileNotFoundError(f"draft head directory {path} not found: a draft head directory holds {CONFIG_FILE} "
                                     f"and {WEIGHTS_FILE}")
-        for name in (CONFIG_FILE, WEIGHTS_FILE):
-            if not (path / name).is_file():
-                raise FileNotFoundError(f"{path / name} not found: a draft head directory holds {CONFIG_FILE} and {WEIGHTS_FILE}")
-        head = cls(DraftConfig.from_json(path / CONFIG_FILE))
+        if format is not None and format not in head_formats.FORMATS:
+            raise ValueError(f"format must be one of {head_formats.FORMATS}, got {format!r}")
+        raw = head_formats.read_config(path)
+        if format == "jakiro_ext" or (format is None and head_formats.is_own(raw)):
+            if not (path / WEIGHTS_FILE).is_file():
+                raise FileNotFoundError(f"{path / WEIGHTS_FILE} not found: a draft head directory holds {CONFIG_FILE} "
+                                        f"and {WEIGHTS_FILE}")
+            head = cls(DraftConfig.from_json(path / CONFIG_FILE))
+            head._check_target_of(target, path)  # before the weights are read
+            state, weights = head_formats.read_weights(path)
+        else:
+            state, weights = head_formats.read_weights(path)
+            fmt = format or head_formats.detect(raw, state)
+            config, state = head_formats.to_draft_head(raw, state, fmt, str(weights))
+            head = cls(config)
+            head._check_target_of(target, path)
+        head._load_checked(state, weights)
+        if (path / ACCEPTANCE_FILE).is_file():
+            head.acceptance = _read_acceptance(path / ACCEPTANCE_FILE)
+        head.eval()
+        return head.bind(target) if target is not None else head
+
+    def _check_target_of(self, target: Optional[LlamaModel], path: Path) -> None:
         if target is not None:
             try:
-                head.check_target(target)
+                self.check_target(target)
             except ValueError as exc:
                 raise ValueError(f"{path / CONFIG_FILE}: {exc}") from None
-        weights = path / WEIGHTS_FILE
-        try:
-            state = load_file(str(weights))
-        except SafetensorError as exc:
-            raise ValueError(f"{weights}: not a readable safetensors file ({exc})") from None
-        mine = head.state_dict()
+
+    def _load_checked(self, state: dict, weights: Path) -> None:
+        """Load ``state`` after checking that it fits this head: names, shapes, finite values."""
+        mine = self.state_dict()
         missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
         problems = ([f"missing tensors {missing[:3]}"] if missing else []) + (
             [f"unexpected tensors {unexpected[:3]}"] if unexpected else [])
@@ -285,16 +323,12 @@ class DraftHead(nn.Module):
                      if v.is_floating_point() and not bool(torch.isfinite(v).all())][:3]
         if problems:
             raise ValueError(f"{weights} does not fit its {CONFIG_FILE}: " + "; ".join(problems))
-        head.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()})
-        if head.config.draft_vocab_size:
+        self.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()})
+        if self.config.draft_vocab_size:
             try:
-                head.set_draft_vocab(head.draft_to_target.clone())
+                self.set_draft_vocab(self.draft_to_target.clone())
             except ValueError as exc:
                 raise ValueError(f"{weights}: draft_to_target: {exc}") from None
-        if (path / ACCEPTANCE_FILE).is_file():
-            head.acceptance = _read_acceptance(path / ACCEPTANCE_FILE)
-        head.eval()
-        return head.bind(target) if target is not None else head
 
     def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``

@@ -6,6 +6,7 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -16,6 +17,7 @@ from torch import nn
 from jakiro_ext import ops, reference
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -33,6 +35,9 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     sliding_window: Optional[int] = None  # Mistral: caches beyond it are refused, not silently wrong
     max_position_embeddings: Optional[int] = None  # the context limit: positions the model was made for
+    # Llama 3's RoPE frequency scaling ("llama3": factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings); None: plain RoPE.
+    rope_scaling: Optional[dict] = None
 
     @classmethod
     def from_hf(cls, hf) -> "LlamaConfig":
@@ -43,8 +48,14 @@ class LlamaConfig:
             raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
         rope = getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"RoPE type {rope_type!r} is not supported (only 'default'), in {rope}")
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"RoPE type {rope_type!r} is not supported (only 'default' and 'llama3'), in {rope}")
+        scaling = None
+        if rope_type == "llama3":
+            missing = [k for k in LLAMA3_ROPE_KEYS if not isinstance(rope.get(k), (int, float))]
+            if missing:
+                raise ValueError(f"llama3 RoPE scaling needs the numbers {missing}, in {rope}")
+            scaling = {k: float(rope[k]) for k in LLAMA3_ROPE_KEYS}
         theta = rope.get("rope_theta", getattr(hf, "rope_theta", None))
         if theta is None:
             raise ValueError("the config gives no rope_theta")
@@ -61,7 +72,7 @@ class LlamaConfig:
                    rope_theta=float(theta), rms_norm_eps=hf.rms_norm_eps, qkv_bias=qkv_bias,
                    tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
                    sliding_window=getattr(hf, "sliding_window", None) if use_window else None,
-                   max_position_embeddings=getattr(hf, "max_position_embeddings", None))
+                   max_position_embeddings=getattr(hf, "max_position_embeddings", None), rope_scaling=scaling)
 
 
 class KVCache(nn.Module):
@@ -246,10 +257,28 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], -1)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device) -> torch.Tensor:
+    """The rotary frequencies [D/2] (float32), with Llama 3's scaling when given: wavelengths
+    beyond original_max_position_embeddings / low_freq_factor are stretched by ``factor``, those
+    below original_max_position_embeddings / high_freq_factor kept, those between interpolated
+    (transformers' ``_compute_llama3_parameters``, the same float32 arithmetic)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high, old = (scaling[k] for k in LLAMA3_ROPE_KEYS)
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+                 scaling: Optional[dict] = None):
     """cos and sin [B, T, 1, D] of the rotary angles at integer positions [B, T], computed in
     float32 as the checkpoints' reference code does, then cast to the model's dtype."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
     angles = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
     cos, sin = angles.cos(), angles.sin()
     return torch.cat([cos, cos], -1).to(dtype).unsqueeze(2), torch.cat([sin, sin], -1).to(dtype).unsqueeze(2)
@@ -370,7 +399,7 @@ class LlamaModel(nn.Module):
         table = getattr(self, "_rope_table", None)
         if table is None or table.shape[0] < capacity or table.dtype != dtype or table.device != positions.device:
             cos, sin = rope_cos_sin(torch.arange(capacity, device=positions.device).unsqueeze(0), c.head_dim,
-                                    c.rope_theta, dtype)
+                                    c.rope_theta, dtype, c.rope_scaling)
             table = self._rope_table = torch.cat([cos, sin], 2)[0]  # [capacity, 2, D]
         both = table[positions]  # [B, T, 2, D]
         return both[:, :, 0], both[:, :, 1]
@@ -404,3 +433,25 @@ class LlamaModel(nn.Module):
             dst[name] = torch.cat([weight(f"{prefix}{part}.{kind}") for part in fused.get(local, (local,))])
         model.load_state_dict(dst)
         return model.to(dtype or next(hf_model.parameters()).dtype).eval()
+
+
+_CONVERTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transformers model -> LlamaModel
+
+
+def as_target(model) -> LlamaModel:
+    """The engine's target for ``model``: a :class:`LlamaModel` as it is, or a transformers causal
+    LM of a supported family (``SUPPORTED_MODEL_TYPES``), converted once on its device and in its
+    dtype (:meth:`LlamaModel.from_hf`: the weights copied into the fused layout) and cached for as
+    long as the transformers model lives, so its heads and later calls share the conversion.
+    Change the transformers model's weights afterwards and the conversion no longer follows them."""
+    if isinstance(model, LlamaModel):
+        return model
+    if not (isinstance(model, nn.Module) and hasattr(model, "config") and type(model).__name__.endswith("ForCausalLM")):
+        raise TypeError(f"target must be a LlamaModel or a transformers *ForCausalLM of a supported family "
+                        f"{SUPPORTED_MODEL_TYPES}, got {type(model).__name__}")
+    converted = _CONVERTED.get(model)
+    if converted is None:
+        device = next(model.parameters()).device
+        converted = _CONVERTED[model] = LlamaModel.from_hf(model).to(device)
+    return converted
+

@@ -1,0 +1,187 @@
+"""Draft heads in the formats their authors publish: read into this package's
+:class:`~jakiro_ext.models.draft_head.DraftHead`, and written for the serving engines.
+
+A directory holds ``config.json`` (a transformers-style Llama config) and the weights
+(``model.safetensors`` or ``pytorch_model.bin``):
+
+- ``eagle`` (EAGLE-1 / EAGLE-2, as vLLM and SGLang load them for their ``eagle`` method): ``fc``
+  [H, 2H] with bias over ``cat(embedding, feature)``, one decoder layer ``layers.0.*`` with no norm
+  before its attention (``layers.0.input_layernorm.weight``, when present, is unused), a dense
+  SwiGLU ``layers.0.mlp``; optionally ``embed_tokens.weight`` (the target's, shared here);
+- ``jakiro`` (the released Jakiro heads): the same, with the MoE ``layers.0.mlp_moe``: router
+  ``gate.weight`` [N + 2, H] and SwiGLU ``experts.{i}``; config keys ``num_local_experts`` and
+  ``num_experts_per_tok`` (2).
+
+(EAGLE-3 heads, ``midlayer.*``, are recognised and refused with a clear error: their architecture
+is not implemented yet.)
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import torch
+
+SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
+FORMATS = ("jakiro_ext", "eagle", "jakiro")  # jakiro_ext: this package's own (draft_head.py)
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def read_config(path: Path) -> dict:
+    file = path / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found: a draft head directory holds config.json and its weights "
+                                f"({SAFETENSORS} or {TORCH_BIN})")
+    try:
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{file}: not a JSON config ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Path]:
+    """The tensors of ``model.safetensors``, else of ``pytorch_model.bin`` (loaded with
+    ``weights_only``: no code runs), and the file they came from."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if (path / SAFETENSORS).is_file():
+        file = path / SAFETENSORS
+        try:
+            return load_file(str(file)), file
+        except SafetensorError as exc:
+            raise ValueError(f"{file}: not a readable safetensors file ({exc})") from None
+    if (path / TORCH_BIN).is_file():
+        file = path / TORCH_BIN
+        try:
+            state = torch.load(str(file), map_location="cpu", weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unpickling failure is a bad file
+            raise ValueError(f"{file}: not a readable PyTorch weights file ({exc})") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise ValueError(f"{file}: expected a dict of tensors (a state dict)")
+        return state, file
+    raise FileNotFoundError(f"no weights in {path}: expected {SAFETENSORS} or {TORCH_BIN}")
+
+
+def is_own(config: dict) -> bool:
+    """Whether config.json is this package's own (DraftConfig's keys, no transformers architecture)."""
+    return "architectures" not in config and "num_experts" in config
+
+
+def detect(config: dict, keys) -> str:
+    """The format of a head from its config and weight names."""
+    keys = set(keys)
+    if is_own(config):
+        return "jakiro_ext"
+    if any(k.startswith("midlayer.") for k in keys):
+        return "eagle3"
+    if "layers.0.mlp_moe.gate.weight" in keys:
+        return "jakiro"
+    if "fc.weight" in keys and "layers.0.mlp.gate_proj.weight" in keys:
+        return "eagle"
+    raise ValueError("not a draft head format this package reads: expected this package's config, EAGLE-1/2 keys "
+                     "(fc.weight, layers.0.mlp.gate_proj.weight) or Jakiro keys (layers.0.mlp_moe.gate.weight); "
+                     f"found keys {sorted(keys)[:6]}")
+
+
+def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where: str):
+    """(DraftConfig, this package's state dict) of an ``eagle`` or ``jakiro`` head; anything that
+    does not match the format is a ValueError naming ``where`` and the key or shape."""
+    from jakiro_ext.models.draft_head import DraftConfig
+
+    if fmt == "eagle3":
+        raise ValueError(f"{where}: an EAGLE-3 head (midlayer.*): its architecture (q/k/v over 2H, fc over three "
+                         "target layers, its own LM head and d2t) is not implemented yet")
+    if fmt not in ("eagle", "jakiro"):
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+
+    def need(key: str) -> torch.Tensor:
+        if key not in state:
+            raise ValueError(f"{where}: a {fmt} head needs the tensor {key!r}, which is missing")
+        return state[key]
+
+    def setting(name: str, default=None):
+        value = config.get(name, default)
+        if value is None:
+            raise ValueError(f"{where}: config.json needs {name!r}")
+        return value
+
+    if config.get("rope_scaling") is not None:
+        raise ValueError(f"{where}: rope_scaling {config['rope_scaling']} is not supported for draft heads")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act must be 'silu' (SwiGLU), got {config['hidden_act']!r}")
+    fc = need("fc.weight")
+    H = setting("hidden_size", fc.shape[0])
+    heads = setting("num_attention_heads")
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or H // heads
+    ours = {"fc.weight": fc, "fc.bias": need("fc.bias"),
+            "post_attention_layernorm.weight": need("layers.0.post_attention_layernorm.weight")}
+    for name in _ATTENTION:
+        ours[f"{name}.weight"] = need(f"layers.0.self_attn.{name}.weight")
+        if f"layers.0.self_attn.{name}.bias" in state:
+            raise ValueError(f"{where}: layers.0.self_attn.{name}.bias: attention biases are not supported in draft heads")
+    used = {f"layers.0.self_attn.{n}.weight" for n in _ATTENTION} | {
+        "fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight"}
+    ignored = {"embed_tokens.weight", "layers.0.input_layernorm.weight"}  # shared with the target / unused by layer 0
+    if fmt == "eagle":
+        for name in _MLP:
+            ours[f"{name}.weight"] = need(f"layers.0.mlp.{name}.weight")
+            used.add(f"layers.0.mlp.{name}.weight")
+        experts, width = 0, ours["gate_proj.weight"].shape[0]
+    else:
+        router = need("layers.0.mlp_moe.gate.weight")
+        experts = router.shape[0] - 2
+        declared = config.get("num_local_experts", experts)
+        if declared != experts or experts < 2:
+            raise ValueError(f"{where}: layers.0.mlp_moe.gate.weight has {router.shape[0]} rows: N + 2 for N = "
+                             f"{experts} experts, but config.json says num_local_experts {declared} (N >= 2)")
+        if config.get("num_experts_per_tok", 2) != 2:
+            raise ValueError(f"{where}: num_experts_per_tok must be 2 (top-2 routing), got {config['num_experts_per_tok']}")
+        stacked = {n: [need(f"layers.0.mlp_moe.experts.{i}.{n}.weight") for i in range(experts)] for n in _MLP}
+        for n, tensors in stacked.items():
+            if len({tuple(t.shape) for t in tensors}) != 1:
+                raise ValueError(f"{where}: the experts' {n}.weight differ in shape: {[list(t.shape) for t in tensors]}")
+        ours.update({"router": router, "w_gate": torch.stack(stacked["gate_proj"]),
+                     "w_up": torch.stack(stacked["up_proj"]), "w_down": torch.stack(stacked["down_proj"])})
+        used |= {"layers.0.mlp_moe.gate.weight"} | {f"layers.0.mlp_moe.experts.{i}.{n}.weight"
+                                                   for i in range(experts) for n in _MLP}
+        width = ours["w_gate"].shape[1]
+    unknown = sorted(set(state) - used - ignored)
+    if unknown:
+        raise ValueError(f"{where}: tensors a {fmt} head does not have: {unknown[:4]}")
+    draft = DraftConfig(hidden_size=H, vocab_size=setting("vocab_size"), num_heads=heads, num_kv_heads=kv_heads,
+                        head_dim=head_dim, intermediate_size=width, num_experts=experts,
+                        rope_theta=float(config.get("rope_theta", 10000.0)), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                        renormalize=bool(config.get("norm_topk_prob", False)))
+    return draft, ours
+
+
+def eagle_files(head) -> Tuple[dict, Dict[str, torch.Tensor]]:
+    """config.json and the tensors of a dense head in the ``eagle`` format (what vLLM's and
+    SGLang's ``eagle`` methods load: a one-layer ``LlamaForCausalLM`` config, which both engines
+    map to their EAGLE draft model)."""
+    c = head.config
+    if c.num_experts:
+        raise ValueError("the eagle format holds dense heads: a Jakiro (MoE) head, and its contrastive step, need an "
+                         "engine plugin (not written yet)")
+    if c.draft_vocab_size:
+        raise ValueError(f"this head drafts over {c.draft_vocab_size} of the target's tokens, which the eagle format "
+                         "cannot say (its drafts would range over the whole vocabulary): save it with "
+                         "full_vocabulary=True to accept that")
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+              "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+              "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+              "rope_scaling": None, "vocab_size": c.vocab_size, "bias": True, "tie_word_embeddings": False}
+    mine = head.state_dict()
+    state = {"fc.weight": mine["fc.weight"], "fc.bias": mine["fc.bias"],
+             "layers.0.post_attention_layernorm.weight": mine["post_attention_layernorm.weight"]}
+    state.update({f"layers.0.self_attn.{n}.weight": mine[f"{n}.weight"] for n in _ATTENTION})
+    state.update({f"layers.0.mlp.{n}.weight": mine[f"{n}.weight"] for n in _MLP})
+    return config, state

@@ -325,7 +325,7 @@ class Drafter:
         if hybrid:
             lp, ids = self._topk(torch.stack([step.feature, step.contrastive_feature()], 2), k)  # [B, R, 2, k]
             return (lp[:, :, 0], ids[:, :, 0]), (lp[:, :, 1], ids[:, :, 1])
-        return self._topk(step.feature, k), None
+        return self._topk(step.for_lm_head, k), None
 
     def _run_layer(self, tree: DraftTree, frontier: torch.Tensor, depth: int, features: torch.Tensor,
                    tree_kv: TreeKV, kv_nodes: Optional[torch.Tensor]) -> DraftStep:

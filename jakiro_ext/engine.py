@@ -368,6 +368,8 @@ class _Batch:
         self.drafter: Optional[Drafter] = None
         self.root_parent = torch.tensor([[-1]], device=self.device)
         self.replay = None if s.graphs == "eager" else Replay(self._draft_and_verify, s.graphs)
+        # The target's layers an EAGLE-3 head reads (None: its final hidden states, as the others)
+        self.feature_layers = getattr(draft, "feature_layers", None) if method.head is not None else None
 
     @property
     def seqs(self) -> List[_Sequence]:
@@ -385,7 +387,7 @@ class _Batch:
         ids = seq.ids.to(self.device)
         n = ids.numel()
         one = self.target.new_cache(1, n)
-        logits, hidden = self.target(ids.unsqueeze(0), one, last_logits_only=True)
+        logits, hidden = self.target(ids.unsqueeze(0), one, last_logits_only=True, feature_layers=self.feature_layers)
         one.commit(n)
         seq.stats.target_forwards += 1
         s = self.settings
@@ -532,7 +534,8 @@ class _Batch:
             self.drafter.root_step = DraftStep(*(None if t is None else next(fields) for t in self.drafter.root_step))
         forwards = self.drafter.forwards
         tree = self.drafter.draft(roots)
-        logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents, check=False), tree.depths)
+        logits, hidden = self.target(tree.tokens, self.cache, ops.build_tree_mask(tree.parents, check=False), tree.depths,
+                                     feature_layers=self.feature_layers)
         T = tree.tokens.shape[1]
         uniforms = None if draws is None else torch.cat([draws[:, :T], draws[:, -1:]], 1)
         path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,

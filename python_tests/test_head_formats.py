@@ -97,7 +97,7 @@ def test_released_fp16_heads_load_with_format_forced(target, tmp_path):
             == speculative_generate(target, None, ids, 20).token_ids)
     with pytest.raises(ValueError, match=r"a eagle head needs the tensor 'layers.0.mlp.gate_proj.weight', which is missing"):
         DraftHead.load(path, target, format="eagle")
-    with pytest.raises(ValueError, match=r"format must be one of \('jakiro_ext', 'eagle', 'jakiro'\), got 'medusa'"):
+    with pytest.raises(ValueError, match=r"format must be one of \('jakiro_ext', 'eagle', 'jakiro', 'eagle3'\), got 'medusa'"):
         DraftHead.load(path, target, format="medusa")
 
 
@@ -127,7 +127,7 @@ def test_released_heads_that_do_not_fit_are_clear_errors(target, tmp_path):
         (variant("shape", lambda s: s.update({"layers.0.mlp.down_proj.weight": torch.zeros(64, 10)})),
          r"down_proj.weight has shape \[64, 10\], expected \[64, 96\]"),
         (variant("eagle3", lambda s: s.update({"midlayer.hidden_norm.weight": torch.ones(64)})),
-         r"an EAGLE-3 head \(midlayer\.\*\).*not implemented yet"),
+         r"an eagle3 head needs the tensor 'lm_head.weight', which is missing"),
     ]
     for path, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -192,3 +192,124 @@ def test_a_transformers_model_is_a_target(tmp_path):
     assert out.token_ids == speculative_generate(converted, None, ids, 16).token_ids
     with pytest.raises(TypeError, match=r"target must be a LlamaModel or a transformers \*ForCausalLM .* got Linear"):
         speculative_generate(torch.nn.Linear(2, 2), None, ids, 4)
+
+
+# ----------------------------------------------------------------------------- EAGLE-3
+def six_layer_target():
+    """A transformers Llama deep enough for EAGLE-3's default layers (2, L / 2, L - 3 = 2, 3, 3)."""
+    import transformers
+
+    torch.manual_seed(5)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def write_eagle3(path, vocab=211, H=64, draft_ids=None, layers=None, seed=0, dtype=torch.float16):
+    """A checkpoint as EAGLE-3 / SpecForge save it: midlayer.* with q/k/v over 2H, fc [H, 3H] without
+    bias, norm, lm_head over the draft vocabulary, d2t (draft id -> offset to the target id) and
+    t2d (target id -> in the draft vocabulary), a LlamaForCausalLMEagle3 config."""
+    g = torch.Generator().manual_seed(seed)
+    draft_ids = torch.arange(0, vocab, 3) if draft_ids is None else draft_ids
+    Vd, heads, kv, hd, inner = draft_ids.numel(), 4, 2, 16, 96
+
+    def w(*shape, std=0.2):
+        return (torch.randn(shape, generator=g) * std).to(dtype)
+    state = {"fc.weight": w(H, 3 * H, std=0.05), "norm.weight": 1 + w(H, std=0.1), "lm_head.weight": w(Vd, H),
+             "midlayer.hidden_norm.weight": 1 + w(H, std=0.1), "midlayer.input_layernorm.weight": 1 + w(H, std=0.1),
+             "midlayer.post_attention_layernorm.weight": 1 + w(H, std=0.1),
+             "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv * hd, 2 * H),
+             "midlayer.self_attn.v_proj.weight": w(kv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * hd),
+             "midlayer.mlp.gate_proj.weight": w(inner, H), "midlayer.mlp.up_proj.weight": w(inner, H),
+             "midlayer.mlp.down_proj.weight": w(H, inner),
+             "d2t": draft_ids - torch.arange(Vd), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, draft_ids[draft_ids < vocab], True)}
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+              "hidden_size": H, "intermediate_size": inner, "num_attention_heads": heads, "num_key_value_heads": kv,
+              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": vocab,
+              "draft_vocab_size": Vd, "max_position_embeddings": 2048, "torch_dtype": "float16"}
+    if layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(state, str(path / "model.safetensors"))
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def eagle3_reference(state, embed, tokens, aux, eps=1e-6, theta=10000.0, heads=4, kv=2, hd=16):
+    """EAGLE-3's layer in plain PyTorch over a whole sequence (causal), from the checkpoint's own
+    names: (the output fed to the next step, the logits over the draft vocabulary)."""
+    def rms(x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    T = tokens.numel()
+    h = aux @ state["fc.weight"].T
+    x = torch.cat([rms(embed[tokens], state["midlayer.input_layernorm.weight"]),
+                   rms(h, state["midlayer.hidden_norm.weight"])], -1)
+    q = (x @ state["midlayer.self_attn.q_proj.weight"].T).view(T, heads, hd)
+    k = (x @ state["midlayer.self_attn.k_proj.weight"].T).view(T, kv, hd)
+    v = (x @ state["midlayer.self_attn.v_proj.weight"].T).view(T, kv, hd)
+    inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
+    ang = torch.arange(T).float()[:, None] * inv
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
+    rot = lambda t: t * cos + torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1) * sin  # noqa: E731
+    q, k = rot(q), rot(k).repeat_interleave(heads // kv, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / hd ** 0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(heads // kv, 1)).reshape(T, -1)
+    u = h + attn @ state["midlayer.self_attn.o_proj.weight"].T
+    n = rms(u, state["midlayer.post_attention_layernorm.weight"])
+    gate, up = n @ state["midlayer.mlp.gate_proj.weight"].T, n @ state["midlayer.mlp.up_proj.weight"].T
+    out = u + (torch.nn.functional.silu(gate) * up) @ state["midlayer.mlp.down_proj.weight"].T
+    return out, rms(out, state["norm.weight"]) @ state["lm_head.weight"].T
+
+
+def test_eagle3_heads_load_read_three_target_layers_and_decode_losslessly(tmp_path):
+    from jakiro_ext.models.eagle3_head import Eagle3Head
+    from jakiro_ext.models.llama import as_target
+
+    hf = six_layer_target()
+    target = as_target(hf)
+    ids = prompt(14, seed=8)
+    # The target's three layers: the residual streams entering layers 2, 3, 3 (transformers'
+    # hidden_states[i] is the input of layer i).
+    _, aux = target(ids.unsqueeze(0), target.new_cache(1, 16), feature_layers=(2, 3, 3))
+    with torch.no_grad():
+        streams = hf(ids.unsqueeze(0), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(aux[0], torch.cat([streams[2][0], streams[3][0], streams[3][0]], -1), atol=1e-5, rtol=1e-5)
+    state = write_eagle3(tmp_path / "e3")
+    head = DraftHead.load(tmp_path / "e3", hf)  # (the transformers model itself as the target)
+    assert isinstance(head, Eagle3Head) and head.feature_layers == (2, 3, 3)
+    # The head over the prompt = EAGLE-3's layer computed from the checkpoint's own tensors.
+    n = ids.numel() - 1
+    cache = head.new_cache(n + 1)
+    from jakiro_ext.models.llama import causal_tree_mask
+    step = head(ids[1:].unsqueeze(0), aux[:, :n], torch.arange(n).unsqueeze(0), cache, causal_tree_mask(1, n))
+    out, logits = eagle3_reference(state, target.embed_tokens.weight.detach(), ids[1:], aux[0, :n])
+    torch.testing.assert_close(step.feature[0], out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(step.for_lm_head[0] @ head.lm_head_weight.T, logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(head.target_ids(torch.arange(5)), torch.arange(0, 15, 3))  # d + d2t[d]
+    plain = speculative_generate(target, None, ids, 20).token_ids
+    for tree in (TREE, TreeConfig(choices=[[0], [1], [0, 0], [0, 1]])):
+        out = speculative_generate(hf, head, ids, 20, tree=tree)
+        assert out.token_ids == plain and out.stats.draft_forwards > 0
+    # Written back in the same format (what vLLM / SGLang load for "eagle3"), read back the same.
+    head.save(tmp_path / "again")
+    again = DraftHead.load(tmp_path / "again", target)
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 71
+    for name, value in head.state_dict().items():
+        assert torch.equal(again.state_dict()[name], value), name
+    with pytest.raises(ValueError, match=r"the eagle3 format holds EAGLE-3 heads"):
+        copy_head(tiny_target(), "eagle2").save(tmp_path / "no", format="eagle3")
+
+
+def test_eagle3_heads_that_do_not_fit_are_clear_errors(tmp_path):
+    hf = six_layer_target()
+    write_eagle3(tmp_path / "layers", layers=[2, 3, 9])
+    with pytest.raises(ValueError, match=r"reads three of the target's 6 layers, got feature layers \[2, 3, 9\]"):
+        DraftHead.load(tmp_path / "layers", hf)
+    write_eagle3(tmp_path / "d2t", draft_ids=torch.tensor([0, 5, 300]))
+    with pytest.raises(ValueError, match=r"d2t maps draft tokens outside the target's vocabulary \[0, 211\)"):
+        DraftHead.load(tmp_path / "d2t", hf)
+    write_eagle3(tmp_path / "shallow")  # default layers 2, 1, -1 of a 2-layer target
+    with pytest.raises(ValueError, match=r"reads three of the target's 2 layers"):
+        DraftHead.load(tmp_path / "shallow", tiny_target())

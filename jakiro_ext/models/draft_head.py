@@ -135,12 +135,18 @@ class DraftStep(NamedTuple):
     residual : u, the attention block's output (the MoE's residual).
     expert_out, expert_score, contrast_weight : MoE heads only (else None): the top-2 experts'
         outputs [.., 2, H] (higher score first), their gate scores and (w_hi, w_lo).
+    lm_input : what the LM head reads, when it is not ``feature`` (EAGLE-3 heads).
     """
     feature: torch.Tensor
     residual: torch.Tensor
     expert_out: Optional[torch.Tensor] = None
     expert_score: Optional[torch.Tensor] = None
     contrast_weight: Optional[torch.Tensor] = None
+    lm_input: Optional[torch.Tensor] = None  # what the LM head reads when not the feature (EAGLE-3: norm(feature))
+
+    @property
+    def for_lm_head(self) -> torch.Tensor:
+        return self.feature if self.lm_input is None else self.lm_input
 
     def contrastive_feature(self) -> torch.Tensor:
         """u + w_hi * h_0 - w_lo * h_1: the feature two tokens ahead (Jakiro's parallel step)."""
@@ -249,6 +255,9 @@ class DraftHead(nn.Module):
 
         from jakiro_ext.models import head_formats
 
+        if format == "eagle3":
+            raise ValueError("the eagle3 format holds EAGLE-3 heads (three target layers in, their own LM head); "
+                             f"this head is {self.config.kind}: save it as 'eagle'")
         if format not in ("jakiro_ext", "eagle"):
             raise ValueError(f"format must be 'jakiro_ext' or 'eagle', got {format!r}")
         path = Path(path)
@@ -271,7 +280,7 @@ class DraftHead(nn.Module):
     @classmethod
     def load(cls, path, target: Optional[LlamaModel] = None, format: Optional[str] = None) -> "DraftHead":
         """Load a head (and bind it to ``target`` when given): saved by this package, or released
-        in the EAGLE-1/2 or Jakiro format (:mod:`jakiro_ext.models.head_formats`), recognised from
+        in the EAGLE-1/2, Jakiro or EAGLE-3 format (:mod:`jakiro_ext.models.head_formats`), recognised from
         its config and weight names (``format=`` forces one of ``head_formats.FORMATS``). A missing
         file is a FileNotFoundError, a malformed one or one that does not match its format or
         the target a ValueError, each naming the file and the key or shape."""
@@ -295,6 +304,13 @@ class DraftHead(nn.Module):
         else:
             state, weights = head_formats.read_weights(path)
             fmt = format or head_formats.detect(raw, state)
+            if fmt == "eagle3":
+                from jakiro_ext.models.eagle3_head import Eagle3Head
+
+                head = Eagle3Head.from_released(raw, state, str(weights))
+                head._check_target_of(target, path)
+                head.eval()
+                return head.bind(target) if target is not None else head
             config, state = head_formats.to_draft_head(raw, state, fmt, str(weights))
             head = cls(config)
             head._check_target_of(target, path)

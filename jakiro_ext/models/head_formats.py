@@ -12,8 +12,8 @@ A directory holds ``config.json`` (a transformers-style Llama config) and the we
   ``gate.weight`` [N + 2, H] and SwiGLU ``experts.{i}``; config keys ``num_local_experts`` and
   ``num_experts_per_tok`` (2).
 
-(EAGLE-3 heads, ``midlayer.*``, are recognised and refused with a clear error: their architecture
-is not implemented yet.)
+- ``eagle3`` (EAGLE-3): ``midlayer.*``, ``fc`` over three target layers, its own LM head and
+  ``d2t``: :mod:`jakiro_ext.models.eagle3_head`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
-FORMATS = ("jakiro_ext", "eagle", "jakiro")  # jakiro_ext: this package's own (draft_head.py)
+FORMATS = ("jakiro_ext", "eagle", "jakiro", "eagle3")  # jakiro_ext: this package's own (draft_head.py)
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -94,9 +94,6 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
     does not match the format is a ValueError naming ``where`` and the key or shape."""
     from jakiro_ext.models.draft_head import DraftConfig
 
-    if fmt == "eagle3":
-        raise ValueError(f"{where}: an EAGLE-3 head (midlayer.*): its architecture (q/k/v over 2H, fc over three "
-                         "target layers, its own LM head and d2t) is not implemented yet")
     if fmt not in ("eagle", "jakiro"):
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -353,7 +353,8 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,
-                depths: Optional[torch.Tensor] = None, last_logits_only: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+                depths: Optional[torch.Tensor] = None, last_logits_only: bool = False,
+                feature_layers: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per sequence after each one's committed prefix.
 
         Parameters
@@ -365,6 +366,8 @@ class LlamaModel(nn.Module):
         depths : [B, T] int64 depth of each token in its tree (position = length + depth);
             default 0..T-1 (a chain).
         last_logits_only : compute the logits of the last token only (a prompt's prefill).
+        feature_layers : return, instead of the final hidden states, the residual streams entering
+            these layers, concatenated [B, T, len * H] (an EAGLE-3 head's input).
 
         Returns
         -------
@@ -386,10 +389,17 @@ class LlamaModel(nn.Module):
             depths = torch.arange(T, device=device).expand(B, T)
         cos, sin = self._rope(cache.lengths.unsqueeze(1) + depths, cache.capacity)
         residual, delta = None, self.embed_tokens(tokens)
-        for layer in self.layers:
+        streams = []
+        for i, layer in enumerate(self.layers):
+            if feature_layers is not None and i in feature_layers:
+                streams.append((i, delta if residual is None else residual + delta))
             residual, delta = layer(residual, delta, cos, sin, cache, tree_mask)
         hidden, _ = self.norm.add_and_norm(delta, residual)
-        return project(self.lm_head, hidden[:, -1:] if last_logits_only else hidden), hidden
+        logits = project(self.lm_head, hidden[:, -1:] if last_logits_only else hidden)
+        if feature_layers is not None:
+            found = dict(streams)
+            hidden = torch.cat([found[i] for i in feature_layers], -1)
+        return logits, hidden
 
     def _rope(self, positions: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] at positions [B, T] (< capacity), gathered from a table of

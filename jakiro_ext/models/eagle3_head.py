@@ -1,0 +1,230 @@
+"""EAGLE-3 draft heads, as released (EAGLE's ``cnets.py``, SpecForge's ``LlamaForCausalLMEagle3``,
+what vLLM and SGLang load for their ``eagle3`` method).
+
+Unlike the EAGLE-1/2 head (:mod:`jakiro_ext.models.draft_head`), the head reads three of the
+target's layers and has its own LM head:
+
+- its input feature for a committed token is ``fc(cat(h_low, h_mid, h_high))`` ([H, 3H], no
+  bias), the residual streams entering the target's layers ``feature_layers`` (default 2, L / 2
+  and L - 3, as vLLM), which the target returns instead of its final hidden state
+  (``LlamaModel.forward(feature_layers=...)``); a drafted token's is the head's own output;
+- one decoder layer whose attention reads ``cat(input_layernorm(embed(token)), hidden_norm(h))``
+  (q/k/v over 2H), with the residual ``h``, then ``post_attention_layernorm`` and a SwiGLU MLP;
+- the logits are ``lm_head(norm(out))`` over a draft vocabulary of its own, draft id d being
+  target id ``d + d2t[d]``.
+
+Checkpoint keys: ``fc.weight``, ``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}
+.weight``, ``midlayer.self_attn.{q,k,v,o}_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``,
+``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d`` (and optionally ``embed_tokens.weight``).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jakiro_ext import ops
+from jakiro_ext.models.draft_head import DraftHead, DraftStep
+from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project, rope_cos_sin, rotary
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    feature_layers: List[int] = field(default_factory=list)  # empty: 2, L / 2, L - 3 of the target
+    num_experts: int = 0  # (a dense head: what the drafter asks of every head)
+    target: str = ""
+
+    @property
+    def kind(self) -> str:
+        return "eagle3"
+
+    def attention_config(self) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+                           rms_norm_eps=self.rms_norm_eps)
+
+
+class Eagle3Head(DraftHead):
+    """An EAGLE-3 head with the drafting interface of :class:`DraftHead` (the engine drafts with it
+    as with a dense head: method ``eagle2``)."""
+
+    def __init__(self, config: Eagle3Config):
+        nn.Module.__init__(self)  # (its own layers: none of DraftHead's)
+        c = self.config = config
+        H = c.hidden_size
+        self.fc = nn.Linear(3 * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.q_proj = nn.Linear(2 * H, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * H, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * H, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, H, bias=False)
+        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        self.norm = RMSNorm(H, c.rms_norm_eps)
+        self.lm_head = nn.Linear(H, c.draft_vocab_size, bias=False)
+        self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, dtype=torch.int64))
+        self.embed_weight: Optional[torch.Tensor] = None
+        self.lm_head_weight: Optional[torch.Tensor] = None
+        self.feature_layers: tuple = tuple(c.feature_layers)
+        self.acceptance: Optional[dict] = None
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.draft_to_target[draft_ids]
+
+    def check_target(self, target: LlamaModel) -> None:
+        super().check_target(target)
+        layers = target.config.num_layers
+        wanted = self.config.feature_layers or [2, layers // 2, layers - 3]
+        if len(wanted) != 3 or not all(0 <= i < layers for i in wanted):
+            raise ValueError(f"an EAGLE-3 head reads three of the target's {layers} layers, got feature layers {wanted}")
+
+    def bind(self, target) -> "Eagle3Head":
+        """Share the target's embedding; the head keeps its own LM head."""
+        target = as_target(target)
+        self.check_target(target)
+        layers = target.config.num_layers
+        self.feature_layers = tuple(self.config.feature_layers or (2, layers // 2, layers - 3))
+        self.embed_weight = target.embed_tokens.weight.detach()
+        self.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
+        self.lm_head_weight = self.lm_head.weight.detach()
+        return self
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                tree_mask: torch.Tensor, ancestors=None) -> DraftStep:
+        """One draft forward over T new rows (see :meth:`DraftHead.forward`); ``features`` are the
+        target's three layers [B, T, 3H] (committed tokens) or the head's own outputs [B, T, H]."""
+        c = self.config
+        B, T = tokens.shape
+        h = features.to(self.fc.weight.dtype)
+        if h.shape[-1] == 3 * c.hidden_size:
+            h = project(self.fc, h)
+        x = torch.cat([self.input_layernorm(F.embedding(tokens, self.embed_weight)), self.hidden_norm(h)], -1)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
+        q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+        v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
+        cache.write(0, k, v)
+        out, lse = ops.tree_attention(q, cache.kv[0, 0], cache.kv[0, 1], cache.lengths, tree_mask)
+        if ancestors is not None and ancestors.keys is not None:
+            out = ancestors.merge_into(q, out, lse)
+        u = h + project(self.o_proj, out.reshape(B, T, -1))
+        normed = self.post_attention_layernorm(u)
+        out = u + project(self.down_proj, F.silu(project(self.gate_proj, normed)) * project(self.up_proj, normed))
+        return DraftStep(out, u, lm_input=self.norm(out))
+
+    # ------------------------------------------------------------------ the released format
+    @classmethod
+    def from_released(cls, config: dict, state: Dict[str, torch.Tensor], where: str) -> "Eagle3Head":
+        """The head of a released EAGLE-3 checkpoint (config.json, tensors); anything that does
+        not fit is a ValueError naming ``where`` and the key or shape."""
+        def need(key: str) -> torch.Tensor:
+            if key not in state:
+                raise ValueError(f"{where}: an eagle3 head needs the tensor {key!r}, which is missing")
+            return state[key]
+
+        if config.get("rope_scaling") is not None:
+            raise ValueError(f"{where}: rope_scaling {config['rope_scaling']} is not supported for draft heads")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{where}: hidden_act must be 'silu' (SwiGLU), got {config['hidden_act']!r}")
+        fc, lm_head = need("fc.weight"), need("lm_head.weight")
+        H = fc.shape[0]
+        if list(fc.shape) != [H, 3 * H]:
+            raise ValueError(f"{where}: fc.weight must be [H, 3H] (three target layers), got {list(fc.shape)}")
+        heads = config.get("num_attention_heads")
+        if not heads or config.get("vocab_size") is None:
+            raise ValueError(f"{where}: config.json needs num_attention_heads and vocab_size")
+        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+        c = Eagle3Config(hidden_size=H, vocab_size=config["vocab_size"], draft_vocab_size=lm_head.shape[0],
+                         num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
+                         head_dim=config.get("head_dim") or H // heads,
+                         intermediate_size=need("midlayer.mlp.gate_proj.weight").shape[0],
+                         rope_theta=float(config.get("rope_theta", 10000.0)),
+                         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), feature_layers=list(aux))
+        declared = config.get("draft_vocab_size", c.draft_vocab_size)
+        if declared != c.draft_vocab_size:
+            raise ValueError(f"{where}: lm_head.weight has {c.draft_vocab_size} rows, config.json says "
+                             f"draft_vocab_size {declared}")
+        ours = {"fc.weight": fc, "lm_head.weight": lm_head, "norm.weight": need("norm.weight")}
+        for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+            ours[f"{name}.weight"] = need(f"midlayer.{name}.weight")
+        for name in _ATTENTION:
+            ours[f"{name}.weight"] = need(f"midlayer.self_attn.{name}.weight")
+        for name in _MLP:
+            ours[f"{name}.weight"] = need(f"midlayer.mlp.{name}.weight")
+        d2t = need("d2t").long()
+        if list(d2t.shape) != [c.draft_vocab_size]:
+            raise ValueError(f"{where}: d2t must have one offset per draft token ({c.draft_vocab_size}), got "
+                             f"{list(d2t.shape)}")
+        ours["draft_to_target"] = torch.arange(c.draft_vocab_size) + d2t
+        if int(ours["draft_to_target"].min()) < 0 or int(ours["draft_to_target"].max()) >= c.vocab_size:
+            raise ValueError(f"{where}: d2t maps draft tokens outside the target's vocabulary [0, {c.vocab_size})")
+        used = {f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")} | {
+            f"midlayer.self_attn.{n}.weight" for n in _ATTENTION} | {f"midlayer.mlp.{n}.weight" for n in _MLP} | {
+            "fc.weight", "lm_head.weight", "norm.weight", "d2t", "t2d", "embed_tokens.weight"}
+        unknown = sorted(set(state) - used)
+        if unknown:
+            raise ValueError(f"{where}: tensors an eagle3 head does not have: {unknown[:4]}")
+        head = cls(c)
+        head._load_checked(ours, Path(where))
+        return head
+
+    def released_files(self) -> tuple:
+        """(config.json, tensors) in the released EAGLE-3 format."""
+        c = self.config
+        config = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_act": "silu",
+                  "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                  "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                  "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+                  "rope_scaling": None, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
+                  "tie_word_embeddings": False}
+        if c.feature_layers:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)}
+        mine = self.state_dict()
+        state = {"fc.weight": mine["fc.weight"], "norm.weight": mine["norm.weight"], "lm_head.weight": mine["lm_head.weight"]}
+        for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
+            state[f"midlayer.{name}.weight"] = mine[f"{name}.weight"]
+        state.update({f"midlayer.self_attn.{n}.weight": mine[f"{n}.weight"] for n in _ATTENTION})
+        state.update({f"midlayer.mlp.{n}.weight": mine[f"{n}.weight"] for n in _MLP})
+        d2t = mine["draft_to_target"]
+        state["d2t"] = d2t - torch.arange(c.draft_vocab_size, device=d2t.device)
+        t2d = torch.zeros(c.vocab_size, dtype=torch.bool, device=d2t.device)
+        state["t2d"] = t2d.index_fill(0, d2t, True)
+        return config, state
+
+    def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None,
+             format: str = "eagle3", full_vocabulary: bool = False) -> None:
+        """The released EAGLE-3 format (its only format here): config.json and model.safetensors."""
+        from safetensors.torch import save_file
+
+        if format != "eagle3":
+            raise ValueError(f"an EAGLE-3 head is saved in the eagle3 format, got format={format!r}")
+        config, state = self.released_files()
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
+                 for k, v in state.items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", **(metadata or {})})

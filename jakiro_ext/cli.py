@@ -405,9 +405,11 @@ def cmd_train(args) -> int:
     from jakiro_ext.trainset import build_trainset, load_trainset, select_draft_vocab
 
     set_threads(args.threads)
-    ranks = init_distributed()  # several processes under torchrun: data-parallel
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    ranks = init_distributed(args.device)  # several processes under torchrun: data-parallel
     main = ranks.rank == 0
-    target, tokenizer, name = load_target("float32", directory=args.target)
+    target, tokenizer, name = load_target("float32", ranks.device, args.target)
     from jakiro_ext.corpus import CORPUS_META
     from jakiro_ext.trainset import corpus_examples
 
@@ -570,6 +572,8 @@ def main(argv=None) -> int:
     p.add_argument("--kind", choices=["jakiro", "eagle2"], default="jakiro")
     p.add_argument("--out", required=True, help="directory to save the head in (config.json, model.safetensors)")
     p.add_argument("--target", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: train on the GPU (under torchrun: NCCL, one GPU a process)")
     p.add_argument("--data", help="a token corpus (made by the corpus command; its features are cached) or a "
                                   "training-set directory (default: under $JAKIRO_CACHE/trainsets; built when missing)")
     p.add_argument("--source", choices=["self_distill", "teacher_forced"], default="self_distill",

@@ -35,9 +35,11 @@ BUDGET_PROBE_STEPS = 10  # with a budget in minutes, the steps are set from thes
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in a data-parallel run: rank ``rank`` of ``world`` processes (one
-    process: rank 0 of 1, and every collective is the identity)."""
+    process: rank 0 of 1, and every collective is the identity); ``device``: where the
+    collectives' tensors go (the CPU with gloo, the process's GPU with NCCL)."""
     rank: int = 0
     world: int = 1
+    device: str = "cpu"
 
     def sum(self, values: Sequence[float]) -> List[float]:
         """Each value summed over the processes (float64)."""
@@ -45,7 +47,7 @@ class Ranks:
             return [float(v) for v in values]
         import torch.distributed as dist
 
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return t.tolist()
 
@@ -54,7 +56,7 @@ class Ranks:
             return value
         import torch.distributed as dist
 
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t)
 
@@ -74,16 +76,21 @@ class Ranks:
             dist.destroy_process_group()
 
 
-def init_distributed() -> Ranks:
+def init_distributed(device: str = "cpu") -> Ranks:
     """Join the process group when launched by ``torchrun`` with more than one process
-    (``WORLD_SIZE``; gloo, which runs on the CPU: the training here does); else one process."""
+    (``WORLD_SIZE``): gloo for training on the CPU; NCCL on ``device="cuda"``, each process on
+    the GPU of its ``LOCAL_RANK``. One process: rank 0 of 1 (on ``device``)."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return Ranks()
+        return Ranks(device=device)
     import torch.distributed as dist
 
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    return Ranks(dist.get_rank(), dist.get_world_size())
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return Ranks(dist.get_rank(), dist.get_world_size(), device)
 
 
 @dataclass
@@ -148,6 +155,9 @@ class Batch:
     tokens: torch.Tensor  # [B, L], padded with 0
     features: torch.Tensor  # [B, L, H], padded with 0
     loss_mask: torch.Tensor  # [B, L], False on padding
+
+    def to(self, device) -> "Batch":
+        return Batch(self.tokens.to(device), self.features.to(device), self.loss_mask.to(device))
 
 
 def collate(examples: Sequence[Example], max_len: int, length: Optional[int] = None) -> Batch:
@@ -315,8 +325,9 @@ def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, bat
         counts[name] = counts.get(name, 0) + int(tokens.numel())
 
     mine = list(examples)[ranks.rank::ranks.world]
+    device = head.fc.weight.device
     for i in range(0, len(mine), batch_sequences):
-        b = collate(mine[i: i + batch_sequences], cfg.max_seq_len)
+        b = collate(mine[i: i + batch_sequences], cfg.max_seq_len).to(device)
         for s, step in unroll(head, b, steps):
             add(f"acc{s + 1}", _scored(b, step, s, 1))
             if step.expert_out is not None:
@@ -434,12 +445,12 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         share = list(range(len(chosen)))[ranks.rank::ranks.world]
         idle = not share
         share = share or [0]
-        batch = collate([chosen[i] for i in share], cfg.max_seq_len, length)
+        batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(head.fc.weight.device)
         noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
         rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0).items()}
         names = sorted(rows)
         totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
-        loss, metrics = model(batch, cfg, None if noise is None else noise[share], totals)
+        loss, metrics = model(batch, cfg, None if noise is None else noise[share].to(batch.features.device), totals)
         if idle:
             loss, metrics = loss * 0.0, {k: 0 for k in metrics}
         opt.zero_grad()

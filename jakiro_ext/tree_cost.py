@@ -236,7 +236,7 @@ def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, r
     was_training = head.training
     head.eval()
     for i in range(0, len(examples), batch_sequences):
-        b = collate(examples[i: i + batch_sequences], max_seq_len)
+        b = collate(examples[i: i + batch_sequences], max_seq_len).to(head.fc.weight.device)
         for s, step in unroll(head, b, depth):
             add(hits, counts, s, _scored(b, step, s, 1))
             if step.expert_out is not None:

@@ -373,8 +373,24 @@ class DraftHead(nn.Module):
             their attention is merged with the prefix's by log-sum-exp (split-KV style).
         """
         c = self.config
-        B, T = tokens.shape
         x = project(self.fc, torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        u = x + self._attention(x, positions, cache, tree_mask, ancestors)
+        normed = self.post_attention_layernorm(u)
+        if not c.num_experts:
+            return DraftStep(u + self._mlp(normed), u)
+        _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
+                                                         c.renormalize)
+        # The op's own residual is its input (the normed u); the layer's residual is u itself.
+        feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
+        return DraftStep(feature, u, expert_out, score, contrast)
+
+    def _attention(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor,
+                   ancestors: Optional["TreeKV"]) -> torch.Tensor:
+        """The layer's attention from x [B, T, *] (q, k, v are projections of x): k and v written
+        after each sequence's prefix, the prefix, the new rows of ``tree_mask`` and the tree
+        ancestors attended; returns o_proj of the output [B, T, H]."""
+        c = self.config
+        B, T = x.shape[:2]
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
         q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
         k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
@@ -383,16 +399,11 @@ class DraftHead(nn.Module):
         out, lse = ops.tree_attention(q, cache.kv[0, 0], cache.kv[0, 1], cache.lengths, tree_mask)
         if ancestors is not None and ancestors.keys is not None:
             out = ancestors.merge_into(q, out, lse)
-        u = x + project(self.o_proj, out.reshape(B, T, -1))
-        normed = self.post_attention_layernorm(u)
-        if not c.num_experts:
-            mlp = project(self.down_proj, F.silu(project(self.gate_proj, normed)) * project(self.up_proj, normed))
-            return DraftStep(u + mlp, u)
-        _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
-                                                         c.renormalize)
-        # The op's own residual is its input (the normed u); the layer's residual is u itself.
-        feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
-        return DraftStep(feature, u, expert_out, score, contrast)
+        return project(self.o_proj, out.reshape(B, T, -1))
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense SwiGLU MLP."""
+        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
 
 
     def train_forward(self, tokens: torch.Tensor, features: torch.Tensor,

@@ -28,9 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jakiro_ext import ops
 from jakiro_ext.models.draft_head import DraftHead, DraftStep
-from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project, rope_cos_sin, rotary
+from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -116,23 +115,12 @@ class Eagle3Head(DraftHead):
                 tree_mask: torch.Tensor, ancestors=None) -> DraftStep:
         """One draft forward over T new rows (see :meth:`DraftHead.forward`); ``features`` are the
         target's three layers [B, T, 3H] (committed tokens) or the head's own outputs [B, T, H]."""
-        c = self.config
-        B, T = tokens.shape
         h = features.to(self.fc.weight.dtype)
-        if h.shape[-1] == 3 * c.hidden_size:
+        if h.shape[-1] == 3 * self.config.hidden_size:
             h = project(self.fc, h)
         x = torch.cat([self.input_layernorm(F.embedding(tokens, self.embed_weight)), self.hidden_norm(h)], -1)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
-        q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
-        k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-        v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        cache.write(0, k, v)
-        out, lse = ops.tree_attention(q, cache.kv[0, 0], cache.kv[0, 1], cache.lengths, tree_mask)
-        if ancestors is not None and ancestors.keys is not None:
-            out = ancestors.merge_into(q, out, lse)
-        u = h + project(self.o_proj, out.reshape(B, T, -1))
-        normed = self.post_attention_layernorm(u)
-        out = u + project(self.down_proj, F.silu(project(self.gate_proj, normed)) * project(self.up_proj, normed))
+        u = h + self._attention(x, positions, cache, tree_mask, ancestors)
+        out = u + self._mlp(self.post_attention_layernorm(u))
         return DraftStep(out, u, lm_input=self.norm(out))
 
     # ------------------------------------------------------------------ the released format

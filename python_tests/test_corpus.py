@@ -148,12 +148,14 @@ def test_corpus_train_calibrate_commands(tmp_path):
     import subprocess
     import sys
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    import jakiro_ext
+
+    home = pathlib.Path(jakiro_ext.__file__).resolve().parent.parent  # (installed, or a checkout's in-place build)
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                           "-m", "jakiro_ext", "train", "--kind", "jakiro", "--out", str(tmp_path / "two"),
                           "--data", str(corpus), "--steps", "3", "--warmup-steps", "1", "--batch", "2",
                           "--draft-vocab", "256", "--eval-every-nth", "2", "--ttt-steps", "2", "--checkpoint-every", "0",
-                          "--threads", "1"], env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True,
+                          "--threads", "1"], env=dict(os.environ, PYTHONPATH=str(home)), capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-8000:]
     two = json.loads((tmp_path / "two" / "training.json").read_text())

@@ -156,7 +156,7 @@ def test_corpus_train_calibrate_commands(tmp_path):
                           "--data", str(corpus), "--steps", "3", "--warmup-steps", "1", "--batch", "2",
                           "--draft-vocab", "256", "--eval-every-nth", "2", "--ttt-steps", "2", "--checkpoint-every", "0",
                           "--threads", "1"], env=dict(os.environ, PYTHONPATH=str(home)), capture_output=True, text=True,
-                         timeout=900)
+                         timeout=900, cwd=tmp_path)  # (-m puts the working directory first on the path)
     assert run.returncode == 0, run.stderr[-8000:]
     two = json.loads((tmp_path / "two" / "training.json").read_text())
     assert two["train"]["processes"] == 2 and two["data"] == summary["data"]

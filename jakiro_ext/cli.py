@@ -399,7 +399,7 @@ def cmd_train(args) -> int:
 
     from tqdm import tqdm
 
-    from jakiro_ext.models.default import DEFAULT_MODEL, cache_root
+    from jakiro_ext.models.default import cache_root
     from jakiro_ext.models.draft_head import DraftConfig, DraftHead
     from jakiro_ext.train import TrainConfig, init_distributed, train_head
     from jakiro_ext.trainset import build_trainset, load_trainset, select_draft_vocab

@@ -168,7 +168,7 @@ class VerifyTree:
         parent and token): verification takes the first child with a token (greedy) and skips a
         repeated sibling (sampling), so a copy is never accepted and the trees of a batch can
         share one size. A tree with its root alone has no node 1 to copy: the drafter flags it
-        (``bare_tree``), and the round raises before anything is emitted."""
+        (the second of ``DRAFT_ERRORS``), and the round raises before anything is emitted."""
         B, T = self.tokens.shape
         if T == 1:
             return self

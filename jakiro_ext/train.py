@@ -268,7 +268,7 @@ def scored_rows(batch: Batch, cfg: TrainConfig, moe: bool) -> Dict[str, int]:
 def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[torch.Tensor] = None,
                totals: Optional[Dict[str, int]] = None):
     """The training loss of a batch and its metrics: each term's top-1 hits and scored rows
-    (``hits_acc1``, ``rows_acc1``, ...; the accuracy of each branch at each step). With
+    (``hits_acc1``, ...; with :func:`scored_rows`, the accuracy of each branch at each step). With
     ``cfg.ttt_steps`` the head is unrolled on its own features for that many extra steps, step
     s's loss weighted by ``cfg.ttt_decay ** s`` (EAGLE-3's 0.8). ``noise`` [B, L - 1, H] is added
     to the input features; ``totals``: each term's rows in the whole batch when several processes
@@ -288,10 +288,10 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
         if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
             terms.append((f"acc{s + 2}_contrastive", 2, cfg.w_feature2, cfg.w_token2))
         for name, ahead, w_feature, w_token in terms:
-            part, hits, n = _branch_loss(head, _scored(batch, step, s, ahead, probs), w_feature, w_token,
+            part, hits, _ = _branch_loss(head, _scored(batch, step, s, ahead, probs), w_feature, w_token,
                                          max(totals[name], 1))
             loss = loss + weight * part
-            metrics[f"hits_{name}"], metrics[f"rows_{name}"] = hits, n
+            metrics[f"hits_{name}"] = hits
     return loss, metrics
 
 

@@ -128,6 +128,19 @@ class DraftConfig:
                            rms_norm_eps=self.rms_norm_eps)
 
 
+def write_head_files(path, config: dict, state: dict, dtype: Optional[torch.dtype], metadata: dict) -> None:
+    """A head directory: ``config.json`` and ``model.safetensors`` (floating tensors in ``dtype``
+    if given; ``metadata``, str -> str, in the file's header)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
+             for k, v in state.items()}
+    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
+
+
 class DraftStep(NamedTuple):
     """One draft forward's outputs for its T rows (shapes [B, T, ...]).
 
@@ -251,8 +264,6 @@ class DraftHead(nn.Module):
         their ``eagle`` method (:func:`jakiro_ext.models.head_formats.eagle_files`); a head with a
         reduced draft vocabulary needs ``full_vocabulary=True`` (that format drafts over the whole
         vocabulary)."""
-        from safetensors.torch import save_file
-
         from jakiro_ext.models import head_formats
 
         if format == "eagle3":
@@ -260,7 +271,6 @@ class DraftHead(nn.Module):
                              f"this head is {self.config.kind}: save it as 'eagle'")
         if format not in ("jakiro_ext", "eagle"):
             raise ValueError(f"format must be 'jakiro_ext' or 'eagle', got {format!r}")
-        path = Path(path)
         if format == "eagle":
             head = self
             if full_vocabulary and self.config.draft_vocab_size:
@@ -269,13 +279,9 @@ class DraftHead(nn.Module):
             config, state = head_formats.eagle_files(head)
         else:
             config, state = asdict(self.config), self.state_dict()
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
-                 for k, v in state.items()}
-        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", "kind": self.config.kind, **(metadata or {})})
+        write_head_files(path, config, state, dtype, {"kind": self.config.kind, **(metadata or {})})
         if self.acceptance is not None and format == "jakiro_ext":
-            (path / ACCEPTANCE_FILE).write_text(json.dumps(self.acceptance, indent=1) + "\n")
+            (Path(path) / ACCEPTANCE_FILE).write_text(json.dumps(self.acceptance, indent=1) + "\n")
 
     @classmethod
     def load(cls, path, target: Optional[LlamaModel] = None, format: Optional[str] = None) -> "DraftHead":

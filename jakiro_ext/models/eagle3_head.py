@@ -19,7 +19,6 @@ Checkpoint keys: ``fc.weight``, ``midlayer.{hidden_norm,input_layernorm,post_att
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -28,12 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jakiro_ext.models.draft_head import DraftHead, DraftStep
-from jakiro_ext.models.llama import KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project
+from jakiro_ext.models.draft_head import DraftConfig, DraftHead, DraftStep, write_head_files
+from jakiro_ext.models.head_formats import ATTENTION, MLP, check_layer_config, tensor_getter
+from jakiro_ext.models.llama import KVCache, LlamaModel, RMSNorm, as_target, project
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 @dataclass
@@ -55,11 +53,7 @@ class Eagle3Config:
     def kind(self) -> str:
         return "eagle3"
 
-    def attention_config(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-                           rms_norm_eps=self.rms_norm_eps)
+    attention_config = DraftConfig.attention_config  # (the same fields: the draft cache's geometry)
 
 
 class Eagle3Head(DraftHead):
@@ -128,15 +122,8 @@ class Eagle3Head(DraftHead):
     def from_released(cls, config: dict, state: Dict[str, torch.Tensor], where: str) -> "Eagle3Head":
         """The head of a released EAGLE-3 checkpoint (config.json, tensors); anything that does
         not fit is a ValueError naming ``where`` and the key or shape."""
-        def need(key: str) -> torch.Tensor:
-            if key not in state:
-                raise ValueError(f"{where}: an eagle3 head needs the tensor {key!r}, which is missing")
-            return state[key]
-
-        if config.get("rope_scaling") is not None:
-            raise ValueError(f"{where}: rope_scaling {config['rope_scaling']} is not supported for draft heads")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"{where}: hidden_act must be 'silu' (SwiGLU), got {config['hidden_act']!r}")
+        need = tensor_getter(state, "an eagle3 head", where)
+        check_layer_config(config, where)
         fc, lm_head = need("fc.weight"), need("lm_head.weight")
         H = fc.shape[0]
         if list(fc.shape) != [H, 3 * H]:
@@ -158,9 +145,9 @@ class Eagle3Head(DraftHead):
         ours = {"fc.weight": fc, "lm_head.weight": lm_head, "norm.weight": need("norm.weight")}
         for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
             ours[f"{name}.weight"] = need(f"midlayer.{name}.weight")
-        for name in _ATTENTION:
+        for name in ATTENTION:
             ours[f"{name}.weight"] = need(f"midlayer.self_attn.{name}.weight")
-        for name in _MLP:
+        for name in MLP:
             ours[f"{name}.weight"] = need(f"midlayer.mlp.{name}.weight")
         d2t = need("d2t").long()
         if list(d2t.shape) != [c.draft_vocab_size]:
@@ -170,7 +157,7 @@ class Eagle3Head(DraftHead):
         if int(ours["draft_to_target"].min()) < 0 or int(ours["draft_to_target"].max()) >= c.vocab_size:
             raise ValueError(f"{where}: d2t maps draft tokens outside the target's vocabulary [0, {c.vocab_size})")
         used = {f"midlayer.{n}.weight" for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")} | {
-            f"midlayer.self_attn.{n}.weight" for n in _ATTENTION} | {f"midlayer.mlp.{n}.weight" for n in _MLP} | {
+            f"midlayer.self_attn.{n}.weight" for n in ATTENTION} | {f"midlayer.mlp.{n}.weight" for n in MLP} | {
             "fc.weight", "lm_head.weight", "norm.weight", "d2t", "t2d", "embed_tokens.weight"}
         unknown = sorted(set(state) - used)
         if unknown:
@@ -194,8 +181,8 @@ class Eagle3Head(DraftHead):
         state = {"fc.weight": mine["fc.weight"], "norm.weight": mine["norm.weight"], "lm_head.weight": mine["lm_head.weight"]}
         for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
             state[f"midlayer.{name}.weight"] = mine[f"{name}.weight"]
-        state.update({f"midlayer.self_attn.{n}.weight": mine[f"{n}.weight"] for n in _ATTENTION})
-        state.update({f"midlayer.mlp.{n}.weight": mine[f"{n}.weight"] for n in _MLP})
+        state.update({f"midlayer.self_attn.{n}.weight": mine[f"{n}.weight"] for n in ATTENTION})
+        state.update({f"midlayer.mlp.{n}.weight": mine[f"{n}.weight"] for n in MLP})
         d2t = mine["draft_to_target"]
         state["d2t"] = d2t - torch.arange(c.draft_vocab_size, device=d2t.device)
         t2d = torch.zeros(c.vocab_size, dtype=torch.bool, device=d2t.device)
@@ -205,14 +192,6 @@ class Eagle3Head(DraftHead):
     def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None,
              format: str = "eagle3", full_vocabulary: bool = False) -> None:
         """The released EAGLE-3 format (its only format here): config.json and model.safetensors."""
-        from safetensors.torch import save_file
-
         if format != "eagle3":
             raise ValueError(f"an EAGLE-3 head is saved in the eagle3 format, got format={format!r}")
-        config, state = self.released_files()
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
-                 for k, v in state.items()}
-        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt", **(metadata or {})})
+        write_head_files(path, *self.released_files(), dtype, {"kind": "eagle3", **(metadata or {})})

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import torch
 
 SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
 FORMATS = ("jakiro_ext", "eagle", "jakiro", "eagle3")  # jakiro_ext: this package's own (draft_head.py)
 
-_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP = ("gate_proj", "up_proj", "down_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # a decoder layer's projections, by their checkpoint names
+MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def read_config(path: Path) -> dict:
@@ -68,6 +68,24 @@ def read_weights(path: Path) -> Tuple[Dict[str, torch.Tensor], Path]:
     raise FileNotFoundError(f"no weights in {path}: expected {SAFETENSORS} or {TORCH_BIN}")
 
 
+def tensor_getter(state: Dict[str, torch.Tensor], head: str, where: str):
+    """``need(key)``: the tensor ``key`` of ``state``; a missing one is a ValueError naming it
+    (and ``head``, e.g. "an eagle3 head")."""
+    def need(key: str) -> torch.Tensor:
+        if key not in state:
+            raise ValueError(f"{where}: {head} needs the tensor {key!r}, which is missing")
+        return state[key]
+    return need
+
+
+def check_layer_config(config: dict, where: str) -> None:
+    """What a released head's config may ask that the draft layers do not implement."""
+    if config.get("rope_scaling") is not None:
+        raise ValueError(f"{where}: rope_scaling {config['rope_scaling']} is not supported for draft heads")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act must be 'silu' (SwiGLU), got {config['hidden_act']!r}")
+
+
 def is_own(config: dict) -> bool:
     """Whether config.json is this package's own (DraftConfig's keys, no transformers architecture)."""
     return "architectures" not in config and "num_experts" in config
@@ -96,11 +114,7 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
 
     if fmt not in ("eagle", "jakiro"):
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-
-    def need(key: str) -> torch.Tensor:
-        if key not in state:
-            raise ValueError(f"{where}: a {fmt} head needs the tensor {key!r}, which is missing")
-        return state[key]
+    need = tensor_getter(state, f"a {fmt} head", where)
 
     def setting(name: str, default=None):
         value = config.get(name, default)
@@ -108,10 +122,7 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
             raise ValueError(f"{where}: config.json needs {name!r}")
         return value
 
-    if config.get("rope_scaling") is not None:
-        raise ValueError(f"{where}: rope_scaling {config['rope_scaling']} is not supported for draft heads")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act must be 'silu' (SwiGLU), got {config['hidden_act']!r}")
+    check_layer_config(config, where)
     fc = need("fc.weight")
     H = setting("hidden_size", fc.shape[0])
     heads = setting("num_attention_heads")
@@ -119,15 +130,15 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
     head_dim = config.get("head_dim") or H // heads
     ours = {"fc.weight": fc, "fc.bias": need("fc.bias"),
             "post_attention_layernorm.weight": need("layers.0.post_attention_layernorm.weight")}
-    for name in _ATTENTION:
+    for name in ATTENTION:
         ours[f"{name}.weight"] = need(f"layers.0.self_attn.{name}.weight")
         if f"layers.0.self_attn.{name}.bias" in state:
             raise ValueError(f"{where}: layers.0.self_attn.{name}.bias: attention biases are not supported in draft heads")
-    used = {f"layers.0.self_attn.{n}.weight" for n in _ATTENTION} | {
+    used = {f"layers.0.self_attn.{n}.weight" for n in ATTENTION} | {
         "fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight"}
     ignored = {"embed_tokens.weight", "layers.0.input_layernorm.weight"}  # shared with the target / unused by layer 0
     if fmt == "eagle":
-        for name in _MLP:
+        for name in MLP:
             ours[f"{name}.weight"] = need(f"layers.0.mlp.{name}.weight")
             used.add(f"layers.0.mlp.{name}.weight")
         experts, width = 0, ours["gate_proj.weight"].shape[0]
@@ -140,14 +151,14 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
                              f"{experts} experts, but config.json says num_local_experts {declared} (N >= 2)")
         if config.get("num_experts_per_tok", 2) != 2:
             raise ValueError(f"{where}: num_experts_per_tok must be 2 (top-2 routing), got {config['num_experts_per_tok']}")
-        stacked = {n: [need(f"layers.0.mlp_moe.experts.{i}.{n}.weight") for i in range(experts)] for n in _MLP}
+        stacked = {n: [need(f"layers.0.mlp_moe.experts.{i}.{n}.weight") for i in range(experts)] for n in MLP}
         for n, tensors in stacked.items():
             if len({tuple(t.shape) for t in tensors}) != 1:
                 raise ValueError(f"{where}: the experts' {n}.weight differ in shape: {[list(t.shape) for t in tensors]}")
         ours.update({"router": router, "w_gate": torch.stack(stacked["gate_proj"]),
                      "w_up": torch.stack(stacked["up_proj"]), "w_down": torch.stack(stacked["down_proj"])})
         used |= {"layers.0.mlp_moe.gate.weight"} | {f"layers.0.mlp_moe.experts.{i}.{n}.weight"
-                                                   for i in range(experts) for n in _MLP}
+                                                   for i in range(experts) for n in MLP}
         width = ours["w_gate"].shape[1]
     unknown = sorted(set(state) - used - ignored)
     if unknown:
@@ -179,6 +190,6 @@ def eagle_files(head) -> Tuple[dict, Dict[str, torch.Tensor]]:
     mine = head.state_dict()
     state = {"fc.weight": mine["fc.weight"], "fc.bias": mine["fc.bias"],
              "layers.0.post_attention_layernorm.weight": mine["post_attention_layernorm.weight"]}
-    state.update({f"layers.0.self_attn.{n}.weight": mine[f"{n}.weight"] for n in _ATTENTION})
-    state.update({f"layers.0.mlp.{n}.weight": mine[f"{n}.weight"] for n in _MLP})
+    state.update({f"layers.0.self_attn.{n}.weight": mine[f"{n}.weight"] for n in ATTENTION})
+    state.update({f"layers.0.mlp.{n}.weight": mine[f"{n}.weight"] for n in MLP})
     return config, state

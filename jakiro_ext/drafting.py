@@ -27,11 +27,14 @@ class Method:
     hybrid_last_layer : the last tree layer comes from the MoE's contrastive feature (two tokens
         ahead) in the same forward as the layer before it: one draft forward fewer (Jakiro).
     children_per_expert : each of the two activated experts proposes its own children (Jakiro*).
+    parallel_heads : the last tree layers come from the head's MLP heads, one per layer, all in
+        one pass after the serial expansions (Gumiho).
     """
     name: str
     head: Optional[str]
     hybrid_last_layer: bool = False
     children_per_expert: bool = False
+    parallel_heads: bool = False
 
     def children(self, top_k: int) -> int:
         """Candidates drafted per expanded node."""
@@ -45,7 +48,8 @@ DRAFT_ERRORS = ("the draft head produced non-finite logits (NaN or inf): no toke
                 "a draft tree with only its root cannot be padded (no child to repeat)")
 
 METHODS = {m.name: m for m in (Method("ar", None), Method("eagle2", "any"), Method("jakiro", "moe", hybrid_last_layer=True),
-                               Method("jakiro_star", "moe", children_per_expert=True))}
+                               Method("jakiro_star", "moe", children_per_expert=True),
+                               Method("gumiho", "gumiho", parallel_heads=True))}
 
 
 def dedupe(logprobs: torch.Tensor, ids: torch.Tensor):
@@ -214,6 +218,15 @@ class Drafter:
             raise ValueError("the draft head is not bound to a target: call head.bind(target) (DraftHead.load does it)")
         if method.head == "moe" and not head.config.num_experts:
             raise ValueError(f"method {method.name!r} needs a Jakiro (MoE) draft head; this head is {head.config.kind!r}")
+        if method.head == "gumiho" and not getattr(head.config, "num_mlp_heads", 0):
+            raise ValueError(f"method {method.name!r} needs a Gumiho draft head (MLP heads); this head is {head.config.kind!r}")
+        if method.parallel_heads and tree.choices is not None:
+            raise ValueError(f"method {method.name!r} (parallel MLP heads) builds the dynamic tree; with a static tree "
+                             "use 'eagle2'")
+        if method.parallel_heads and tree.depth < head.config.num_mlp_heads + 1:
+            raise ValueError(f"method {method.name!r} drafts at least one serial step before the head's "
+                             f"{head.config.num_mlp_heads} MLP heads and needs depth >= {head.config.num_mlp_heads + 1}, "
+                             f"got {tree.depth}")
         if method.hybrid_last_layer and tree.choices is not None:
             raise ValueError(f"method {method.name!r} (hybrid contrastive last step) builds the dynamic tree; "
                              "with a static tree use 'eagle2' or 'jakiro_star'")
@@ -350,7 +363,8 @@ class Drafter:
         layer = tree.add_children(torch.zeros_like(tree.tokens), ids, lp)
         prev_step, prev_rows = self.root_step, torch.zeros_like(layer)  # the step row holding each parent's output
         tree_kv, kv_nodes = TreeKV(), None
-        expansions = self.tree.depth - 1 if self.method.hybrid_last_layer else self.tree.depth
+        heads = self.head.config.num_mlp_heads if self.method.parallel_heads else 0
+        expansions = self.tree.depth - 1 if self.method.hybrid_last_layer else self.tree.depth - heads
         for d in range(1, expansions + 1):
             pick = tree.frontier(layer, k)
             frontier = layer.gather(1, pick)
@@ -369,7 +383,32 @@ class Drafter:
                 children = layer.view(layer.shape[0], -1, C)
                 best = children.gather(2, tree.scores.gather(1, layer).view_as(children).argmax(2, keepdim=True))
                 tree.add_children(best.squeeze(2), contrastive[1], contrastive[0])
+        if heads:
+            self._draft_parallel(tree, layer, prev_step, prev_rows)
         return tree.kept(self.tree.total_tokens)
+
+    def _draft_parallel(self, tree: DraftTree, layer: torch.Tensor, step: DraftStep, rows: torch.Tensor) -> None:
+        """Gumiho's later layers. The ``top_k`` best nodes of ``layer`` (the last serial layer's
+        children; ``rows``: the row of ``step`` holding each one's parent) are the leaves: each
+        gets the MLP heads' input ``cat(x_parent, x_leaf)``, the ``fc`` outputs of its parent (as
+        the parent's serial step ran it) and of itself, and one pass of the heads gives every later
+        layer's feature. Layer j: each frontier node takes the ``top_k`` best tokens of head j at
+        its leaf, the children are scored cumulatively, and the ``top_k`` best are the next
+        frontier (the released code pairs the two inputs by frontier rank, not by parentage; here
+        a leaf is paired with its own parent, as in training)."""
+        k = self.tree.top_k
+        pick = tree.frontier(layer, k)
+        leaves, parent_rows = layer.gather(1, pick), rows.gather(1, pick)  # [B, R]
+        x_parent = _take_rows(step.projected, parent_rows)
+        x_leaf = self.head.project_input(tree.tokens.gather(1, leaves), _take_rows(step.feature, parent_rows))
+        features = self.head.mlp_heads(torch.cat([x_parent, x_leaf], -1))  # [B, R, J, H]
+        lp, ids = self._topk(features, k)  # [B, R, J, k]: every head's candidates in one LM-head pass
+        frontier, leaf_of = leaves, torch.arange(leaves.shape[1], device=leaves.device).expand_as(leaves)
+        for j in range(features.shape[2]):
+            index = leaf_of.unsqueeze(-1).expand(-1, -1, k)
+            children = tree.add_children(frontier, ids[:, :, j].gather(1, index), lp[:, :, j].gather(1, index))
+            pick = tree.frontier(children, k)
+            frontier, leaf_of = children.gather(1, pick), leaf_of.repeat_interleave(k, 1).gather(1, pick)
 
     def _draft_static(self, tree: DraftTree) -> VerifyTree:
         """Every path of the static tree, as the same nodes for every sequence: the candidates of

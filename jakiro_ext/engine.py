@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -597,7 +597,8 @@ def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, t
     if on_tokens is not None and not callable(on_tokens):
         raise TypeError(f"on_tokens must be None or a callable, got {type(on_tokens).__name__}")
     if method is None:
-        method = ("jakiro" if draft.config.num_experts else "eagle2") if draft is not None else "ar"
+        kind = draft.config.kind if draft is not None else "ar"
+        method = kind if kind in ("ar", "jakiro", "gumiho") else "eagle2"  # (an EAGLE-3 head drafts as eagle2)
     if method not in METHOD_SPECS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     spec = METHOD_SPECS[method]
@@ -620,14 +621,18 @@ def _default_tree(target, draft, method: Method, tree: Optional[TreeConfig], bat
         tree = auto_tree(target, draft, method.name, batch)
     if tree is None:
         tree = CPU_TREE if device.type == "cpu" else GPU_TREE
+        if method.parallel_heads:  # a serial step, then one layer per MLP head
+            tree = replace(tree, depth=max(tree.depth, draft.config.num_mlp_heads + 1))
     return tree
 
 
 _DOC_OPTIONS = """
     method : ``ar`` (plain decoding), ``eagle2`` (dynamic tree, autoregressive drafting),
         ``jakiro`` (the last layer from the contrastive branch, one draft forward fewer) or
-        ``jakiro_star`` (each activated expert proposes its own children). Default: ``jakiro``
-        for a MoE head, ``eagle2`` for a dense one, ``ar`` without a head.
+        ``jakiro_star`` (each activated expert proposes its own children) or ``gumiho`` (serial
+        steps, then the head's parallel MLP heads draft one layer each, in one pass; depth >= the
+        MLP heads + 1). Default: the head's kind (``jakiro`` for a MoE head, ``gumiho`` for one
+        with MLP heads, ``eagle2`` for a dense one), ``ar`` without a head.
     tree : a :class:`TreeConfig`. Default on CPU: chosen by measured cost for a head with an
         acceptance profile, at the call's batch size (:mod:`jakiro_ext.tree_cost`; the machine's
         costs are measured once per batch-size bucket and cached), else :data:`CPU_TREE`;

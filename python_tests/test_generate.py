@@ -15,7 +15,9 @@ from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 
 TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
          "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}
-HEAD_METHODS = [("eagle2", "eagle2"), ("jakiro", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")]
+HEAD_METHODS = [("eagle2", "eagle2"), ("jakiro", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star"),
+                ("gumiho", "eagle2"), ("gumiho", "gumiho")]
+DYNAMIC_ONLY = ("jakiro", "gumiho")  # methods refused on a static tree (tested below)
 
 
 def tiny_target(vocab: int = 211, embed_std: float = 0.02, seed: int = 0) -> LlamaModel:
@@ -35,14 +37,21 @@ def random_head(target, kind, seed=1, std=0.2):
 
 def copy_head(target, kind, scale=300.0):
     """A head whose feature is scale * embed(its input token): with tied embeddings it proposes
-    the token it was given, which tiny random models tend to repeat, so drafts get accepted."""
+    the token it was given, which tiny random models tend to repeat, so drafts get accepted. A
+    Gumiho head's later layers run the same: its serial layers add nothing, and its MLP heads
+    give SiLU of their leaf's ``fc`` output, close to it where the embedding is positive."""
     head = random_head(target, kind)
     H = target.config.hidden_size
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.weight[:, :H] = torch.eye(H) * scale
-        head.o_proj.weight.zero_()
-        (head.w_down if kind == "jakiro" else head.down_proj.weight).zero_()
+        for layer in [head, *(head.layers if head.config.num_layers > 1 else ())]:
+            layer.o_proj.weight.zero_()
+            (layer.w_down if kind == "jakiro" else layer.down_proj.weight).zero_()
+        if kind == "gumiho":
+            head.mlp_in_weight.zero_()
+            head.mlp_in_weight[:, :, H:] = torch.eye(H)
+            head.mlp_block_weight.zero_()
     return head
 
 
@@ -55,8 +64,8 @@ def target():
     return tiny_target()
 
 
-# Every head/method with every tree, except jakiro on a static tree (refused: tested below).
-CASES = [(k, m, t) for k, m in HEAD_METHODS for t in TREES if not (m == "jakiro" and t == "static")]
+# Every head/method with every tree, except jakiro and gumiho on a static tree (refused: tested below).
+CASES = [(k, m, t) for k, m in HEAD_METHODS for t in TREES if not (m in DYNAMIC_ONLY and t == "static")]
 
 
 @pytest.mark.parametrize("kind,method,tree", CASES, ids=[f"{k}-head-{m}-{t}" for k, m, t in CASES])
@@ -142,11 +151,16 @@ def test_draft_scratch_fits_a_frontier_wider_than_the_tree(target):
 
 def test_bad_arguments_are_clear_errors(target):
     ids = prompt()
-    dense, moe = random_head(target, "eagle2"), random_head(target, "jakiro")
+    dense, moe, gumiho = random_head(target, "eagle2"), random_head(target, "jakiro"), random_head(target, "gumiho")
     cases = [
+        (dict(draft=moe, method="gumiho"), r"method 'gumiho' needs a Gumiho draft head \(MLP heads\); this head is 'jakiro'"),
+        (dict(draft=gumiho, method="gumiho", tree=TREES["static"]), r"parallel MLP heads\) builds the dynamic tree"),
+        (dict(draft=gumiho, method="gumiho", tree=TreeConfig(8, 2, 3)), r"method 'gumiho' drafts at least one serial "
+                                                                      r"step before the head's 2 MLP heads and needs "
+                                                                      r"depth >= 3, got 2"),
         (dict(draft=None, method="jakiro"), r"method 'jakiro' needs a draft head"),
         (dict(draft=dense, method="jakiro"), r"method 'jakiro' needs a Jakiro \(MoE\) draft head; this head is 'eagle2'"),
-        (dict(draft=moe, method="medusa"), r"method must be one of \('ar', 'eagle2', 'jakiro', 'jakiro_star'\), got 'medusa'"),
+        (dict(draft=moe, method="medusa"), r"method must be one of \('ar', 'eagle2', 'jakiro', 'jakiro_star', 'gumiho'\), got 'medusa'"),
         (dict(draft=moe, method="jakiro", tree=TREES["static"]), r"with a static tree use 'eagle2' or 'jakiro_star'"),
         (dict(draft=None, input_ids=ids.repeat(2, 1), lengths=[13]), r"lengths must give one length per row of "
                                                                      r"input_ids \(2\), got \[13\]"),
@@ -173,12 +187,17 @@ def test_bad_arguments_are_clear_errors(target):
 
 # ----------------------------------------------------------------------------- sampling
 SAMPLED = 3  # tokens per generation: the prompt's bonus, then a round's depth-1 and depth-2 tokens
+# (kind, method, tokens per generation, tree): gumiho's first MLP layer is depth 3 (after a
+# serial step), so its generations run a token longer to reach it.
+SAMPLING_CASES = [("eagle2", "eagle2", SAMPLED, TreeConfig(8, 2, 3)), ("jakiro", "jakiro", SAMPLED, TreeConfig(8, 2, 3)),
+                  ("jakiro", "jakiro_star", SAMPLED, TreeConfig(8, 2, 3)),
+                  ("gumiho", "gumiho", SAMPLED + 1, TreeConfig(24, 3, 3))]
 
 
-def exact_distribution(target, ids, temperature, top_p, top_k):
-    """P(t1, t2, t3) of the target's filtered distribution, by enumeration: {tuple: prob}."""
+def exact_distribution(target, ids, temperature, top_p, top_k, tokens=SAMPLED):
+    """P(t1, .., t_tokens) of the target's filtered distribution, by enumeration: {tuple: prob}."""
     probs = {(): 1.0}
-    for _ in range(SAMPLED):
+    for _ in range(tokens):
         nxt = {}
         for prefix, p in probs.items():
             if p < 1e-12:
@@ -213,26 +232,28 @@ def chi_square_p(counts, expected_probs, n):
     return float(scipy.stats.chi2.sf(stat, bins - 1))
 
 
-@pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")])
-def test_sampling_follows_the_target_distribution(kind, method):
+@pytest.mark.parametrize("kind,method,tokens,tree", SAMPLING_CASES, ids=[c[1] for c in SAMPLING_CASES])
+def test_sampling_follows_the_target_distribution(kind, method, tokens, tree):
     vocab = 12
-    target = tiny_target(vocab=vocab, embed_std=0.03, seed=3)  # ~130 likely continuations
+    target = tiny_target(vocab=vocab, embed_std=0.03, seed=3)  # ~130 likely continuations (3 tokens)
     head = copy_head(target, kind, scale=5.0)
     ids = torch.tensor([3, 7, 7, 1, 7, 7])
     temperature, top_p, top_k = 0.8, 0.9, 6
-    expected = exact_distribution(target, ids, temperature, top_p, top_k)
-    n, counts, accepted = 2000, {}, 0
-    tree = TreeConfig(8, 2, 3)
+    expected = exact_distribution(target, ids, temperature, top_p, top_k, tokens)
+    n, counts, accepted, deepest = 2000, {}, 0, 0
     for seed in range(n):
-        out = speculative_generate(target, head, ids, SAMPLED, method=method, tree=tree, temperature=temperature,
+        out = speculative_generate(target, head, ids, tokens, method=method, tree=tree, temperature=temperature,
                                    top_p=top_p, top_k=top_k, seed=seed)
         key = tuple(out.token_ids)
         counts[key] = counts.get(key, 0) + 1
         accepted += sum(out.stats.accept_lengths)
-    # Of at most 3 drafted tokens per generation, some were accepted and some rejected.
-    assert 0.5 < accepted / n < 2.5, accepted / n
+        deepest = max(deepest, *out.stats.accept_lengths)
+    # Of at most tokens - 1 drafted tokens per generation, some were accepted and some rejected,
+    # and the deepest layer sampled (gumiho's: an MLP head's) was accepted at times.
+    assert 0.5 < accepted / n < tokens - 0.5, accepted / n
+    assert deepest >= tokens - 1
     assert chi_square_p(counts, expected, n) > 1e-3
     # Negative control: the same samples against the unfiltered distribution are rejected, so
     # the statistic can tell a sampler that skips the top-p / top-k filter.
-    unfiltered = exact_distribution(target, ids, temperature, 1.0, 0)
+    unfiltered = exact_distribution(target, ids, temperature, 1.0, 0, tokens)
     assert chi_square_p(counts, unfiltered, n) < 1e-6

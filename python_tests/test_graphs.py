@@ -13,7 +13,7 @@ from jakiro_ext import graphs
 from jakiro_ext.engine import generate_many, speculative_generate
 from jakiro_ext.models import llama
 from test_batch import PROMPTS
-from test_generate import HEAD_METHODS, TREES, copy_head, tiny_target
+from test_generate import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, tiny_target
 
 MODES = ["recorded"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -73,7 +73,7 @@ def _same(a, b) -> bool:
 
 
 CASES = [(None, "ar", "dynamic-small")] + [(k, m, t) for k, m in HEAD_METHODS for t in TREES
-                                           if not (m == "jakiro" and t == "static")]
+                                           if not (m in DYNAMIC_ONLY and t == "static")]
 
 
 @pytest.mark.parametrize("mode", MODES)

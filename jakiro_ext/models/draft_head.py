@@ -1,4 +1,4 @@
-"""EAGLE-style draft heads: one decoder layer over ``cat(embed(token_{t+1}), f_t)``, where f_t is
+"""EAGLE-style draft heads: decoder layers over ``fc(cat(embed(token_{t+1}), f_t))``, where f_t is
 the target's final hidden state, predicting f_{t+1}. The embedding and the LM head are the
 target's (shared, never stored with the head). The feed-forward block is
 
@@ -7,8 +7,16 @@ target's (shared, never stored with the head). The feed-forward block is
   fused ``jakiro::moe_top2`` op. Besides the MoE feature it yields the contrastive feature used for
   the parallel last draft step, and the two per-expert features of the decoupled (Jakiro*) tree.
 
-Layout as in the released EAGLE/Jakiro code: no norm before the attention (the single layer is
-layer 0), RMSNorm after it, no final norm; ``fc`` has a bias; the embedding comes first in the concat.
+Gumiho heads (``num_mlp_heads >= 1``, Li et al. 2025) add parallel MLP heads after the serial
+layers (``num_layers``, 2 in the released heads): head j maps ``cat(x_parent, x_leaf)``, the ``fc``
+outputs of a draft leaf's parent and of the leaf itself, to the feature j + 1 tokens past the
+leaf, ``SiLU(W_in x + b)`` then ``mlp_blocks`` residual blocks ``h + SiLU(W h + b)``. All heads read
+the same input: one pass drafts every later layer of the tree.
+
+Layout as in the released EAGLE/Jakiro/Gumiho code: no norm before layer 0's attention, an
+RMSNorm before every later layer's, RMSNorm after each attention, no final norm; ``fc`` has a
+bias; the embedding comes first in the concat. Layer 0's weights are the head's own attributes
+(the EAGLE names), later layers are ``layers.{i}``.
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import json
 import math
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +34,7 @@ from jakiro_ext import ops
 from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project, rope_cos_sin,
                                      rotary)
 
+KINDS = ("eagle2", "jakiro", "gumiho")
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ACCEPTANCE_FILE = "acceptance.json"  # optional: the head's acceptance profile (jakiro_ext.tree_cost)
@@ -60,25 +69,38 @@ class DraftConfig:
     renormalize: bool = False  # top-2 gate scores renormalised to sum to 1 (paper: not)
     draft_vocab_size: int = 0  # 0: draft over the target's whole vocabulary; else over this many of its tokens
     target: str = ""  # the target model it was made for (informational)
+    num_layers: int = 1  # serial decoder layers (more than one: dense feed-forward blocks only)
+    num_mlp_heads: int = 0  # Gumiho's parallel MLP heads (0: none)
+    mlp_blocks: int = 5  # residual blocks of each MLP head
 
     @property
     def kind(self) -> str:
+        if self.num_mlp_heads:
+            return "gumiho"
         return "jakiro" if self.num_experts else "eagle2"
 
     @classmethod
     def for_target(cls, target: LlamaConfig, kind: str = "jakiro", num_experts: int = 8,
-                   intermediate_size: Optional[int] = None, target_name: str = "") -> "DraftConfig":
+                   intermediate_size: Optional[int] = None, target_name: str = "", num_layers: Optional[int] = None,
+                   num_mlp_heads: int = 2, mlp_blocks: int = 5) -> "DraftConfig":
         """A head shaped for ``target``: its attention geometry; experts as wide as the hidden
-        size (the released Jakiro recipe) or the target's MLP width for the dense head."""
-        if kind not in ("jakiro", "eagle2"):
-            raise ValueError(f"kind must be 'jakiro' or 'eagle2', got {kind!r}")
+        size (the released Jakiro recipe) or the target's MLP width for the dense head. A
+        ``gumiho`` head has ``num_layers`` serial layers (default 2, as released) and
+        ``num_mlp_heads`` MLP heads of ``mlp_blocks`` residual blocks."""
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         if kind == "jakiro" and num_experts < 2:
             raise ValueError(f"a Jakiro head needs num_experts >= 2 (top-2 routing), got {num_experts}")
+        if kind == "gumiho" and num_mlp_heads < 1:
+            raise ValueError(f"a Gumiho head needs num_mlp_heads >= 1, got {num_mlp_heads}")
         width = intermediate_size or (target.hidden_size if kind == "jakiro" else target.intermediate_size)
+        gumiho = kind == "gumiho"
         return cls(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=target.num_heads,
                    num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=width,
                    num_experts=num_experts if kind == "jakiro" else 0, rope_theta=target.rope_theta,
-                   rms_norm_eps=target.rms_norm_eps, target=target_name)
+                   rms_norm_eps=target.rms_norm_eps, target=target_name,
+                   num_layers=num_layers or (2 if gumiho else 1), num_mlp_heads=num_mlp_heads if gumiho else 0,
+                   mlp_blocks=mlp_blocks)
 
     @classmethod
     def from_json(cls, file: Path) -> "DraftConfig":
@@ -108,6 +130,11 @@ class DraftConfig:
         problems = [f"{name} must be >= 1, got {getattr(config, name)}" for name in sizes if getattr(config, name) < 1]
         if config.num_experts == 1 or config.num_experts < 0:
             problems.append(f"num_experts must be 0 (dense) or >= 2, got {config.num_experts}")
+        if config.num_layers < 1 or (config.num_layers > 1 and config.num_experts):
+            problems.append(f"num_layers must be >= 1, and 1 with experts (a MoE head has one layer), got "
+                            f"{config.num_layers} with num_experts {config.num_experts}")
+        if config.num_mlp_heads < 0 or config.mlp_blocks < 0:
+            problems.append(f"num_mlp_heads and mlp_blocks must be >= 0, got {config.num_mlp_heads}, {config.mlp_blocks}")
         if not 0 <= config.draft_vocab_size <= config.vocab_size:
             problems.append(f"draft_vocab_size must be in [0, vocab_size {config.vocab_size}], got {config.draft_vocab_size}")
         if config.num_kv_heads >= 1 and config.num_heads % config.num_kv_heads:
@@ -123,7 +150,8 @@ class DraftConfig:
     def attention_config(self) -> LlamaConfig:
         """The one-layer geometry the draft's KV cache is shaped by."""
         return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+                           intermediate_size=self.intermediate_size, num_layers=getattr(self, "num_layers", 1),
+                           num_heads=self.num_heads,
                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
                            rms_norm_eps=self.rms_norm_eps)
 
@@ -149,6 +177,8 @@ class DraftStep(NamedTuple):
     expert_out, expert_score, contrast_weight : MoE heads only (else None): the top-2 experts'
         outputs [.., 2, H] (higher score first), their gate scores and (w_hi, w_lo).
     lm_input : what the LM head reads, when it is not ``feature`` (EAGLE-3 heads).
+    projected : Gumiho heads only: ``fc(cat(embed(token), feature))``, the rows' input to the
+        serial layers and the first half of their children's MLP-head input.
     """
     feature: torch.Tensor
     residual: torch.Tensor
@@ -156,6 +186,7 @@ class DraftStep(NamedTuple):
     expert_score: Optional[torch.Tensor] = None
     contrast_weight: Optional[torch.Tensor] = None
     lm_input: Optional[torch.Tensor] = None  # what the LM head reads when not the feature (EAGLE-3: norm(feature))
+    projected: Optional[torch.Tensor] = None
 
     @property
     def for_lm_head(self) -> torch.Tensor:
@@ -174,27 +205,50 @@ class DraftStep(NamedTuple):
         return self.residual.unsqueeze(-2) + mass * self.expert_out
 
 
+def _add_layer_weights(module: nn.Module, c: DraftConfig, dense: bool = True) -> None:
+    """A decoder layer's attention projections, post-attention norm and (``dense``) SwiGLU MLP."""
+    H = c.hidden_size
+    module.q_proj = nn.Linear(H, c.num_heads * c.head_dim, bias=False)
+    module.k_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
+    module.v_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
+    module.o_proj = nn.Linear(c.num_heads * c.head_dim, H, bias=False)
+    module.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+    if dense:
+        module.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        module.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
+        module.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+
+
+class DraftLayer(nn.Module):
+    """A serial layer after the first: RMSNorm, attention, RMSNorm, dense SwiGLU MLP."""
+
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        _add_layer_weights(self, config)
+
+
 class DraftHead(nn.Module):
     def __init__(self, config: DraftConfig):
         super().__init__()
         c = self.config = config
         H = c.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=True)
-        self.q_proj = nn.Linear(H, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(H, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, H, bias=False)
-        self.post_attention_layernorm = RMSNorm(H, c.rms_norm_eps)
+        _add_layer_weights(self, c, dense=not c.num_experts)
         if c.num_experts:
             N, inner = c.num_experts, c.intermediate_size
             self.router = nn.Parameter(torch.empty(N + 2, H))
             self.w_gate = nn.Parameter(torch.empty(N, inner, H))
             self.w_up = nn.Parameter(torch.empty(N, inner, H))
             self.w_down = nn.Parameter(torch.empty(N, H, inner))
-        else:
-            self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
-            self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
-            self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
+        if c.num_layers > 1:
+            self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers - 1))
+        if c.num_mlp_heads:  # stacked over heads (and blocks): every head in one batched matmul
+            J = c.num_mlp_heads
+            self.mlp_in_weight = nn.Parameter(torch.empty(J, H, 2 * H))
+            self.mlp_in_bias = nn.Parameter(torch.empty(J, H))
+            self.mlp_block_weight = nn.Parameter(torch.empty(J, c.mlp_blocks, H, H))
+            self.mlp_block_bias = nn.Parameter(torch.empty(J, c.mlp_blocks, H))
         if c.draft_vocab_size:
             # Draft token d is target token draft_to_target[d]; stored with the head.
             self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, dtype=torch.int64))
@@ -205,13 +259,14 @@ class DraftHead(nn.Module):
 
     # ------------------------------------------------------------------ construction and storage
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "DraftHead":
-        """Random weights (normal(0, std), zero biases, unit norm weight), reproducible by seed."""
+        """Random weights (normal(0, std), zero biases, unit norm weights; the MLP heads'
+        residual blocks zero, as released: each head starts as its input layer), reproducible by seed."""
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("bias"):
+                if name.endswith("bias") or name == "mlp_block_weight":
                     p.zero_()
-                elif name.startswith("post_attention_layernorm"):
+                elif "layernorm" in name:
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
@@ -379,38 +434,59 @@ class DraftHead(nn.Module):
             their attention is merged with the prefix's by log-sum-exp (split-KV style).
         """
         c = self.config
-        x = project(self.fc, torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        x = self.project_input(tokens, features)
         u = x + self._attention(x, positions, cache, tree_mask, ancestors)
         normed = self.post_attention_layernorm(u)
-        if not c.num_experts:
-            return DraftStep(u + self._mlp(normed), u)
-        _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
-                                                         c.renormalize)
-        # The op's own residual is its input (the normed u); the layer's residual is u itself.
-        feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
-        return DraftStep(feature, u, expert_out, score, contrast)
+        if c.num_experts:
+            _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
+                                                             c.renormalize)
+            # The op's own residual is its input (the normed u); the layer's residual is u itself.
+            feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
+            return DraftStep(feature, u, expert_out, score, contrast)
+        h = u + self._mlp(normed)
+        for i, layer in enumerate(self.layers if c.num_layers > 1 else (), 1):
+            u = h + self._attention(layer.input_layernorm(h), positions, cache, tree_mask, ancestors, i, layer)
+            h = u + self._mlp(layer.post_attention_layernorm(u), layer)
+        return DraftStep(h, u, projected=x if c.num_mlp_heads else None)
+
+    def project_input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input."""
+        return project(self.fc, torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+
+    def mlp_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """Gumiho's parallel MLP heads on x [..., 2H] (``cat(x_parent, x_leaf)``): features
+        [..., J, H], head j's the one j + 1 tokens past the leaf. Plain PyTorch, differentiable:
+        every head's layer is one batched matmul."""
+        c = self.config
+        rows = x.reshape(1, -1, 2 * c.hidden_size).to(self.mlp_in_weight.dtype)
+        h = F.silu(torch.baddbmm(self.mlp_in_bias.unsqueeze(1), rows.expand(c.num_mlp_heads, -1, -1),
+                                 self.mlp_in_weight.transpose(1, 2)))  # [J, N, H]
+        for b in range(c.mlp_blocks):
+            h = h + F.silu(torch.baddbmm(self.mlp_block_bias[:, b].unsqueeze(1), h, self.mlp_block_weight[:, b].transpose(1, 2)))
+        return h.transpose(0, 1).reshape(*x.shape[:-1], c.num_mlp_heads, c.hidden_size)
 
     def _attention(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor,
-                   ancestors: Optional["TreeKV"]) -> torch.Tensor:
-        """The layer's attention from x [B, T, *] (q, k, v are projections of x): k and v written
-        after each sequence's prefix, the prefix, the new rows of ``tree_mask`` and the tree
-        ancestors attended; returns o_proj of the output [B, T, H]."""
-        c = self.config
+                   ancestors: Optional["TreeKV"], layer: int = 0, weights: Optional[nn.Module] = None) -> torch.Tensor:
+        """Layer ``layer``'s attention from x [B, T, *] (q, k, v are projections of x by
+        ``weights``' q/k/v_proj, default the head's own): k and v written after each sequence's
+        prefix, the prefix, the new rows of ``tree_mask`` and the tree ancestors attended;
+        returns o_proj of the output [B, T, H]."""
+        c, w = self.config, self if weights is None else weights
         B, T = x.shape[:2]
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        q = rotary(project(self.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
-        k = rotary(project(self.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-        v = project(self.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        cache.write(0, k, v)
-        out, lse = ops.tree_attention(q, cache.kv[0, 0], cache.kv[0, 1], cache.lengths, tree_mask)
-        if ancestors is not None and ancestors.keys is not None:
-            out = ancestors.merge_into(q, out, lse)
-        return project(self.o_proj, out.reshape(B, T, -1))
+        q = rotary(project(w.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
+        k = rotary(project(w.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
+        v = project(w.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
+        cache.write(layer, k, v)
+        out, lse = ops.tree_attention(q, cache.kv[layer, 0], cache.kv[layer, 1], cache.lengths, tree_mask)
+        if ancestors is not None and ancestors.keys:
+            out = ancestors.merge_into(q, out, lse, layer)
+        return project(w.o_proj, out.reshape(B, T, -1))
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        """The dense SwiGLU MLP."""
-        return project(self.down_proj, F.silu(project(self.gate_proj, x)) * project(self.up_proj, x))
-
+    def _mlp(self, x: torch.Tensor, weights: Optional[nn.Module] = None) -> torch.Tensor:
+        """The dense SwiGLU MLP (of ``weights``, default the head's own)."""
+        w = self if weights is None else weights
+        return project(w.down_proj, F.silu(project(w.gate_proj, x)) * project(w.up_proj, x))
 
     def train_forward(self, tokens: torch.Tensor, features: torch.Tensor,
                       unrolled: Optional[list] = None) -> DraftStep:
@@ -418,30 +494,44 @@ class DraftHead(nn.Module):
         PyTorch (the fused ops have no backward). tokens [B, T] (token t+1 of each row), features
         [B, T, H] (f_t). Same math as ``forward``.
 
-        ``unrolled`` (the training-time test): a list that collects each call's keys/values. The
-        call made with it empty is step 0: row i at position i, causal (the committed prefix, as
-        the draft's cache holds it). The call made with s entries is step s: row i is the draft
-        row s steps after row i's anchor, at position i + s; it sees step 0's rows 0..i and its own
-        row of steps 1..s (its draft ancestors), exactly what drafting at depth s sees."""
+        ``unrolled`` (the training-time test): a list that collects each call's keys/values (a
+        list of (k, v) per layer). The call made with it empty is step 0: row i at position i,
+        causal (the committed prefix, as the draft's cache holds it). The call made with s entries
+        is step s: row i is the draft row s steps after row i's anchor, at position i + s; it sees
+        step 0's rows 0..i and its own row of steps 1..s (its draft ancestors), exactly what
+        drafting at depth s sees."""
         c = self.config
         B, T = tokens.shape
         step = len(unrolled) if unrolled is not None else 0
         x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
         positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        q = rotary(self.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
-        k = rotary(self.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        kv: list = []
         if unrolled is not None:
-            unrolled.append((k, v))
-        if step == 0:
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            attn = _unrolled_attention(q, unrolled)
-        u = x + self.o_proj(attn.transpose(1, 2).reshape(B, T, -1))
+            unrolled.append(kv)
+
+        def attention(w: nn.Module, x: torch.Tensor, layer: int) -> torch.Tensor:
+            q = rotary(w.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
+            k = rotary(w.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+            v = w.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            kv.append((k, v))
+            if step == 0:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            else:
+                out = _unrolled_attention(q, [keys[layer] for keys in unrolled])
+            return w.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+        def mlp(w: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            return w.down_proj(F.silu(w.gate_proj(x)) * w.up_proj(x))
+
+        u = x + attention(self, x, 0)
         normed = self.post_attention_layernorm(u)
         if not c.num_experts:
-            return DraftStep(u + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)), u)
+            h = u + mlp(self, normed)
+            for i, layer in enumerate(self.layers if c.num_layers > 1 else (), 1):
+                u = h + attention(layer, layer.input_layernorm(h), i)
+                h = u + mlp(layer, layer.post_attention_layernorm(u))
+            return DraftStep(h, u, projected=x if c.num_mlp_heads else None)
         N = c.num_experts
         logits = normed.float() @ self.router.float().T  # [B, T, N + 2]
         score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
@@ -483,27 +573,33 @@ def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:
 
 
 class TreeKV:
-    """Keys/values of the draft-tree layers already run in this round ([B, M, Hkv, D]), so a new
-    layer attends to its ancestors without recomputing them; see :meth:`DraftHead.forward`."""
+    """Keys/values of the draft-tree layers already run in this round (per decoder layer,
+    [B, M, Hkv, D]), so a new tree layer attends to its ancestors without recomputing them; see
+    :meth:`DraftHead.forward`."""
 
     def __init__(self):
-        self.keys: Optional[torch.Tensor] = None
-        self.values: Optional[torch.Tensor] = None
+        self.keys: List[torch.Tensor] = []  # one per decoder layer; empty until a tree layer ran
+        self.values: List[torch.Tensor] = []
         self.visible: Optional[torch.Tensor] = None  # [B, T, M] bool for the rows being run
 
     def append(self, cache: KVCache, rows: int) -> None:
         """Keep the keys/values the last forward wrote after each sequence's prefix (uncommitted)."""
-        k, v = cache.written(0, rows)  # [B, rows, Hkv, D]
-        self.keys = k.clone() if self.keys is None else torch.cat([self.keys, k], 1)
-        self.values = v.clone() if self.values is None else torch.cat([self.values, v], 1)
+        for layer in range(cache.kv.shape[0]):
+            k, v = cache.written(layer, rows)  # [B, rows, Hkv, D]
+            if layer < len(self.keys):
+                self.keys[layer] = torch.cat([self.keys[layer], k], 1)
+                self.values[layer] = torch.cat([self.values[layer], v], 1)
+            else:
+                self.keys.append(k.clone())
+                self.values.append(v.clone())
 
-    def merge_into(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-        """Attention of q [B, T, Hq, D] over the visible tree keys, merged with (out, lse) of
-        the prefix part by log-sum-exp (``jakiro::merge_attention_states``)."""
+    def merge_into(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """Attention of q [B, T, Hq, D] over the visible tree keys of ``layer``, merged with (out,
+        lse) of the prefix part by log-sum-exp (``jakiro::merge_attention_states``)."""
         B, T, Hq, D = q.shape
-        G = Hq // self.keys.shape[2]
-        k = self.keys.float().repeat_interleave(G, dim=2)  # [B, M, Hq, D]
-        v = self.values.float().repeat_interleave(G, dim=2)
+        G = Hq // self.keys[layer].shape[2]
+        k = self.keys[layer].float().repeat_interleave(G, dim=2)  # [B, M, Hq, D]
+        v = self.values[layer].float().repeat_interleave(G, dim=2)
         scores = torch.einsum("bthd,bmhd->bthm", q.float(), k) / math.sqrt(D)
         scores = scores.masked_fill(~self.visible.unsqueeze(2), -math.inf)
         tree_lse = torch.logsumexp(scores, dim=-1)  # [B, T, Hq], -inf where nothing is visible

@@ -25,7 +25,7 @@ from jakiro_ext.engine import (CPU_TREE, GPU_TREE, GRAPH_MODES, MAX_BATCH, METHO
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 HEADS_DIR = Path(__file__).parent / "heads"
 PROMPTS_FILE = Path(__file__).parent / "data" / "prompts.jsonl"
-HEAD_KIND = {"eagle2": "eagle2", "jakiro": "jakiro", "jakiro_star": "jakiro"}
+HEAD_KIND = {"eagle2": "eagle2", "jakiro": "jakiro", "jakiro_star": "jakiro", "gumiho": "gumiho"}
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -440,7 +440,8 @@ def cmd_train(args) -> int:
     # same parameters (each target_intermediate / N wide), so both heads are the same size.
     width = args.intermediate_size or (target.config.intermediate_size // (args.experts if args.kind == "jakiro" else 1))
     config = DraftConfig.for_target(target.config, args.kind, num_experts=args.experts, intermediate_size=width,
-                                    target_name=name)
+                                    target_name=name, num_layers=args.layers, num_mlp_heads=args.mlp_heads,
+                                    mlp_blocks=args.mlp_blocks)
     config.draft_vocab_size = args.draft_vocab
     head = DraftHead(config).init_weights(seed=args.seed)
     coverage = 1.0
@@ -460,7 +461,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
-                      ttt_steps=args.ttt_steps, minutes=args.minutes,
+                      ttt_steps=args.ttt_steps, minutes=args.minutes, mlp_input=args.mlp_input,
                       seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -468,7 +469,8 @@ def cmd_train(args) -> int:
 
     def on_step(step: int, record: dict) -> None:
         bar.n = step + 1
-        bar.set_postfix({k: f"{v:.3f}" for k, v in record.items() if k in ("loss", "acc1", "acc2", "acc2_contrastive")})
+        bar.set_postfix({k: f"{v:.3f}" for k, v in record.items()
+                         if k in ("loss", "acc1", "acc2", "acc2_contrastive", "acc3_mlp")})
         evals = {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")}
         if evals:
             bar.write(f"step {step + 1}: held-out top-1 {evals}")
@@ -522,6 +524,7 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--jakiro-head", help="directory of a trained Jakiro head (default: the shipped one)")
     p.add_argument("--eagle2-head", help="directory of a trained EAGLE-2 head (default: the shipped one)")
+    p.add_argument("--gumiho-head", help="directory of a trained Gumiho head (default: the shipped one)")
     p.add_argument("--tree", choices=["auto", "cpu", "gpu"], default="auto",
                    help=f"auto (default): on a CPU, chosen by this machine's measured costs and the head's acceptance "
                         f"profile (costs measured once, cached); presets: cpu {CPU_TREE.total_tokens}/{CPU_TREE.depth}/"
@@ -569,7 +572,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_generation_options(p)
     p = sub.add_parser("train", help="train a draft head (builds the training set of target features first)")
-    p.add_argument("--kind", choices=["jakiro", "eagle2"], default="jakiro")
+    p.add_argument("--kind", choices=["jakiro", "eagle2", "gumiho"], default="jakiro")
     p.add_argument("--out", required=True, help="directory to save the head in (config.json, model.safetensors)")
     p.add_argument("--target", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -588,6 +591,12 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=4, help="Jakiro: number of experts N")
     p.add_argument("--intermediate-size", type=int, help="expert width (Jakiro; default: the target's MLP width / N) "
                                                          "or MLP width (EAGLE-2; default: the target's)")
+    p.add_argument("--layers", type=int, help="Gumiho: serial decoder layers (default 2, as released)")
+    p.add_argument("--mlp-heads", type=int, default=2, help="Gumiho: parallel MLP heads (each drafts one tree layer)")
+    p.add_argument("--mlp-blocks", type=int, default=5, help="Gumiho: residual blocks of each MLP head")
+    p.add_argument("--mlp-input", choices=["teacher", "drafted"], default="teacher",
+                   help="Gumiho: the MLP heads learn from step 0's features on the target's (teacher, as released) "
+                        "or from the serial part's own second step, as drafting runs (drafted)")
     p.add_argument("--draft-vocab", type=int, default=8192, help="draft over the N most learned tokens (0: all)")
     p.add_argument("--epochs", type=float, default=4.0)
     p.add_argument("--steps", type=int, default=0, help="train this many steps instead of --epochs")

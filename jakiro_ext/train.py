@@ -116,6 +116,10 @@ class TrainConfig:
     ttt_decay: float = 0.8  # step s's loss weight is ttt_decay ** s
     token_loss_top: int = 32  # the token loss's soft labels: the target's top tokens (renormalised)
     minutes: float = 0.0  # > 0: a wall-clock budget; the steps are set from the first warm-up steps' time
+    # Gumiho's MLP heads learn from "teacher" inputs (both halves from step 0, run on the target's
+    # features: the released recipe) or "drafted" ones (the leaf's half from the serial part's
+    # own second step, as drafting computes it: the training-time test's idea).
+    mlp_input: str = "teacher"
 
     def total_steps(self, num_examples: int) -> int:
         if self.minutes:
@@ -246,22 +250,53 @@ class Scored(NamedTuple):
 def _scored(batch: Batch, step: DraftStep, s: int, ahead: int, probs: Optional[TopProbs] = None) -> Scored:
     """The rows of step s whose target lies ``ahead`` (1: the feature, 2: the contrastive
     feature) tokens past the row's input. ``probs``: the target's distribution at every position."""
+    return _rows(batch, step.feature if ahead == 1 else step.contrastive_feature(), s + ahead, probs)
+
+
+def _rows(batch: Batch, pred: torch.Tensor, shift: int, probs: Optional[TopProbs] = None) -> Scored:
+    """Predicted features ``pred`` [B, >= n, H] whose row r must be the target's f_{r+shift}
+    (drafting the token x_{r+shift+1}), for the n = L - shift - 1 rows that have one."""
     L = batch.tokens.shape[1]
-    n = max(L - s - ahead - 1, 0)
-    pred = (step.feature if ahead == 1 else step.contrastive_feature())[:, :n]
-    return Scored(pred, batch.features[:, s + ahead: L - 1], None if probs is None else probs[:, s + ahead: L - 1],
-                  batch.loss_mask[:, s + ahead + 1:], batch.tokens[:, s + ahead + 1:])
+    n = max(L - shift - 1, 0)
+    return Scored(pred[:, :n], batch.features[:, shift: L - 1], None if probs is None else probs[:, shift: L - 1],
+                  batch.loss_mask[:, shift + 1:], batch.tokens[:, shift + 1:])
 
 
-def scored_rows(batch: Batch, cfg: TrainConfig, moe: bool) -> Dict[str, int]:
-    """How many rows each loss term of ``batch_loss`` scores (``acc{s}`` and, for a MoE head,
-    ``acc{s}_contrastive``), known from the batch alone: what the terms are divided by."""
+# Gumiho's MLP heads are trained after one serial step: head j's feature lies 3 + j tokens past
+# the row's input, and it drafts depth 3 + j of a tree (as drafting with one serial expansion).
+MLP_FIRST_DEPTH = 3
+
+
+def mlp_features(head: DraftHead, batch: Batch, steps: Sequence[DraftStep], mode: str) -> torch.Tensor:
+    """The MLP heads' features [B, n, J, H] from the unrolled serial steps (``steps[0]``, and
+    ``steps[1]`` for ``mode="drafted"``). Row r's input is ``cat(x_parent, x_leaf)``: x_parent the
+    ``fc`` output of the serial step at x_{r+2} (fed step 0's prediction at row r), x_leaf the
+    ``fc`` of x_{r+3} with a prediction of f_{r+2}: step 0's at row r + 1, from the target's f_{r+1}
+    ("teacher", the released recipe), or step 1's at row r, from the head's own features
+    ("drafted", as drafting runs). Head j's feature must be f_{r+3+j}."""
+    tokens = batch.tokens
+    if mode == "teacher":
+        parent = head.project_input(F.pad(tokens[:, 2:], (0, 1)), steps[0].feature, train=True)  # [B, L - 1, H]
+        return head.mlp_heads(torch.cat([parent[:, :-1], parent[:, 1:]], -1))
+    if mode == "drafted":
+        leaf = head.project_input(F.pad(tokens[:, 3:], (0, 2)), steps[1].feature, train=True)
+        return head.mlp_heads(torch.cat([steps[1].projected, leaf], -1))
+    raise ValueError(f"mlp_input must be 'teacher' or 'drafted', got {mode!r}")
+
+
+def scored_rows(batch: Batch, cfg: TrainConfig, moe: bool, mlp_heads: int = 0) -> Dict[str, int]:
+    """How many rows each loss term of ``batch_loss`` scores (``acc{s}``; for a MoE head
+    ``acc{s}_contrastive``; for a Gumiho head ``acc{s}_mlp``), known from the batch alone: what
+    the terms are divided by."""
     L, rows = batch.tokens.shape[1], {}
+
+    def count(shift: int) -> int:
+        return int(batch.loss_mask[:, shift + 1:][:, :max(L - shift - 1, 0)].sum())
     for s in range(1 + cfg.ttt_steps):
         for ahead in ((1, 2) if moe and (cfg.w_feature2 or cfg.w_token2) else (1,)):
-            n = max(L - s - ahead - 1, 0)
-            rows[f"acc{s + ahead}" + ("_contrastive" if ahead == 2 else "")] = int(
-                batch.loss_mask[:, s + ahead + 1:][:, :n].sum())
+            rows[f"acc{s + ahead}" + ("_contrastive" if ahead == 2 else "")] = count(s + ahead)
+    for j in range(mlp_heads):
+        rows[f"acc{MLP_FIRST_DEPTH + j}_mlp"] = count(MLP_FIRST_DEPTH + j)
     return rows
 
 
@@ -276,22 +311,33 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
     feats = batch.features[:, :-1]
     if noise is not None:
         feats = feats + noise
-    totals = totals or scored_rows(batch, cfg, head.config.num_experts > 0)
+    mlp_heads = head.config.num_mlp_heads
+    totals = totals or scored_rows(batch, cfg, head.config.num_experts > 0, mlp_heads)
     loss = batch.features.new_zeros(())
     metrics = {}
     probs = None
     if cfg.w_token or cfg.w_token2:  # the target's distributions, once for every step and branch
         probs = target_top_probs(head, batch.features, cfg.token_loss_top)
-    for s, step in unroll(head, batch, 1 + cfg.ttt_steps, feats):
-        weight = cfg.ttt_decay ** s
-        terms = [(f"acc{s + 1}", 1, cfg.w_feature, cfg.w_token)]
-        if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
-            terms.append((f"acc{s + 2}_contrastive", 2, cfg.w_feature2, cfg.w_token2))
-        for name, ahead, w_feature, w_token in terms:
-            part, hits, _ = _branch_loss(head, _scored(batch, step, s, ahead, probs), w_feature, w_token,
-                                         max(totals[name], 1))
-            loss = loss + weight * part
-            metrics[f"hits_{name}"] = hits
+
+    def add(name: str, rows: Scored, weight: float, w_feature: float, w_token: float) -> None:
+        nonlocal loss
+        part, hits, _ = _branch_loss(head, rows, w_feature, w_token, max(totals[name], 1))
+        loss = loss + weight * part
+        metrics[f"hits_{name}"] = hits
+    serial = 1 + cfg.ttt_steps
+    steps = []
+    for s, step in unroll(head, batch, max(serial, 2 if mlp_heads and cfg.mlp_input == "drafted" else 1), feats):
+        steps.append(step)
+        if s < serial:
+            weight = cfg.ttt_decay ** s
+            add(f"acc{s + 1}", _scored(batch, step, s, 1, probs), weight, cfg.w_feature, cfg.w_token)
+            if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
+                add(f"acc{s + 2}_contrastive", _scored(batch, step, s, 2, probs), weight, cfg.w_feature2, cfg.w_token2)
+    if mlp_heads:
+        features = mlp_features(head, batch, steps, cfg.mlp_input)
+        for j in range(mlp_heads):
+            add(f"acc{MLP_FIRST_DEPTH + j}_mlp", _rows(batch, features[:, :, j], MLP_FIRST_DEPTH + j, probs), 1.0,
+                cfg.w_feature, cfg.w_token)
     return loss, metrics
 
 
@@ -326,16 +372,24 @@ def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, bat
 
     mine = list(examples)[ranks.rank::ranks.world]
     device = head.fc.weight.device
+    mlp_heads = head.config.num_mlp_heads
     for i in range(0, len(mine), batch_sequences):
         b = collate(mine[i: i + batch_sequences], cfg.max_seq_len).to(device)
+        unrolled = []
         for s, step in unroll(head, b, steps):
+            unrolled.append(step)
             add(f"acc{s + 1}", _scored(b, step, s, 1))
             if step.expert_out is not None:
                 add(f"acc{s + 2}_contrastive", _scored(b, step, s, 2))
+        if mlp_heads:  # as drafting runs them: after a serial step on the head's own features
+            features = mlp_features(head, b, unrolled, "drafted")
+            for j in range(mlp_heads):
+                add(f"acc{MLP_FIRST_DEPTH + j}_mlp", _rows(b, features[:, :, j], MLP_FIRST_DEPTH + j))
     head.train(was_training)
     names = [f"acc{s + 1}" for s in range(steps)]
     if head.config.num_experts:
         names += [f"acc{s + 2}_contrastive" for s in range(steps)]
+    names += [f"acc{MLP_FIRST_DEPTH + j}_mlp" for j in range(mlp_heads)]
     summed = ranks.sum([hits.get(k, 0) for k in names] + [counts.get(k, 0) for k in names])
     return {k: summed[i] / max(summed[len(names) + i], 1) for i, k in enumerate(names)}
 
@@ -389,6 +443,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         raise ValueError("bind the head to its target first (head.bind(target))")
     if not examples:
         raise ValueError("no training examples")
+    if cfg.mlp_input not in ("teacher", "drafted"):
+        raise ValueError(f"mlp_input must be 'teacher' or 'drafted', got {cfg.mlp_input!r}")
     if cfg.ttt_steps < 0 or not cfg.ttt_decay > 0:
         raise ValueError(f"ttt_steps must be >= 0 and ttt_decay > 0, got {cfg.ttt_steps} and {cfg.ttt_decay}")
     if cfg.minutes and cfg.warmup_steps < BUDGET_PROBE_STEPS:
@@ -447,7 +503,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         share = share or [0]
         batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(head.fc.weight.device)
         noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
-        rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0).items()}
+        rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
+                                                            head.config.num_mlp_heads).items()}
         names = sorted(rows)
         totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
         loss, metrics = model(batch, cfg, None if noise is None else noise[share].to(batch.features.device), totals)

@@ -18,8 +18,9 @@ depends on the machine (the c_*) and on the head (E):
   r-th candidate given the path before it was right, measured on held-out answers drafting from
   the head's own features. The dynamic tree is modelled by the drafter's own rule with these
   probabilities as scores: the K best nodes of a depth get K children each (for ``jakiro`` the last
-  layer comes from the contrastive branch under each frontier node's best child), and the N - 1 best
-  nodes are kept; E is the sum of their probabilities (a node is accepted when its whole path is).
+  layer comes from the contrastive branch under each frontier node's best child; for ``gumiho``
+  the last J layers from its J MLP heads, with their own table), and the N - 1 best nodes are kept;
+  E is the sum of their probabilities (a node is accepted when its whole path is).
 """
 from __future__ import annotations
 
@@ -49,17 +50,21 @@ def _prob(table: Sequence[Sequence[float]], depth: int, rank: int, first_depth: 
 
 def expected_accepted(profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> float:
     """Expected drafted tokens accepted per round by a dynamic tree (see the module's docstring).
-    ``profile``: {"depth_rank": [[p(d=1, r=0), p(1, 1), ...], [p(2, 0), ...], ...]} and, for
-    ``jakiro``, "contrastive_depth_rank" (the same from depth 2 on)."""
+    ``profile``: {"depth_rank": [[p(d=1, r=0), p(1, 1), ...], [p(2, 0), ...], ...]}; for
+    ``jakiro`` "contrastive_depth_rank" (the same from depth 2 on); for ``gumiho``
+    "mlp_depth_rank" (one row per MLP head, head j drafting the layer j + 1 past the serial ones)."""
     p = profile["depth_rank"]
     pc = profile.get("contrastive_depth_rank") if method == "jakiro" else None
+    pm = profile["mlp_depth_rank"] if method == "gumiho" else []
     nodes: List[float] = []
     layer = [_prob(p, 1, r, 1) for r in range(top_k)]
     nodes += layer
     expansions = depth - 1 if method == "jakiro" else depth
+    serial = depth - len(pm)
     for d in range(1, expansions + 1):
         frontier = sorted(layer, reverse=True)[:top_k]
-        layer = [v * _prob(p, d + 1, r, 1) for v in frontier for r in range(top_k)]
+        table, row = (p, d + 1) if d <= serial else (pm, d - serial)
+        layer = [v * _prob(table, row, r, 1) for v in frontier for r in range(top_k)]
         nodes += layer
         if pc is not None and d == expansions:
             nodes += [v * _prob(p, d + 1, 0, 1) * _prob(pc, d + 2, r, 2) for v in frontier for r in range(top_k)]
@@ -125,8 +130,9 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES if B * n <= MAX_VERIFY_ROWS}
     draft, catch_up = {}, {}
     roots = prompt[:1].expand(B)
+    extra = {"jakiro": 1, "gumiho": getattr(head.config, "num_mlp_heads", 0)}.get(method, 0)
     for k in WIDTHS:
-        for d in (d + (method == "jakiro") for d in DEPTHS):
+        for d in (d + extra for d in DEPTHS):
             drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k), 1, CONTEXT + 16)
             drafter.load(0, prompt[1:CONTEXT + 1], hidden[0])
             drafter.select_rows(rows_of)
@@ -149,6 +155,8 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
     t, h = target.config, head.config
     shape = (f"h{t.hidden_size}-l{t.num_layers}-i{t.intermediate_size}-v{t.vocab_size}-"
              f"e{h.num_experts}x{h.intermediate_size}-dv{h.draft_vocab_size}")
+    if getattr(h, "num_mlp_heads", 0):
+        shape += f"-l{h.num_layers}-m{h.num_mlp_heads}x{h.mlp_blocks}"
     dtype = str(target.lm_head.weight.dtype).replace("torch.", "")
     batched = f"-b{batch}" if batch > 1 else ""
     return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}{batched}")
@@ -219,9 +227,13 @@ def auto_tree(target, head, method: str, batch: int = 1):
 def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, ranks: int = 8,
                        batch_sequences: int = 16) -> dict:
     """p[d][r] (see the module's docstring) on ``examples``' learned tokens, drafting from the
-    head's own features as the engine does; for a Jakiro head also its contrastive branch's."""
-    from jakiro_ext.train import _scored, collate, unroll
+    head's own features as the engine does; for a Jakiro head also its contrastive branch's, for
+    a Gumiho head its MLP heads' (after one serial step, as the engine drafts them)."""
+    from jakiro_ext.train import MLP_FIRST_DEPTH, _rows, _scored, collate, mlp_features, unroll
 
+    mlp_heads = getattr(head.config, "num_mlp_heads", 0)
+    hits_m = torch.zeros(mlp_heads, ranks, dtype=torch.float64)
+    counts_m = torch.zeros(mlp_heads, dtype=torch.float64)
     hits = torch.zeros(depth, ranks, dtype=torch.float64)
     hits_c = torch.zeros(depth, ranks, dtype=torch.float64)
     counts = torch.zeros(depth, dtype=torch.float64)
@@ -237,12 +249,20 @@ def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, r
     head.eval()
     for i in range(0, len(examples), batch_sequences):
         b = collate(examples[i: i + batch_sequences], max_seq_len).to(head.fc.weight.device)
+        steps = []
         for s, step in unroll(head, b, depth):
+            steps.append(step)
             add(hits, counts, s, _scored(b, step, s, 1))
             if step.expert_out is not None:
                 add(hits_c, counts_c, s, _scored(b, step, s, 2))
+        if mlp_heads:
+            features = mlp_features(head, b, steps, "drafted")
+            for j in range(mlp_heads):
+                add(hits_m, counts_m, j, _rows(b, features[:, :, j], MLP_FIRST_DEPTH + j))
     head.train(was_training)
     out = dict(depth_rank=(hits / counts.clamp(min=1).unsqueeze(1)).tolist(), positions=int(counts[0]))
     if head.config.num_experts:
         out["contrastive_depth_rank"] = (hits_c / counts_c.clamp(min=1).unsqueeze(1)).tolist()
+    if mlp_heads:
+        out["mlp_depth_rank"] = (hits_m / counts_m.clamp(min=1).unsqueeze(1)).tolist()
     return out

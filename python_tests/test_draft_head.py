@@ -15,7 +15,7 @@ def make_head(target, kind, seed=0):
 
 
 def assert_steps_close(got, want, rows):
-    for name in ("feature", "residual", "expert_out", "expert_score", "contrast_weight"):
+    for name in ("feature", "residual", "expert_out", "expert_score", "contrast_weight", "projected"):
         a, b = getattr(got, name), getattr(want, name)
         if a is None:
             assert b is None
@@ -23,7 +23,7 @@ def assert_steps_close(got, want, rows):
         torch.testing.assert_close(a, b[:, rows], atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho"])
 def test_draft_tree_layers_match_the_training_forward_on_each_path(kind):
     """A chain prefix, then two tree layers: each tree node's output equals the training
     forward over the path prefix -> its ancestors -> itself (a plain causal sequence)."""
@@ -70,7 +70,7 @@ def test_moe_features_follow_the_definitions():
     assert bool((w[..., 0] >= w[..., 1]).all()) and bool((s[..., 0] >= s[..., 1]).all())
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho"])
 def test_save_load_round_trip(tmp_path, kind):
     target = tiny_target()
     head = make_head(target, kind, seed=3)
@@ -82,6 +82,49 @@ def test_save_load_round_trip(tmp_path, kind):
     assert sorted((tmp_path / "head").iterdir()) == [tmp_path / "head" / "config.json", tmp_path / "head" / "model.safetensors"]
     # The target's embedding / LM head are shared, never stored with the head.
     assert not any("embed" in k or "lm_head" in k for k in head.state_dict())
+
+
+def test_gumiho_mlp_heads_follow_the_released_definition():
+    # Head j: SiLU(Linear(2H -> H)), then mlp_blocks blocks x + SiLU(Linear(H -> H)(x)), each head
+    # on the same input; the stacked, batched evaluation must be that, head by head.
+    target = tiny_target()
+    head = make_head(target, "gumiho", seed=4)
+    with torch.no_grad():
+        head.mlp_block_weight.normal_(0, 0.2, generator=gen(9))  # (zero at init)
+        head.mlp_block_bias.normal_(0, 0.2, generator=gen(10))
+    c = head.config
+    assert (c.num_layers, c.num_mlp_heads, c.mlp_blocks) == (2, 2, 5) and c.kind == "gumiho"
+    x = torch.randn(3, 4, 2 * c.hidden_size, generator=gen(11))
+    got = head.mlp_heads(x)
+    assert got.shape == (3, 4, c.num_mlp_heads, c.hidden_size)
+    for j in range(c.num_mlp_heads):
+        layers = [torch.nn.Linear(2 * c.hidden_size, c.hidden_size)] + [torch.nn.Linear(c.hidden_size, c.hidden_size)
+                                                                         for _ in range(c.mlp_blocks)]
+        with torch.no_grad():
+            layers[0].weight.copy_(head.mlp_in_weight[j])
+            layers[0].bias.copy_(head.mlp_in_bias[j])
+            for b in range(c.mlp_blocks):
+                layers[b + 1].weight.copy_(head.mlp_block_weight[j, b])
+                layers[b + 1].bias.copy_(head.mlp_block_bias[j, b])
+        h = torch.nn.functional.silu(layers[0](x))
+        for layer in layers[1:]:
+            h = h + torch.nn.functional.silu(layer(h))
+        torch.testing.assert_close(got[:, :, j], h, atol=1e-5, rtol=1e-5)
+    # Bad configurations are errors naming the field.
+    with pytest.raises(ValueError, match=r"a Gumiho head needs num_mlp_heads >= 1, got 0"):
+        DraftConfig.for_target(target.config, "gumiho", num_mlp_heads=0)
+
+
+def test_gumiho_configs_are_checked(tmp_path):
+    import json
+
+    good = DraftConfig.for_target(tiny_target().config, "gumiho")
+    for change, message in [(dict(num_layers=0), r"num_layers must be >= 1"),
+                            (dict(num_layers=2, num_experts=4), r"and 1 with experts .*got 2 with num_experts 4"),
+                            (dict(num_mlp_heads=-1), r"num_mlp_heads and mlp_blocks must be >= 0, got -1, 5")]:
+        (tmp_path / "config.json").write_text(json.dumps({**good.__dict__, **change}))
+        with pytest.raises(ValueError, match=message):
+            DraftConfig.from_json(tmp_path / "config.json")
 
 
 def test_loading_for_the_wrong_target_is_an_error(tmp_path):
@@ -98,7 +141,7 @@ def test_loading_for_the_wrong_target_is_an_error(tmp_path):
         DraftConfig.for_target(other.config, "jakiro", num_experts=1)
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho"])
 def test_training_time_test_unroll_is_what_drafting_computes(kind):
     """Step s of the unroll, row i, equals the causal forward over the sequence's first i + 1
     rows followed by the s draft rows of that anchor (their tokens and predicted features): the

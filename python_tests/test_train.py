@@ -130,11 +130,13 @@ def make_examples(target, count=6):
     return out
 
 
-@pytest.mark.parametrize("kind,ttt_steps", [("eagle2", 0), ("jakiro", 0), ("eagle2", 3), ("jakiro", 3)])
-def test_training_learns_and_resumes_bit_exactly(target, kind, ttt_steps, tmp_path):
+@pytest.mark.parametrize("kind,ttt_steps,mlp_input", [("eagle2", 0, "teacher"), ("jakiro", 0, "teacher"),
+                                                       ("eagle2", 3, "teacher"), ("jakiro", 3, "teacher"),
+                                                       ("gumiho", 0, "teacher"), ("gumiho", 0, "drafted")])
+def test_training_learns_and_resumes_bit_exactly(target, kind, ttt_steps, mlp_input, tmp_path):
     examples = make_examples(target)
     cfg = TrainConfig(steps=8, lr=3e-3, warmup_steps=2, batch_sequences=3, checkpoint_every=4, eval_every=4,
-                      ttt_steps=ttt_steps)
+                      ttt_steps=ttt_steps, mlp_input=mlp_input)
 
     def fresh():
         return DraftHead(DraftConfig.for_target(target.config, kind, num_experts=4, intermediate_size=32)).init_weights(0).bind(target)
@@ -152,6 +154,9 @@ def test_training_learns_and_resumes_bit_exactly(target, kind, ttt_steps, tmp_pa
     if kind == "jakiro":
         assert {f"acc{s}_contrastive" for s in range(2, ttt_steps + 3)} <= set(history[-1])
         assert {f"eval_acc{s}_contrastive" for s in range(2, 6)} <= set(history[-1])
+    if kind == "gumiho":  # its two MLP heads draft depths 3 and 4
+        assert {"acc3_mlp", "acc4_mlp", "eval_acc3_mlp", "eval_acc4_mlp"} <= set(history[-1])
+        assert history[-1]["eval_acc3_mlp"] > before["acc3_mlp"]
 
     class Stop(Exception):
         pass
@@ -174,6 +179,42 @@ def test_training_learns_and_resumes_bit_exactly(target, kind, ttt_steps, tmp_pa
         train_head(fresh(), examples, TrainConfig(steps=9, checkpoint_every=4), (), ckpt)
     with pytest.raises(ValueError, match=r"other settings or data"):
         train_head(fresh(), examples[:-1], cfg, (), ckpt)
+
+
+def test_gumiho_drafted_mlp_inputs_are_what_drafting_computes(target):
+    """The "drafted" MLP-head input of a row is what the drafter builds for a leaf two tokens
+    past the row: cat(x_parent, x_leaf) from one serial step on the head's own features. Checked
+    by drafting a chain (top_k 1) from a committed prefix and comparing the MLP heads' features
+    with the training-side ones at the prefix's last row; the "teacher" input differs there."""
+    from jakiro_ext.drafting import METHODS, Drafter
+    from jakiro_ext.train import Batch, mlp_features, unroll
+
+    head = DraftHead(DraftConfig.for_target(target.config, "gumiho")).init_weights(3, std=0.2).bind(target)
+    tokens = prompt(14, seed=9)
+    features = target_features(target, tokens)
+    n = 10  # the committed prefix: tokens 0..n, features 0..n-1
+    drafter = Drafter(head, METHODS["gumiho"], TreeConfig(8, 3, 1), 1, 32)
+    drafter.load(0, tokens[1:n + 1], features[:n])
+    seen = []
+    mlp_heads = head.mlp_heads
+    head.mlp_heads = lambda x: seen.append(x) or mlp_heads(x)
+    tree = drafter.draft(tokens[n:n + 1])
+    # The chain's serial tokens: depth 1 and 2; force the training sequence to follow them.
+    chain = tree.tokens[0, 1:3]
+    seq = torch.cat([tokens[:n + 1], chain, torch.zeros(3, dtype=torch.int64)])
+    feats = torch.cat([features[:n], torch.zeros(seq.numel() - n, features.shape[1])])
+    batch = Batch(seq.unsqueeze(0), feats.unsqueeze(0), torch.ones(1, seq.numel(), dtype=torch.bool))
+    del head.mlp_heads
+    steps = [step for _, step in unroll(head, batch, 2)]
+    row = n - 1  # the row whose input is (x_n, f_{n-1}): the drafter's root row
+    leaf = head.project_input(torch.nn.functional.pad(batch.tokens[:, 3:], (0, 2)), steps[1].feature, train=True)
+    drafted = torch.cat([steps[1].projected, leaf], -1)[0, row]
+    # (the drafter's fused kernels against plain PyTorch, through two random layers)
+    torch.testing.assert_close(seen[0][0, 0], drafted, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(mlp_features(head, batch, steps, "drafted")[0, row], mlp_heads(drafted), atol=1e-5,
+                               rtol=1e-5)
+    teacher = mlp_features(head, batch, steps, "teacher")[0, row]
+    assert (teacher - mlp_heads(drafted)).abs().max() > 0.1  # the teacher input is another one
 
 
 def test_resume_refuses_another_draft_vocabulary(target, tmp_path):

@@ -36,6 +36,13 @@ def test_expected_acceptance_of_dynamic_trees():
     assert expected_accepted(p, 99, 2, 2, "jakiro") == pytest.approx(sum(nodes))
     assert expected_accepted(p, 5, 2, 2, "jakiro") == pytest.approx(0.6 + 0.3 + 0.3 + 0.15)
     assert expected_accepted(dict(depth_rank=[[0.0, 0.0]]), 10, 3, 2, "eagle2") == 0.0
+    # Gumiho, depth 3 with two MLP heads: one serial expansion (depth_rank's second row), then
+    # a layer per MLP head from mlp_depth_rank, each expanding the best top_k nodes.
+    g = dict(depth_rank=[[0.6, 0.3], [0.5, 0.2], [0.0, 0.0]], mlp_depth_rank=[[0.4, 0.1], [0.3, 0.2]])
+    layer2 = [0.3, 0.12, 0.15, 0.06]  # under 0.6 and 0.3
+    layer3 = [v * q for v in (0.3, 0.15) for q in (0.4, 0.1)]  # the best two of layer 2
+    layer4 = [v * q for v in sorted(layer3, reverse=True)[:2] for q in (0.3, 0.2)]
+    assert expected_accepted(g, 99, 3, 2, "gumiho") == pytest.approx(0.9 + sum(layer2 + layer3 + layer4))
     # More nodes never expect fewer tokens.
     real = dict(depth_rank=[[0.5, 0.2, 0.1], [0.45, 0.2, 0.1], [0.4, 0.2, 0.1]])
     values = [expected_accepted(real, n, 3, 3, "eagle2") for n in range(2, 40)]
@@ -104,33 +111,41 @@ def test_costs_of_a_batch_are_measured_at_its_bucket(tmp_path, monkeypatch):
     assert rate(costs, profile, 4, 1, 2, "eagle2")[0] == pytest.approx(2 * rate(one, profile, 4, 1, 2, "eagle2")[0])
 
 
-def test_profile_recorded_with_the_head_and_used_by_default(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["jakiro", "gumiho"])
+def test_profile_recorded_with_the_head_and_used_by_default(tmp_path, monkeypatch, kind):
     target = tiny_target()
-    head = copy_head(target, "jakiro")
+    head = copy_head(target, kind)
     examples = make_examples(target, count=3)
     profile = acceptance_profile(head, examples, depth=4, ranks=3)
     table = torch.tensor(profile["depth_rank"])
     assert table.shape == (4, 3) and bool(((table >= 0) & (table <= 1)).all())
     assert bool((table.sum(-1) <= 1 + 1e-9).all()) and profile["positions"] > 0
-    assert torch.tensor(profile["contrastive_depth_rank"]).shape == (4, 3)
-    # Rank 0 at depth d is the evaluation's acc{d}.
+    # Rank 0 at depth d is the evaluation's acc{d} (and its MLP heads' acc{d}_mlp).
     acc = evaluate(head, examples, TrainConfig())
     for d in range(1, 5):
         assert table[d - 1, 0].item() == pytest.approx(acc[f"acc{d}"])
+    if kind == "jakiro":
+        assert torch.tensor(profile["contrastive_depth_rank"]).shape == (4, 3)
+    else:
+        mlp = torch.tensor(profile["mlp_depth_rank"])
+        assert mlp.shape == (2, 3) and "contrastive_depth_rank" not in profile
+        assert [mlp[j, 0].item() for j in range(2)] == pytest.approx([acc["acc3_mlp"], acc["acc4_mlp"]])
     head.acceptance = profile
     head.save(tmp_path / "head")
     loaded = DraftHead.load(tmp_path / "head", target)
     assert loaded.acceptance == json.loads((tmp_path / "head" / "acceptance.json").read_text())
     # The engine's default tree on a CPU is the one chosen for it; decoding stays lossless.
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path / "cache"))
-    chosen = auto_tree(target, loaded, "jakiro")
+    chosen = auto_tree(target, loaded, kind)
     assert isinstance(chosen, TreeConfig)
-    assert chosen == choose_tree(load_costs(target, loaded, "jakiro", progress=False), loaded.acceptance, "jakiro")[0]
+    assert chosen == choose_tree(load_costs(target, loaded, kind, progress=False), loaded.acceptance, kind)[0]
+    if kind == "gumiho":
+        assert chosen.depth >= 3  # a serial step, then its two MLP heads
     x = prompt(9)
     assert (speculative_generate(target, loaded, x, 20).token_ids
             == speculative_generate(target, loaded, x, 20, tree=chosen).token_ids
             == speculative_generate(target, None, x, 20).token_ids)
-    assert auto_tree(target, copy_head(target, "jakiro"), "jakiro") is None  # no profile: the caller's preset
+    assert auto_tree(target, copy_head(target, kind), kind) is None  # no profile: the caller's preset
 
 
 def test_malformed_acceptance_profile_is_an_error(tmp_path):

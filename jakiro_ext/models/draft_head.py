@@ -44,7 +44,7 @@ def _read_acceptance(file: Path) -> dict:
     """An acceptance profile; a malformed one is a ValueError naming the file."""
     try:
         raw = json.loads(Path(file).read_text())
-        tables = [raw["depth_rank"]] + ([raw["contrastive_depth_rank"]] if "contrastive_depth_rank" in raw else [])
+        tables = [raw["depth_rank"]] + [raw[k] for k in ("contrastive_depth_rank", "mlp_depth_rank") if k in raw]
         ok = all(isinstance(t, list) and t and all(isinstance(row, list) and row and
                                                    all(isinstance(p, (int, float)) and 0 <= p <= 1 for p in row)
                                                    for row in t) for t in tables)
@@ -449,9 +449,11 @@ class DraftHead(nn.Module):
             h = u + self._mlp(layer.post_attention_layernorm(u), layer)
         return DraftStep(h, u, projected=x if c.num_mlp_heads else None)
 
-    def project_input(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input."""
-        return project(self.fc, torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+    def project_input(self, tokens: torch.Tensor, features: torch.Tensor, train: bool = False) -> torch.Tensor:
+        """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input (with
+        ``train``, in plain PyTorch: the fused linear has no backward)."""
+        x = torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1)
+        return self.fc(x) if train else project(self.fc, x)
 
     def mlp_heads(self, x: torch.Tensor) -> torch.Tensor:
         """Gumiho's parallel MLP heads on x [..., 2H] (``cat(x_parent, x_leaf)``): features
@@ -503,7 +505,7 @@ class DraftHead(nn.Module):
         c = self.config
         B, T = tokens.shape
         step = len(unrolled) if unrolled is not None else 0
-        x = self.fc(torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1))
+        x = self.project_input(tokens, features, train=True)
         positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
         kv: list = []

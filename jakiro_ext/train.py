@@ -277,10 +277,10 @@ def mlp_features(head: DraftHead, batch: Batch, steps: Sequence[DraftStep], mode
     tokens = batch.tokens
     if mode == "teacher":
         parent = head.project_input(F.pad(tokens[:, 2:], (0, 1)), steps[0].feature, train=True)  # [B, L - 1, H]
-        return head.mlp_heads(torch.cat([parent[:, :-1], parent[:, 1:]], -1))
+        return head.mlp_heads(torch.cat([parent[:, :-1], parent[:, 1:]], -1), train=True)
     if mode == "drafted":
         leaf = head.project_input(F.pad(tokens[:, 3:], (0, 2)), steps[1].feature, train=True)
-        return head.mlp_heads(torch.cat([steps[1].projected, leaf], -1))
+        return head.mlp_heads(torch.cat([steps[1].projected, leaf], -1), train=True)
     raise ValueError(f"mlp_input must be 'teacher' or 'drafted', got {mode!r}")
 
 

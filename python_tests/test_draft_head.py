@@ -23,7 +23,7 @@ def assert_steps_close(got, want, rows):
         torch.testing.assert_close(a, b[:, rows], atol=1e-4, rtol=1e-4, msg=name)
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho"])
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho", "jakiro_gumiho"])
 def test_draft_tree_layers_match_the_training_forward_on_each_path(kind):
     """A chain prefix, then two tree layers: each tree node's output equals the training
     forward over the path prefix -> its ancestors -> itself (a plain causal sequence)."""
@@ -70,7 +70,7 @@ def test_moe_features_follow_the_definitions():
     assert bool((w[..., 0] >= w[..., 1]).all()) and bool((s[..., 0] >= s[..., 1]).all())
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho"])
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho", "jakiro_gumiho"])
 def test_save_load_round_trip(tmp_path, kind):
     target = tiny_target()
     head = make_head(target, kind, seed=3)
@@ -141,7 +141,7 @@ def test_loading_for_the_wrong_target_is_an_error(tmp_path):
         DraftConfig.for_target(other.config, "jakiro", num_experts=1)
 
 
-@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho"])
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho", "jakiro_gumiho"])
 def test_training_time_test_unroll_is_what_drafting_computes(kind):
     """Step s of the unroll, row i, equals the causal forward over the sequence's first i + 1
     rows followed by the s draft rows of that anchor (their tokens and predicted features): the
@@ -161,7 +161,7 @@ def test_training_time_test_unroll_is_what_drafting_computes(kind):
             seq_tok = torch.stack([tokens[:, 1 + j] for j in range(i + 1)] + [tokens[:, i + 1 + d] for d in range(1, s + 1)], 1)
             seq_feat = torch.cat([feats[:, : i + 1]] + [outs[d - 1].feature[:, i : i + 1] for d in range(1, s + 1)], 1)
             want = head.train_forward(seq_tok, seq_feat)
-            for name in ("feature", "residual") + (("expert_out",) if kind == "jakiro" else ()):
+            for name in ("feature", "residual") + (("expert_out",) if "jakiro" in kind else ()) + (("projected",) if "gumiho" in kind else ()):
                 got = getattr(outs[s], name)[:, i]
                 torch.testing.assert_close(got, getattr(want, name)[:, -1], rtol=1e-6, atol=1e-6,  # the router computes in fp32
                                            msg=f"step {s} row {i} {name}")

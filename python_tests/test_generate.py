@@ -16,7 +16,7 @@ from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
          "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}
 HEAD_METHODS = [("eagle2", "eagle2"), ("jakiro", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star"),
-                ("gumiho", "eagle2"), ("gumiho", "gumiho")]
+                ("gumiho", "eagle2"), ("gumiho", "gumiho"), ("jakiro_gumiho", "gumiho")]
 DYNAMIC_ONLY = ("jakiro", "gumiho")  # methods refused on a static tree (tested below)
 
 
@@ -47,8 +47,8 @@ def copy_head(target, kind, scale=300.0):
         head.fc.weight[:, :H] = torch.eye(H) * scale
         for layer in [head, *(head.layers if head.config.num_layers > 1 else ())]:
             layer.o_proj.weight.zero_()
-            (layer.w_down if kind == "jakiro" else layer.down_proj.weight).zero_()
-        if kind == "gumiho":
+            (layer.w_down if head.config.num_experts else layer.down_proj.weight).zero_()
+        if head.config.num_mlp_heads:
             head.mlp_in_weight.zero_()
             head.mlp_in_weight[:, :, H:] = torch.eye(H)
             head.mlp_block_weight.zero_()

@@ -88,6 +88,58 @@ def test_released_heads_load_and_decode_as_the_head_they_hold(target, tmp_path, 
         assert sum(theirs.stats.accept_lengths) > 0
 
 
+def released_gumiho_state(head, target) -> dict:
+    """A Gumiho head under the names of the released ``Model`` (cnets.py): layers.{i} with every
+    layer's input_layernorm (layer 0's unused), and ParallelMLPs' ``mlp.mlp.{j}.{b}.linear``."""
+    mine, c = head.state_dict(), head.config
+    state = {"embed_tokens.weight": target.embed_tokens.weight.detach().clone(),
+             "fc.weight": mine["fc.weight"], "fc.bias": mine["fc.bias"],
+             "layers.0.input_layernorm.weight": torch.ones(c.hidden_size),
+             "layers.0.post_attention_layernorm.weight": mine["post_attention_layernorm.weight"]}
+    for i in range(c.num_layers):
+        prefix = "" if i == 0 else f"layers.{i - 1}."
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            state[f"layers.{i}.self_attn.{n}.weight"] = mine[f"{prefix}{n}.weight"]
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            state[f"layers.{i}.mlp.{n}.weight"] = mine[f"{prefix}{n}.weight"]
+        if i:
+            for n in ("input_layernorm", "post_attention_layernorm"):
+                state[f"layers.{i}.{n}.weight"] = mine[f"{prefix}{n}.weight"]
+    for j in range(c.num_mlp_heads):
+        state[f"mlp.mlp.{j}.0.linear.weight"] = mine["mlp_in_weight"][j]
+        state[f"mlp.mlp.{j}.0.linear.bias"] = mine["mlp_in_bias"][j]
+        for b in range(c.mlp_blocks):
+            state[f"mlp.mlp.{j}.{b + 1}.linear.weight"] = mine["mlp_block_weight"][j, b]
+            state[f"mlp.mlp.{j}.{b + 1}.linear.bias"] = mine["mlp_block_bias"][j, b]
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def test_released_gumiho_heads_load_and_decode_as_the_head_they_hold(target, tmp_path):
+    head = full_vocabulary_head(target, "gumiho")
+    with torch.no_grad():  # (blocks that do something: zero at init)
+        head.mlp_block_weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(3))
+    path = tmp_path / "gumiho"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(llama_config(head, num_hidden_layers=2)))
+    torch.save({k: v.half() for k, v in released_gumiho_state(head, target).items()}, str(path / "pytorch_model.bin"))
+    loaded = DraftHead.load(path, target)
+    c = loaded.config
+    assert (c.kind, c.num_layers, c.num_mlp_heads, c.mlp_blocks) == ("gumiho", 2, 2, 5)
+    for name, tensor in head.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor.half().float(), msg=name)
+    ids = prompt(15, seed=4)
+    ours = speculative_generate(target, head.half().float().bind(target), ids, 24, method="gumiho", tree=TREE)
+    theirs = speculative_generate(target, loaded, ids, 24, method="gumiho", tree=TREE)
+    assert theirs.token_ids == speculative_generate(target, None, ids, 24).token_ids
+    assert theirs.stats.accept_lengths == ours.stats.accept_lengths and max(theirs.stats.accept_lengths) >= 3
+    # A missing block is an error naming it.
+    state = released_gumiho_state(head, target)
+    state.pop("mlp.mlp.1.3.linear.bias")
+    torch.save(state, str(path / "pytorch_model.bin"))
+    with pytest.raises(ValueError, match=r"a gumiho head needs the tensor 'mlp.mlp.1.3.linear.bias', which is missing"):
+        DraftHead.load(path, target)
+
+
 def test_released_fp16_heads_load_with_format_forced(target, tmp_path):
     head = full_vocabulary_head(target, "jakiro")
     path = write_released(tmp_path / "head", head, target, "bin", torch.float16)
@@ -97,7 +149,7 @@ def test_released_fp16_heads_load_with_format_forced(target, tmp_path):
             == speculative_generate(target, None, ids, 20).token_ids)
     with pytest.raises(ValueError, match=r"a eagle head needs the tensor 'layers.0.mlp.gate_proj.weight', which is missing"):
         DraftHead.load(path, target, format="eagle")
-    with pytest.raises(ValueError, match=r"format must be one of \('jakiro_ext', 'eagle', 'jakiro', 'eagle3'\), got 'medusa'"):
+    with pytest.raises(ValueError, match=r"format must be one of \('jakiro_ext', 'eagle', 'jakiro', 'gumiho', 'eagle3'\), got 'medusa'"):
         DraftHead.load(path, target, format="medusa")
 
 

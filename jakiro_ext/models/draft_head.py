@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project, rope_cos_sin,
-                                     rotary)
+from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, linear_rows, project,
+                                     rope_cos_sin, rotary)
 
-KINDS = ("eagle2", "jakiro", "gumiho")
+KINDS = ("eagle2", "jakiro", "gumiho", "jakiro_gumiho")  # jakiro_gumiho: Jakiro's MoE layer, then MLP heads
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ACCEPTANCE_FILE = "acceptance.json"  # optional: the head's acceptance profile (jakiro_ext.tree_cost)
@@ -76,7 +76,7 @@ class DraftConfig:
     @property
     def kind(self) -> str:
         if self.num_mlp_heads:
-            return "gumiho"
+            return "jakiro_gumiho" if self.num_experts else "gumiho"
         return "jakiro" if self.num_experts else "eagle2"
 
     @classmethod
@@ -86,20 +86,21 @@ class DraftConfig:
         """A head shaped for ``target``: its attention geometry; experts as wide as the hidden
         size (the released Jakiro recipe) or the target's MLP width for the dense head. A
         ``gumiho`` head has ``num_layers`` serial layers (default 2, as released) and
-        ``num_mlp_heads`` MLP heads of ``mlp_blocks`` residual blocks."""
+        ``num_mlp_heads`` MLP heads of ``mlp_blocks`` residual blocks; ``jakiro_gumiho`` the
+        same MLP heads after one Jakiro MoE layer."""
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if kind == "jakiro" and num_experts < 2:
+        moe, gumiho = kind in ("jakiro", "jakiro_gumiho"), kind in ("gumiho", "jakiro_gumiho")
+        if moe and num_experts < 2:
             raise ValueError(f"a Jakiro head needs num_experts >= 2 (top-2 routing), got {num_experts}")
-        if kind == "gumiho" and num_mlp_heads < 1:
+        if gumiho and num_mlp_heads < 1:
             raise ValueError(f"a Gumiho head needs num_mlp_heads >= 1, got {num_mlp_heads}")
-        width = intermediate_size or (target.hidden_size if kind == "jakiro" else target.intermediate_size)
-        gumiho = kind == "gumiho"
+        width = intermediate_size or (target.hidden_size if moe else target.intermediate_size)
         return cls(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=target.num_heads,
                    num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=width,
-                   num_experts=num_experts if kind == "jakiro" else 0, rope_theta=target.rope_theta,
+                   num_experts=num_experts if moe else 0, rope_theta=target.rope_theta,
                    rms_norm_eps=target.rms_norm_eps, target=target_name,
-                   num_layers=num_layers or (2 if gumiho else 1), num_mlp_heads=num_mlp_heads if gumiho else 0,
+                   num_layers=num_layers or (2 if kind == "gumiho" else 1), num_mlp_heads=num_mlp_heads if gumiho else 0,
                    mlp_blocks=mlp_blocks)
 
     @classmethod
@@ -442,7 +443,7 @@ class DraftHead(nn.Module):
                                                              c.renormalize)
             # The op's own residual is its input (the normed u); the layer's residual is u itself.
             feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
-            return DraftStep(feature, u, expert_out, score, contrast)
+            return DraftStep(feature, u, expert_out, score, contrast, projected=x if c.num_mlp_heads else None)
         h = u + self._mlp(normed)
         for i, layer in enumerate(self.layers if c.num_layers > 1 else (), 1):
             u = h + self._attention(layer.input_layernorm(h), positions, cache, tree_mask, ancestors, i, layer)
@@ -455,17 +456,22 @@ class DraftHead(nn.Module):
         x = torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1)
         return self.fc(x) if train else project(self.fc, x)
 
-    def mlp_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def mlp_heads(self, x: torch.Tensor, train: bool = False) -> torch.Tensor:
         """Gumiho's parallel MLP heads on x [..., 2H] (``cat(x_parent, x_leaf)``): features
-        [..., J, H], head j's the one j + 1 tokens past the leaf. Plain PyTorch, differentiable:
-        every head's layer is one batched matmul."""
+        [..., J, H], head j's the one j + 1 tokens past the leaf. Drafting runs every layer through
+        ``jakiro::linear`` (the weights streamed once, each row computed alike whatever the
+        number of rows, so a sequence drafts the same inside a batch); ``train``: the same in plain
+        PyTorch, differentiable."""
         c = self.config
-        rows = x.reshape(1, -1, 2 * c.hidden_size).to(self.mlp_in_weight.dtype)
-        h = F.silu(torch.baddbmm(self.mlp_in_bias.unsqueeze(1), rows.expand(c.num_mlp_heads, -1, -1),
-                                 self.mlp_in_weight.transpose(1, 2)))  # [J, N, H]
-        for b in range(c.mlp_blocks):
-            h = h + F.silu(torch.baddbmm(self.mlp_block_bias[:, b].unsqueeze(1), h, self.mlp_block_weight[:, b].transpose(1, 2)))
-        return h.transpose(0, 1).reshape(*x.shape[:-1], c.num_mlp_heads, c.hidden_size)
+        linear = F.linear if train else linear_rows
+        x = x.to(self.mlp_in_weight.dtype)
+        outs = []
+        for j in range(c.num_mlp_heads):
+            h = F.silu(linear(x, self.mlp_in_weight[j], self.mlp_in_bias[j]))
+            for b in range(c.mlp_blocks):
+                h = h + F.silu(linear(h, self.mlp_block_weight[j, b], self.mlp_block_bias[j, b]))
+            outs.append(h)
+        return torch.stack(outs, -2)
 
     def _attention(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor,
                    ancestors: Optional["TreeKV"], layer: int = 0, weights: Optional[nn.Module] = None) -> torch.Tensor:
@@ -505,7 +511,7 @@ class DraftHead(nn.Module):
         c = self.config
         B, T = tokens.shape
         step = len(unrolled) if unrolled is not None else 0
-        x = self.project_input(tokens, features, train=True)
+        x = projected = self.project_input(tokens, features, train=True)
         positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
         kv: list = []
@@ -554,7 +560,7 @@ class DraftHead(nn.Module):
                                                                        torch.cat(outs))
         expert_out = expert_out.view(B, T, 2, c.hidden_size)
         feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
-        return DraftStep(feature, u, expert_out, score, contrast)
+        return DraftStep(feature, u, expert_out, score, contrast, projected=projected if c.num_mlp_heads else None)
 
 
 def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:

@@ -12,6 +12,12 @@ A directory holds ``config.json`` (a transformers-style Llama config) and the we
   ``gate.weight`` [N + 2, H] and SwiGLU ``experts.{i}``; config keys ``num_local_experts`` and
   ``num_experts_per_tok`` (2).
 
+- ``gumiho`` (the released Gumiho heads, AMD-AIG-AIMA/Gumiho ``cnets.py``): the ``eagle`` layout
+  with L serial layers ``layers.{i}`` (every layer but the first normed before its attention,
+  ``input_layernorm``) and the parallel MLP heads ``mlp.mlp.{j}``: ``0.linear`` [H, 2H] then
+  residual blocks ``{b}.linear`` [H, H], all with biases; J and the blocks are read from the keys
+  (the released config does not say them).
+
 - ``eagle3`` (EAGLE-3): ``midlayer.*``, ``fc`` over three target layers, its own LM head and
   ``d2t``: :mod:`jakiro_ext.models.eagle3_head`.
 """
@@ -24,7 +30,7 @@ from typing import Dict, Tuple
 import torch
 
 SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
-FORMATS = ("jakiro_ext", "eagle", "jakiro", "eagle3")  # jakiro_ext: this package's own (draft_head.py)
+FORMATS = ("jakiro_ext", "eagle", "jakiro", "gumiho", "eagle3")  # jakiro_ext: this package's own (draft_head.py)
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # a decoder layer's projections, by their checkpoint names
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -100,19 +106,22 @@ def detect(config: dict, keys) -> str:
         return "eagle3"
     if "layers.0.mlp_moe.gate.weight" in keys:
         return "jakiro"
+    if any(k.startswith("mlp.mlp.") for k in keys):
+        return "gumiho"
     if "fc.weight" in keys and "layers.0.mlp.gate_proj.weight" in keys:
         return "eagle"
     raise ValueError("not a draft head format this package reads: expected this package's config, EAGLE-1/2 keys "
-                     "(fc.weight, layers.0.mlp.gate_proj.weight) or Jakiro keys (layers.0.mlp_moe.gate.weight); "
+                     "(fc.weight, layers.0.mlp.gate_proj.weight), Jakiro keys (layers.0.mlp_moe.gate.weight) or "
+                     "Gumiho keys (mlp.mlp.0.0.linear.weight); "
                      f"found keys {sorted(keys)[:6]}")
 
 
 def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where: str):
-    """(DraftConfig, this package's state dict) of an ``eagle`` or ``jakiro`` head; anything that
-    does not match the format is a ValueError naming ``where`` and the key or shape."""
+    """(DraftConfig, this package's state dict) of an ``eagle``, ``jakiro`` or ``gumiho`` head;
+    anything that does not match the format is a ValueError naming ``where`` and the key or shape."""
     from jakiro_ext.models.draft_head import DraftConfig
 
-    if fmt not in ("eagle", "jakiro"):
+    if fmt not in ("eagle", "jakiro", "gumiho"):
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     need = tensor_getter(state, f"a {fmt} head", where)
 
@@ -137,7 +146,28 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
     used = {f"layers.0.self_attn.{n}.weight" for n in ATTENTION} | {
         "fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight"}
     ignored = {"embed_tokens.weight", "layers.0.input_layernorm.weight"}  # shared with the target / unused by layer 0
-    if fmt == "eagle":
+    layers = mlp_heads = blocks = 0
+    if fmt == "gumiho":  # layers 1.. and the MLP heads; layer 0 as in the eagle format
+        layers = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()),
+                         default=0)
+        for i in range(1, layers):
+            for mine, theirs in [(f"{n}.weight", f"self_attn.{n}.weight") for n in ATTENTION] + [
+                    (f"{n}.weight", f"mlp.{n}.weight") for n in MLP] + [
+                    (f"{n}.weight", f"{n}.weight") for n in ("input_layernorm", "post_attention_layernorm")]:
+                ours[f"layers.{i - 1}.{mine}"] = need(f"layers.{i}.{theirs}")
+                used.add(f"layers.{i}.{theirs}")
+        mlp_heads = len({k.split(".")[2] for k in state if k.startswith("mlp.mlp.")})
+        blocks = len({k.split(".")[3] for k in state if k.startswith("mlp.mlp.0.")}) - 1
+        parts = {(j, b, p): need(f"mlp.mlp.{j}.{b}.linear.{p}") for j in range(mlp_heads) for b in range(blocks + 1)
+                 for p in ("weight", "bias")}
+        used |= {f"mlp.mlp.{j}.{b}.linear.{p}" for j, b, p in parts}
+        stack = lambda b, p: torch.stack([parts[j, b, p] for j in range(mlp_heads)])  # noqa: E731
+        ours.update({"mlp_in_weight": stack(0, "weight"), "mlp_in_bias": stack(0, "bias")})
+        ours.update({"mlp_block_weight": torch.stack([stack(b, "weight") for b in range(1, blocks + 1)], 1) if blocks
+                     else fc.new_zeros(mlp_heads, 0, H, H),
+                     "mlp_block_bias": torch.stack([stack(b, "bias") for b in range(1, blocks + 1)], 1) if blocks
+                     else fc.new_zeros(mlp_heads, 0, H)})
+    if fmt in ("eagle", "gumiho"):
         for name in MLP:
             ours[f"{name}.weight"] = need(f"layers.0.mlp.{name}.weight")
             used.add(f"layers.0.mlp.{name}.weight")
@@ -166,7 +196,8 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
     draft = DraftConfig(hidden_size=H, vocab_size=setting("vocab_size"), num_heads=heads, num_kv_heads=kv_heads,
                         head_dim=head_dim, intermediate_size=width, num_experts=experts,
                         rope_theta=float(config.get("rope_theta", 10000.0)), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-                        renormalize=bool(config.get("norm_topk_prob", False)))
+                        renormalize=bool(config.get("norm_topk_prob", False)), num_layers=max(layers, 1),
+                        num_mlp_heads=mlp_heads, mlp_blocks=blocks if mlp_heads else DraftConfig.mlp_blocks)
     return draft, ours
 
 

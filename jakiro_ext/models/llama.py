@@ -243,7 +243,12 @@ LINEAR_STREAM_ROWS = 64  # rows jakiro::linear streams with a row-independent or
 
 
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` through ``jakiro::linear`` (the weight streamed once at decoding sizes).
+    """``layer(x)`` through ``jakiro::linear`` (:func:`linear_rows`)."""
+    return linear_rows(x, layer.weight, layer.bias)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` through ``jakiro::linear`` (the weight streamed once at decoding sizes).
 
     On the CPU the op computes up to 64 rows each in the same order whatever the number of rows,
     and gives more float32 rows to BLAS. Many sequences of at most 64 tokens each (a batch's trees) go in
@@ -252,8 +257,8 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 3 or x2.shape[0] <= LINEAR_STREAM_ROWS
             or x.shape[-2] > LINEAR_STREAM_ROWS):  # (bf16 rows are streamed in chunks by the op itself)
-        return ops.linear(x, layer.weight, layer.bias)
-    out = torch.cat([ops.linear(chunk, layer.weight, layer.bias) for chunk in x2.split(LINEAR_STREAM_ROWS)])
+        return ops.linear(x, weight, bias)
+    out = torch.cat([ops.linear(chunk, weight, bias) for chunk in x2.split(LINEAR_STREAM_ROWS)])
     return out.view(*x.shape[:-1], -1)
 
 

@@ -90,10 +90,9 @@ def main():
     from tqdm import tqdm
 
     from jakiro_ext.cli import chat_ids, load_head
-    from jakiro_ext.engine import CPU_TREE, GPU_TREE, TreeConfig, speculative_generate
+    from jakiro_ext.engine import CPU_TREE, TreeConfig, default_tree, speculative_generate
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
     from jakiro_ext.models.llama import LlamaModel
-    from jakiro_ext.tree_cost import auto_tree
 
     dtype = getattr(torch, args.dtype)
     hf, tokenizer = load_default_hf(dtype)
@@ -107,8 +106,7 @@ def main():
                            args.top_k_draft or CPU_TREE.top_k)
         trees = {m: fixed for m in args.methods}
     else:
-        trees = {m: (auto_tree(target, head_of(m), CONFIGS[m][1]) if args.device == "cpu" else None)
-                 or (CPU_TREE if args.device == "cpu" else GPU_TREE) for m in args.methods}
+        trees = {m: default_tree(target, head_of(m), CONFIGS[m][1]) for m in args.methods}
     print("trees: " + ", ".join(f"{m} {t.total_tokens}/{t.depth}/{t.top_k}" for m, t in trees.items()), flush=True)
     eos = tokenizer.eos_token_id
     questions = load_questions(args.per_category, args.categories)

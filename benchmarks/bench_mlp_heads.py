@@ -1,20 +1,29 @@
-"""Gumiho's parallel MLP heads at drafting shapes: does their pass cost more than reading their
-weights? (The issue's rule for a new fused op.) For the shipped head's shape (H = 576, 2 heads of
-5 residual blocks, 2.3M parameters each) and the frontier sizes drafting runs (rows), times
+"""Gumiho's parallel MLP heads at drafting shapes: what their pass costs against reading their
+weights (the floor: the heads' weight bytes over this machine's measured read bandwidth). For
+the shipped head's shape (H = 576, 2 heads of 5 residual blocks, 2.3M parameters each; and 5
+heads) and the frontier sizes drafting runs (rows), times
 
-- ``drafting``: what the drafter runs, ``DraftHead.mlp_heads`` (each layer through
-  ``jakiro::linear``, SiLU and the residual add in PyTorch);
-- ``batched``: the same math with one ``torch.baddbmm`` per layer for all heads (the training
-  forward's shape, and what a fused op would save at most in launches);
-
-against the floor: the heads' weight bytes over this machine's measured read bandwidth.
+- ``fused``: ``jakiro::mlp_heads``, what the drafter runs (one call, one parallel region a layer);
+- ``unfused``: each layer through ``jakiro::linear`` (row-exact), SiLU and the residual add in
+  PyTorch: 3 calls a layer and head (what the drafter ran before the op);
+- ``batched``: one ``torch.baddbmm`` a layer for all the heads (MKL; not row-exact).
 """
 import torch
 import torch.nn.functional as F
 
 from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.models.llama import LlamaConfig
+from jakiro_ext.models.llama import LlamaConfig, linear_rows
+
+
+def unfused(head: DraftHead, x: torch.Tensor) -> torch.Tensor:
+    c, outs = head.config, []
+    for j in range(c.num_mlp_heads):
+        h = F.silu(linear_rows(x, head.mlp_in_weight[j], head.mlp_in_bias[j]))
+        for b in range(c.mlp_blocks):
+            h = h + F.silu(linear_rows(h, head.mlp_block_weight[j, b], head.mlp_block_bias[j, b]))
+        outs.append(h)
+    return torch.stack(outs, -2)
 
 
 def batched(head: DraftHead, x: torch.Tensor) -> torch.Tensor:
@@ -45,15 +54,15 @@ def main():
                 x = on_device(torch.randn(1, rows, 2 * config.hidden_size, generator=torch.Generator().manual_seed(1))
                               .to(dtype))
                 with torch.no_grad():
-                    ours = lambda: head.mlp_heads(x)  # noqa: E731
-                    other = lambda: batched(head, x)  # noqa: E731
-                    diff = max_abs_diff(ours(), other())
-                    t_ours, t_other = timeit(ours, args.reps), timeit(other, args.reps)
-                table.add(dtype=str(dtype).replace("torch.", ""), heads=heads, blocks=config.mlp_blocks, rows=rows,
-                          weight_mb=params * head.mlp_in_weight.element_size() / 1e6, floor_ms=floor_ms,
-                          drafting_ms=t_ours["median_ms"], drafting_p20_ms=t_ours["p20_ms"],
-                          drafting_p80_ms=t_ours["p80_ms"], batched_ms=t_other["median_ms"],
-                          drafting_vs_floor=t_ours["median_ms"] / floor_ms, batched_vs_floor=t_other["median_ms"] / floor_ms,
+                    runs = {"fused": lambda: head.mlp_heads(x), "unfused": lambda: unfused(head, x),
+                            "batched": lambda: batched(head, x)}
+                    diff = max(max_abs_diff(runs["fused"](), run()) for run in runs.values())
+                    times = {name: timeit(run, args.reps) for name, run in runs.items()}
+                row = dict(dtype=str(dtype).replace("torch.", ""), heads=heads, blocks=config.mlp_blocks, rows=rows,
+                           weight_mb=params * head.mlp_in_weight.element_size() / 1e6, floor_ms=floor_ms)
+                for name, t in times.items():
+                    row.update({f"{name}_ms": t["median_ms"], f"{name}_vs_floor": t["median_ms"] / floor_ms})
+                table.add(**row, fused_p20_ms=times["fused"]["p20_ms"], fused_p80_ms=times["fused"]["p80_ms"],
                           max_abs_diff=diff)
     table.save()
 

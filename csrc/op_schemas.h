@@ -38,6 +38,9 @@ inline void define_ops(torch::Library& m) {
       "rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor lengths) -> Tensor q");
   // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // Gumiho's parallel MLP heads on one input x [..., K]: head j is h = SiLU(x W_in[j]^T + b_in[j]),
+  // then per block b, h = h + SiLU(h W_blocks[j, b]^T + b_blocks[j, b]); out [..., J, H].
+  m.def("mlp_heads(Tensor x, Tensor w_in, Tensor b_in, Tensor w_blocks, Tensor b_blocks) -> Tensor");
   // Accept the longest valid path of a draft tree against the target's logits (greedy or lossless sampling).
   m.def(
       "verify_tree(Tensor parents, Tensor draft_tokens, Tensor target_logits, Tensor? uniforms=None, "

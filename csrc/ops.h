@@ -64,6 +64,14 @@ RopeKvShape check_rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, co
 
 // x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device.
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+struct MlpHeadsShape {
+  int64_t rows, in_features, heads, hidden, blocks;
+};
+// x [..., K]; w_in [J, H, K]; b_in [J, H]; w_blocks [J, NB, H, H]; b_blocks [J, NB, H]; one dtype
+// (float32 or bfloat16), one device.
+MlpHeadsShape check_mlp_heads(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& b_in,
+                              const at::Tensor& w_blocks, const at::Tensor& b_blocks);
+
 // Float32 rows up to which jakiro::linear streams the weight itself (beyond: BLAS); measured
 // with benchmarks/bench_linear.py.
 constexpr int64_t kLinearStreamRows = 64;

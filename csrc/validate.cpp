@@ -215,6 +215,36 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   }
 }
 
+MlpHeadsShape check_mlp_heads(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& b_in,
+                              const at::Tensor& w_blocks, const at::Tensor& b_blocks) {
+  const char* op = "jakiro::mlp_heads";
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");
+  check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
+  check_dim(op, "w_in", w_in, 3, "[J, H, K]");
+  check_dim(op, "b_in", b_in, 2, "[J, H]");
+  check_dim(op, "w_blocks", w_blocks, 4, "[J, NB, H, H]");
+  check_dim(op, "b_blocks", b_blocks, 3, "[J, NB, H]");
+  const std::pair<const char*, const at::Tensor*> weights[] = {
+      {"w_in", &w_in}, {"b_in", &b_in}, {"w_blocks", &w_blocks}, {"b_blocks", &b_blocks}};
+  for (const auto& [name, t] : weights) {
+    check_same_dtype(op, name, *t, "x", x);
+    check_same_device(op, name, *t, x);
+  }
+  const int64_t J = w_in.size(0), H = w_in.size(1), NB = w_blocks.size(1);
+  check_size(op, "w_in", w_in, 2, x.size(-1), "in features K, as x.shape[-1]");
+  check_size(op, "b_in", b_in, 0, J, "heads J, as w_in.shape[0]");
+  check_size(op, "b_in", b_in, 1, H, "hidden H, as w_in.shape[1]");
+  check_size(op, "w_blocks", w_blocks, 0, J, "heads J, as w_in.shape[0]");
+  check_size(op, "w_blocks", w_blocks, 2, H, "hidden H, as w_in.shape[1]");
+  check_size(op, "w_blocks", w_blocks, 3, H, "hidden H, as w_in.shape[1]");
+  check_size(op, "b_blocks", b_blocks, 0, J, "heads J, as w_in.shape[0]");
+  check_size(op, "b_blocks", b_blocks, 1, NB, "blocks NB, as w_blocks.shape[1]");
+  check_size(op, "b_blocks", b_blocks, 2, H, "hidden H, as w_in.shape[1]");
+  int64_t rows = 1;  // the product of the leading dims (also when K = 0)
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  return {rows, x.size(-1), J, H, NB};
+}
+
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
                             const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k) {
   const char* op = "jakiro::contrastive_topk";

@@ -20,12 +20,16 @@ from typing import Dict, List, Optional
 import torch
 
 from jakiro_ext.engine import (CPU_TREE, GPU_TREE, GRAPH_MODES, MAX_BATCH, METHODS, GenerationOutput, TreeConfig,
-                               check_sampling_options, speculative_generate)
+                               check_sampling_options, default_tree, speculative_generate)
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 HEADS_DIR = Path(__file__).parent / "heads"
 PROMPTS_FILE = Path(__file__).parent / "data" / "prompts.jsonl"
 HEAD_KIND = {"eagle2": "eagle2", "jakiro": "jakiro", "jakiro_star": "jakiro", "gumiho": "gumiho"}
+# The heads a --<kind>-head option takes (a jakiro_gumiho head has both Jakiro's MoE layer and
+# Gumiho's MLP heads).
+HEADS_FOR = {"eagle2": ("eagle2",), "jakiro": ("jakiro", "jakiro_gumiho"), "gumiho": ("gumiho", "jakiro_gumiho"),
+             "jakiro_gumiho": ("jakiro_gumiho",)}
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -60,7 +64,7 @@ def load_head(kind: str, path: Optional[str], target, model_name: str):
         path = str(shipped)
     if path is not None:
         head = DraftHead.load(path, target)
-        if head.config.kind != kind:
+        if head.config.kind not in HEADS_FOR[kind]:
             raise ValueError(f"{path} holds a {head.config.kind} head, but a {kind} head is needed")
         return head
     print(f"warning: no trained {kind} head for {model_name} (looked in {shipped}); using a RANDOMLY initialised "
@@ -155,13 +159,8 @@ class Runner:
         if self.tree is not None:
             return self.tree
         if method not in self.trees:
-            from jakiro_ext.tree_cost import auto_tree
-
             head = self.heads.get(HEAD_KIND.get(method, ""))
-            on_cpu = self.target.lm_head.weight.device.type == "cpu"
-            batch = getattr(self.args, "batch_size", 1)
-            chosen = auto_tree(self.target, head, method, batch) if head is not None and on_cpu else None
-            self.trees[method] = chosen or (CPU_TREE if on_cpu else GPU_TREE)
+            self.trees[method] = default_tree(self.target, head, method, None, getattr(self.args, "batch_size", 1))
         return self.trees[method]
 
     def run(self, method: str, prompt_ids, on_tokens=None, max_new_tokens: Optional[int] = None):

@@ -611,9 +611,11 @@ def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, t
     return spec, _Settings(max_new_tokens, temperature, top_p, top_k, eos, seed, max_cache_len, keep_features, graphs)
 
 
-def _default_tree(target, draft, method: Method, tree: Optional[TreeConfig], batch: int) -> TreeConfig:
+def default_tree(target, draft, method, tree: Optional[TreeConfig] = None, batch: int = 1) -> TreeConfig:
     """The tree given, else on CPU the one chosen by measured cost for ``batch`` sequences (for a
-    head with an acceptance profile) or CPU_TREE, elsewhere GPU_TREE."""
+    head with an acceptance profile) or CPU_TREE, elsewhere GPU_TREE (deepened to a serial step
+    and the head's MLP heads for ``gumiho``). ``method``: a name or a :class:`Method`."""
+    method = METHOD_SPECS[method] if isinstance(method, str) else method
     device = target.lm_head.weight.device
     if tree is None and device.type == "cpu" and method.head is not None:
         from jakiro_ext.tree_cost import auto_tree
@@ -621,7 +623,7 @@ def _default_tree(target, draft, method: Method, tree: Optional[TreeConfig], bat
         tree = auto_tree(target, draft, method.name, batch)
     if tree is None:
         tree = CPU_TREE if device.type == "cpu" else GPU_TREE
-        if method.parallel_heads:  # a serial step, then one layer per MLP head
+        if method.parallel_heads and draft is not None:  # a serial step, then one layer per MLP head
             tree = replace(tree, depth=max(tree.depth, draft.config.num_mlp_heads + 1))
     return tree
 
@@ -697,7 +699,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, graphs=graphs)
     prompts, batched = _prompts(input_ids, lengths, target.config.vocab_size)
-    tree = _default_tree(target, draft, method, tree, len(prompts))
+    tree = default_tree(target, draft, method, tree, len(prompts))
     nodes, limit = tree.max_nodes_for(method), target.config.max_position_embeddings
 
     def stream(i):
@@ -737,7 +739,7 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, bool(keep_features), graphs)
     max_batch_size = _int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
-    tree = _default_tree(target, draft, method, tree, max_batch_size)
+    tree = default_tree(target, draft, method, tree, max_batch_size)
     nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size
     return _generate_many(target, draft, method, tree, s, iter(requests), max_batch_size, nodes, limit, vocab,
                           on_tokens)

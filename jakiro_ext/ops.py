@@ -40,6 +40,7 @@ OP_NAMES = (
     "moe_top2",
     "contrastive_topk",
     "linear",
+    "mlp_heads",
     "rms_norm",
     "rope_kv_write",
     "verify_tree",
@@ -159,6 +160,11 @@ if LOAD_ERROR is None:
         _same_device("linear", x=x, weight=weight, bias=bias)
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake("jakiro::mlp_heads")
+    def _mlp_heads_fake(x, w_in, b_in, w_blocks, b_blocks):
+        _same_device("mlp_heads", x=x, w_in=w_in, b_in=b_in, w_blocks=w_blocks, b_blocks=b_blocks)
+        return x.new_empty((*x.shape[:-1], w_in.shape[0], w_in.shape[1]))
+
     @torch.library.register_fake("jakiro::rms_norm")
     def _rms_norm_fake(x, weight, eps, residual=None):
         _same_device("rms_norm", x=x, weight=weight, residual=residual)
@@ -251,6 +257,16 @@ def linear(x, weight, bias=None):
     (up to 64 rows) the weight is streamed once and each row is computed in the same order
     whatever the number of rows; more rows go to BLAS. Accumulates in float32."""
     return _kernel("linear")(x, weight, bias)
+
+
+def mlp_heads(x, w_in, b_in, w_blocks, b_blocks):
+    """Gumiho's J parallel MLP heads on one input x [..., K]: head j is
+    ``h = SiLU(x @ w_in[j].T + b_in[j])``, then for each of the NB blocks
+    ``h = h + SiLU(h @ w_blocks[j, b].T + b_blocks[j, b])``; returns [..., J, H]. w_in [J, H, K],
+    b_in [J, H], w_blocks [J, NB, H, H], b_blocks [J, NB, H]; one dtype (float32 or bfloat16).
+    Activations in float32, the output rounded once; each row computed alike whatever the
+    number of rows. One call for every layer of every head (weights streamed once)."""
+    return _kernel("mlp_heads")(x, w_in, b_in, w_blocks, b_blocks)
 
 
 def rms_norm(x, weight, eps: float, residual=None):

@@ -57,6 +57,9 @@ def ops_demo() -> int:
     moe_w = (torch.randn(10, H, generator=g) * H**-0.5, torch.randn(8, H, H, generator=g) * H**-0.5,
              torch.randn(8, H, H, generator=g) * H**-0.5, torch.randn(8, H, H, generator=g) * H**-0.5)
     lm_head = torch.randn(V, H, generator=g) * H**-0.5
+    mlp_w = (torch.randn(2, H, 2 * H, generator=g) * (2 * H) ** -0.5, torch.randn(2, H, generator=g) * 0.1,
+             torch.randn(2, 5, H, H, generator=g) * H**-0.5, torch.randn(2, 5, H, generator=g) * 0.1)
+    leaves = torch.randn(10, 2 * H, generator=g)
     logits = torch.randn(1, T, V, generator=g)
     tokens = logits.argmax(-1).gather(1, parents.clamp_min(0))  # the target agrees everywhere
     cache = torch.randn(30, 2, 1, Hkv, prefix + T, D, generator=g)
@@ -74,6 +77,8 @@ def ops_demo() -> int:
         ("contrastive_topk (10 rows, k=10)",
          lambda: ops.contrastive_topk(moe_out[1][:, 0], moe_out[1][:, 1], moe_out[4], lm_head, 10),
          lambda: reference.contrastive_topk(moe_out[1][:, 0], moe_out[1][:, 1], moe_out[4], lm_head, 10)),
+        ("mlp_heads (10 leaves, 2 heads x 5)", lambda: ops.mlp_heads(leaves, *mlp_w),
+         lambda: reference.mlp_heads(leaves, *mlp_w)),
         ("verify_tree (greedy)", lambda: ops.verify_tree(parents, tokens, logits),
          lambda: reference.verify_tree(parents, tokens, logits)),
         ("compact_kv (30 layers)", lambda: ops.compact_kv(cache, lens, path, n),

@@ -150,6 +150,16 @@ def linear(x, weight, bias=None):
     return y.to(x.dtype)
 
 
+def mlp_heads(x, w_in, b_in, w_blocks, b_blocks):
+    silu = torch.nn.functional.silu
+    J, H, K = w_in.shape
+    rows = x.reshape(math.prod(x.shape[:-1]), K).float()
+    h = silu(torch.einsum("mk,jhk->jmh", rows, w_in.float()) + b_in.float().unsqueeze(1))  # [J, M, H]
+    for b in range(w_blocks.shape[1]):
+        h = h + silu(torch.einsum("jmh,jgh->jmg", h, w_blocks[:, b].float()) + b_blocks[:, b].float().unsqueeze(1))
+    return h.transpose(0, 1).reshape(*x.shape[:-1], J, H).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- verification
 def has_distribution(logits_row) -> bool:
     """Logits give a distribution unless one is NaN or +inf, or all are -inf."""

@@ -36,6 +36,28 @@ def test_generate_json_reports_tokens_and_stats(capsys, random_head_dir):
     assert jakiro["token_ids"] == ar["token_ids"] and jakiro["text"] == ar["text"]
 
 
+def test_gumiho_generates_with_its_head_and_jakiro_gumiho_heads(capsys, tmp_path):
+    import torch
+
+    from jakiro_ext.models import load_default_target
+    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+
+    target, _ = load_default_target(torch.float32)
+    dirs = {}
+    for kind in ("gumiho", "jakiro_gumiho"):
+        config = DraftConfig.for_target(target.config, kind, num_experts=4, intermediate_size=64, num_mlp_heads=2,
+                                        mlp_blocks=1)
+        DraftHead(config).init_weights(seed=2).save(tmp_path / kind)
+        dirs[kind] = str(tmp_path / kind)
+    common = ["generate", "Name a fruit.", "--max-new-tokens", "6", "--json"]
+    ar = run_json(capsys, common + ["--method", "ar"])
+    for kind in dirs:
+        out = run_json(capsys, common + ["--method", "gumiho", "--gumiho-head", dirs[kind]])
+        assert out["token_ids"] == ar["token_ids"], kind
+    assert main(common + ["--method", "jakiro", "--jakiro-head", dirs["gumiho"]]) == 2
+    assert "holds a gumiho head, but a jakiro head is needed" in capsys.readouterr().err
+
+
 def test_generate_streams_text_then_stats(capsys, random_head_dir):
     assert main(["generate", "Say hello.", "--max-new-tokens", "5", "--jakiro-head", random_head_dir]) == 0
     out = capsys.readouterr().out.strip().splitlines()

@@ -257,3 +257,43 @@ def test_sampling_follows_the_target_distribution(kind, method, tokens, tree):
     # the statistic can tell a sampler that skips the top-p / top-k filter.
     unfiltered = exact_distribution(target, ids, temperature, 1.0, 0, tokens)
     assert chi_square_p(counts, unfiltered, n) < 1e-6
+
+
+def test_gumiho_pairs_each_leaf_with_its_own_parent(target):
+    # The MLP heads' input of a leaf is cat(x_parent, x_leaf): x_parent the fc output of the leaf's
+    # own parent as its serial step ran it. (The released code pairs the r-th best leaf with the
+    # r-th frontier node, usually another node's parent; here that pairing differs, so the test
+    # tells them apart.)
+    from jakiro_ext.drafting import METHODS, Drafter
+
+    head = random_head(target, "gumiho", seed=5)
+    drafter = Drafter(head, METHODS["gumiho"], TreeConfig(40, 3, 3), 1, 64)
+    ids = prompt(seed=6)
+    cache = target.new_cache(1, 64)
+    _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
+    drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], [ids.numel() - 1])
+    seen = {}
+    original = drafter._draft_parallel
+
+    def spy(tree, layer, step, rows):
+        seen.update(tree=tree, layer=layer)
+        return original(tree, layer, step, rows)
+    drafter._draft_parallel = spy
+    mlp_heads = head.mlp_heads
+
+    def seen_input(x, **kwargs):
+        seen["x"] = x
+        return mlp_heads(x, **kwargs)
+    head.mlp_heads = seen_input
+    drafted = drafter.draft(ids[-1:])
+    del head.mlp_heads
+    tree, H = seen["tree"], target.config.hidden_size
+    leaves = seen["layer"].gather(1, tree.frontier(seen["layer"], 3))  # [1, 3]: depth-2 nodes
+    parents = tree.parents.gather(1, leaves)  # depth-1 nodes, fed the root step's feature
+    feature = drafter.root_step.feature.expand(1, 3, H)
+    want = head.project_input(tree.tokens.gather(1, parents), feature)
+    torch.testing.assert_close(seen["x"][..., :H], want)
+    ranked = 1 + tree.frontier(torch.arange(1, 4).unsqueeze(0), 3)  # the depth-1 nodes, best first
+    by_rank = head.project_input(tree.tokens.gather(1, ranked), feature)
+    assert not torch.allclose(by_rank, want)  # the released pairing would be another input
+    assert drafted.tokens.shape[1] == 40

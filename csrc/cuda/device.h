@@ -87,6 +87,8 @@ JAKIRO_DEVICE T warp_sum(T v) {
   for (int o = kWarp / 2; o > 0; o /= 2) v += warp_shfl_xor(v, o);
   return v;
 }
+JAKIRO_DEVICE float silu(float g) { return g / (1.f + expf(-g)); }
+
 JAKIRO_DEVICE float warp_max(float v) {
   for (int o = kWarp / 2; o > 0; o /= 2) v = fmaxf(v, warp_shfl_xor(v, o));
   return v;

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, linear_rows, project,
-                                     rope_cos_sin, rotary)
+from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project, rope_cos_sin,
+                                     rotary)
 
 KINDS = ("eagle2", "jakiro", "gumiho", "jakiro_gumiho")  # jakiro_gumiho: Jakiro's MoE layer, then MLP heads
 CONFIG_FILE = "config.json"
@@ -149,7 +149,8 @@ class DraftConfig:
         return config
 
     def attention_config(self) -> LlamaConfig:
-        """The one-layer geometry the draft's KV cache is shaped by."""
+        """The geometry the draft's KV cache is shaped by: a layer per serial layer (EAGLE-3's
+        config, which shares this method, has one)."""
         return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
                            intermediate_size=self.intermediate_size, num_layers=getattr(self, "num_layers", 1),
                            num_heads=self.num_heads,
@@ -244,7 +245,7 @@ class DraftHead(nn.Module):
             self.w_down = nn.Parameter(torch.empty(N, H, inner))
         if c.num_layers > 1:
             self.layers = nn.ModuleList(DraftLayer(c) for _ in range(c.num_layers - 1))
-        if c.num_mlp_heads:  # stacked over heads (and blocks): every head in one batched matmul
+        if c.num_mlp_heads:  # stacked over heads and blocks, as jakiro::mlp_heads takes them
             J = c.num_mlp_heads
             self.mlp_in_weight = nn.Parameter(torch.empty(J, H, 2 * H))
             self.mlp_in_bias = nn.Parameter(torch.empty(J, H))
@@ -458,18 +459,19 @@ class DraftHead(nn.Module):
 
     def mlp_heads(self, x: torch.Tensor, train: bool = False) -> torch.Tensor:
         """Gumiho's parallel MLP heads on x [..., 2H] (``cat(x_parent, x_leaf)``): features
-        [..., J, H], head j's the one j + 1 tokens past the leaf. Drafting runs every layer through
-        ``jakiro::linear`` (the weights streamed once, each row computed alike whatever the
-        number of rows, so a sequence drafts the same inside a batch); ``train``: the same in plain
-        PyTorch, differentiable."""
+        [..., J, H], head j's the one j + 1 tokens past the leaf. Drafting runs them as one fused
+        ``jakiro::mlp_heads`` call (each row computed alike whatever the number of rows, so a
+        sequence drafts the same inside a batch); ``train``: the same math in plain PyTorch,
+        differentiable (the op has no backward)."""
         c = self.config
-        linear = F.linear if train else linear_rows
         x = x.to(self.mlp_in_weight.dtype)
+        if not train:
+            return ops.mlp_heads(x, self.mlp_in_weight, self.mlp_in_bias, self.mlp_block_weight, self.mlp_block_bias)
         outs = []
         for j in range(c.num_mlp_heads):
-            h = F.silu(linear(x, self.mlp_in_weight[j], self.mlp_in_bias[j]))
+            h = F.silu(F.linear(x, self.mlp_in_weight[j], self.mlp_in_bias[j]))
             for b in range(c.mlp_blocks):
-                h = h + F.silu(linear(h, self.mlp_block_weight[j, b], self.mlp_block_bias[j, b]))
+                h = h + F.silu(F.linear(h, self.mlp_block_weight[j, b], self.mlp_block_bias[j, b]))
             outs.append(h)
         return torch.stack(outs, -2)
 

@@ -4,6 +4,7 @@
 #include "cuda/kernels/compact_kv.cuh"
 #include "cuda/kernels/contrastive_topk.cuh"
 #include "cuda/kernels/linear.cuh"
+#include "cuda/kernels/mlp_heads.cuh"
 #include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/rms_norm.cuh"
@@ -17,6 +18,7 @@ namespace jakiro::gpu {
   template void launch_merge_attention_states<T>(const MergeParams&, cudaStream_t);                \
   template void launch_tree_attention_partial<T>(const TreeAttentionParams<T>&, cudaStream_t);    \
   template void launch_linear<T>(const LinearParams&, cudaStream_t);                               \
+  template void launch_mlp_heads<T>(const MlpHeadsParams&, cudaStream_t);                          \
   template void launch_rms_norm<T>(const RmsNormParams&, cudaStream_t);                           \
   template void launch_rope_kv_write<T>(const RopeKvParams&, cudaStream_t);                       \
   template void launch_moe_top2<T>(const MoeParams&, cudaStream_t);                               \

@@ -126,8 +126,6 @@ JAKIRO_DEVICE int collect_expert_rows(const int64_t* expert_idx, int64_t total, 
   return n;
 }
 
-JAKIRO_DEVICE float silu(float g) { return g / (1.f + expf(-g)); }
-
 // 2. Gate/up: block (tile of I, expert e); h[row, i] = SiLU(x_t . w_gate[e, i]) * (x_t . w_up[e, i]).
 template <typename scalar_t>
 __global__ void moe_gate_up_kernel(MoeParams p) {

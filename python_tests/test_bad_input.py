@@ -88,8 +88,8 @@ BAD_ARGUMENTS = [
     (dict(seed=1.5), TypeError, r"seed must be an int, got float 1.5"),
     (dict(max_cache_len=0), ValueError, r"max_cache_len must be >= 1, got 0"),
     (dict(max_cache_len=40.0), TypeError, r"max_cache_len must be an int, got float 40.0"),
-    (dict(method=5), TypeError, r"method must be a str \(one of \('ar', 'eagle2', 'jakiro', 'jakiro_star'\)\), got int 5"),
-    (dict(method=""), ValueError, r"method must be one of \('ar', 'eagle2', 'jakiro', 'jakiro_star'\), got ''"),
+    (dict(method=5), TypeError, r"method must be a str \(one of \('ar', 'eagle2', 'jakiro', 'jakiro_star', 'gumiho'\)\), got int 5"),
+    (dict(method=""), ValueError, r"method must be one of \('ar', 'eagle2', 'jakiro', 'jakiro_star', 'gumiho'\), got ''"),
     (dict(tree="cpu"), TypeError, r"tree must be a TreeConfig, got str 'cpu'"),
     (dict(on_tokens=5), TypeError, r"on_tokens must be None or a callable, got int"),
 ]

@@ -12,8 +12,8 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.engine import TreeConfig, speculative_generate
 from test_batch import PROMPTS, same
-from test_generate import HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution, random_head, \
-    tiny_target
+from test_generate import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution,
+                           random_head, tiny_target)
 
 BACKENDS = ["simt32", "simt64"]
 NEW_TOKENS = 16
@@ -21,7 +21,7 @@ NEW_TOKENS = 16
 # CPU kernels): a dynamic tree whose frontier (8) is wider than its depth, a deep narrow one, a static one.
 EMULATED_TREES = {"dynamic-small": TREES["dynamic-small"], "dynamic-wide": TreeConfig(24, 3, 8),
                   "static": TREES["static"]}
-CASES = [(k, m, t) for k, m in HEAD_METHODS for t in EMULATED_TREES if not (m == "jakiro" and t == "static")] + [
+CASES = [(k, m, t) for k, m in HEAD_METHODS for t in EMULATED_TREES if not (m in DYNAMIC_ONLY and t == "static")] + [
     (None, "ar", None)]
 
 

@@ -153,7 +153,7 @@ def test_bad_arguments_are_clear_errors(target):
     ids = prompt()
     dense, moe, gumiho = random_head(target, "eagle2"), random_head(target, "jakiro"), random_head(target, "gumiho")
     cases = [
-        (dict(draft=moe, method="gumiho"), r"method 'gumiho' needs a Gumiho draft head \(MLP heads\); this head is 'jakiro'"),
+        (dict(draft=moe, method="gumiho"), r"method 'gumiho' needs a Gumiho draft head \(MLP heads: gumiho or jakiro_gumiho\); this head is 'jakiro'"),
         (dict(draft=gumiho, method="gumiho", tree=TREES["static"]), r"parallel MLP heads\) builds the dynamic tree"),
         (dict(draft=gumiho, method="gumiho", tree=TreeConfig(8, 2, 3)), r"method 'gumiho' drafts at least one serial "
                                                                       r"step before the head's 2 MLP heads and needs "
@@ -296,4 +296,4 @@ def test_gumiho_pairs_each_leaf_with_its_own_parent(target):
     ranked = 1 + tree.frontier(torch.arange(1, 4).unsqueeze(0), 3)  # the depth-1 nodes, best first
     by_rank = head.project_input(tree.tokens.gather(1, ranked), feature)
     assert not torch.allclose(by_rank, want)  # the released pairing would be another input
-    assert drafted.tokens.shape[1] == 40
+    assert drafted.tokens.shape[1] == 1 + 3 + 3 * 9  # the root, 3 children, 9 candidates in each later layer

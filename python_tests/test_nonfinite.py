@@ -236,6 +236,8 @@ def _op_calls():
         "moe_top2": (x,) + moe,
         "contrastive_topk": (x, None, None, randn(50, 16, seed=28), 3),
         "linear": (x, randn(10, 16, seed=29)),
+        "mlp_heads": (x, randn(2, 8, 16, seed=37), randn(2, 8, seed=38), randn(2, 1, 8, 8, seed=39),
+                      randn(2, 1, 8, seed=40)),
         "rms_norm": (x, randn(16, seed=31), 1e-6, randn(2, 16, seed=32)),
         "rope_kv_write": (randn(1, 2, 4, 8, seed=33), randn(1, 2, 8, seed=34), randn(1, 2, 8, seed=35),
                           randn(2, 1, 1, 6, 8, seed=36), torch.tensor([1])),

@@ -1,0 +1,18 @@
+"""The GPU kernel of mlp_heads (csrc/cuda) against the reference, run by the `gpu_backend`
+fixture: under the SIMT emulator (warp widths 32 and 64) and on CUDA when present."""
+import torch
+
+from jakiro_ext import reference
+from test_mlp_heads import SHAPES, TOL_HEADS, ids, make, rows_are_independent
+
+
+def test_gpu_mlp_heads_matches_reference(gpu_backend):
+    for dtype in (torch.float32, torch.bfloat16):
+        for shape in SHAPES:
+            args = make(shape, dtype)
+            got = gpu_backend.run("mlp_heads", *args)
+            torch.testing.assert_close(got, reference.mlp_heads(*args), **TOL_HEADS[dtype], msg=ids(shape))
+
+
+def test_gpu_mlp_heads_row_does_not_depend_on_the_other_rows(gpu_backend):
+    rows_are_independent(lambda *args: gpu_backend.run("mlp_heads", *args))

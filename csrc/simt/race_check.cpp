@@ -16,6 +16,7 @@
 #include "cuda/kernels/compact_kv.cuh"
 #include "cuda/kernels/contrastive_topk.cuh"
 #include "cuda/kernels/linear.cuh"
+#include "cuda/kernels/mlp_heads.cuh"
 #include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/rms_norm.cuh"
@@ -114,6 +115,20 @@ void linear(const char* name) {
   std::vector<elem_t> y(M * N);
   launch_linear<elem_t>(LinearParams{x.data(), w.data(), bias.data(), y.data(), M, K, N, 0}, nullptr);
   report(name, checksum(y));
+}
+
+template <typename elem_t>
+void mlp_heads(const char* name) {
+  Random rng{4};
+  const int64_t M = 5, K = 40, J = 2, H = 37, NB = 2;  // layers read a buffer the other layer wrote
+  auto x = rng.values<elem_t>(M * K), w_in = rng.values<elem_t>(J * H * K, 0.2f), b_in = rng.values<elem_t>(J * H);
+  auto w_blocks = rng.values<elem_t>(J * NB * H * H, 0.2f), b_blocks = rng.values<elem_t>(J * NB * H);
+  std::vector<float> act(2 * J * M * H);
+  std::vector<elem_t> out(M * J * H);
+  launch_mlp_heads<elem_t>(MlpHeadsParams{x.data(), w_in.data(), b_in.data(), w_blocks.data(), b_blocks.data(),
+                                          act.data(), out.data(), M, K, J, H, NB, 0},
+                           nullptr);
+  report(name, checksum(out));
 }
 
 template <typename elem_t>
@@ -246,6 +261,8 @@ int main(int argc, char** argv) {
   compaction();
   linear<float>("linear float32");
   linear<bf16>("linear bfloat16");
+  mlp_heads<float>("mlp_heads float32");
+  mlp_heads<bf16>("mlp_heads bfloat16");
   rms_norm<float>("rms_norm float32");
   rms_norm<bf16>("rms_norm bfloat16");
   rope_kv<float>("rope_kv_write float32");

@@ -21,7 +21,7 @@ import argparse
 import torch
 
 from jakiro_ext.engine import MAX_TREE_NODES
-from jakiro_ext.tree_cost import DEPTHS, SIZES, WIDTHS, choose_tree
+from jakiro_ext.tree_cost import SIZES, WIDTHS, choose_tree, tree_depths
 
 
 def head_bytes(head) -> dict:
@@ -37,10 +37,9 @@ def gpu_costs(target, head, method: str) -> dict:
     verify = sum(p.numel() for p in target.parameters()) * 4
     b = {k: v / verify for k, v in head_bytes(head).items()}
     J = head.config.num_mlp_heads if method == "gumiho" else 0
-    extra = {"jakiro": 1, "gumiho": J}.get(method, 0)
     draft = {}
     for k in WIDTHS:
-        for d in (d + extra for d in DEPTHS):
+        for d in tree_depths(head, method):
             if method == "jakiro":
                 cost = (d - 1) * b["forward"] + d * b["lm_pass"]
             elif method == "gumiho":

@@ -35,7 +35,7 @@ import torch
 
 ACCEPTANCE_FILE = "acceptance.json"
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # target forwards measured at these N
-DEPTHS = tuple(range(1, 7))  # jakiro's: one more (its last layer is the contrastive step's)
+DEPTHS = tuple(range(1, 7))  # per method: tree_depths
 WIDTHS = tuple(range(1, 9))
 CONTEXT = 256  # committed tokens behind the measured forwards (a typical chat position)
 MAX_BATCH_MEASURED = 64  # batches beyond it use its costs
@@ -93,6 +93,13 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def tree_depths(head, method: str) -> List[int]:
+    """The tree depths a method's costs are known at: DEPTHS, one deeper for ``jakiro`` (its last
+    layer is the contrastive step's), J deeper for ``gumiho`` (its J MLP layers follow the serial ones)."""
+    extra = {"jakiro": 1, "gumiho": getattr(head.config, "num_mlp_heads", 0)}.get(method, 0)
+    return [d + extra for d in DEPTHS]
+
+
 def batch_bucket(batch: int) -> int:
     """The batch size whose costs stand for ``batch``: the power of two at or below it, at most
     MAX_BATCH_MEASURED (one cost file per bucket)."""
@@ -130,9 +137,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES if B * n <= MAX_VERIFY_ROWS}
     draft, catch_up = {}, {}
     roots = prompt[:1].expand(B)
-    extra = {"jakiro": 1, "gumiho": getattr(head.config, "num_mlp_heads", 0)}.get(method, 0)
     for k in WIDTHS:
-        for d in (d + extra for d in DEPTHS):
+        for d in tree_depths(head, method):
             drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k), 1, CONTEXT + 16)
             drafter.load(0, prompt[1:CONTEXT + 1], hidden[0])
             drafter.select_rows(rows_of)

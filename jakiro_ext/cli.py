@@ -12,15 +12,19 @@ import argparse
 import json
 import os
 import re
+import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
+from jakiro_ext import atomic
 from jakiro_ext.engine import (CPU_TREE, GPU_TREE, GRAPH_MODES, MAX_BATCH, METHODS, GenerationOutput, TreeConfig,
                                check_sampling_options, default_tree, speculative_generate)
+from jakiro_ext.models.llama import is_out_of_memory
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 HEADS_DIR = Path(__file__).parent / "heads"
@@ -148,10 +152,13 @@ class Runner:
         self.args = args
         self.tree = tree
         self.trees: Dict[str, TreeConfig] = {}
+        activity.now = "loading the target model"
         self.target, self.tokenizer, self.name = load_target(args.dtype, args.device, args.target)
         self.heads: Dict[str, object] = {}
         for kind in sorted({HEAD_KIND[m] for m in methods if m != "ar"}):
+            activity.now = f"loading the {kind} draft head"
             self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, self.name)
+        activity.now = "generating"
 
     def tree_for(self, method: str) -> TreeConfig:
         """The asked tree, else the one chosen by measured cost for the method's head (when it
@@ -195,7 +202,13 @@ def cmd_generate(args) -> int:
         print(text[len(shown[0]):], end="", flush=True)
         shown[0] = text
 
-    out = runner.run(args.method, ids, None if args.json else stream)
+    try:
+        out = runner.run(args.method, ids, None if args.json else stream)
+    except KeyboardInterrupt:
+        if not args.json:
+            print()
+        activity.saved = f"{len(tokens)} tokens had been generated" if not args.json else ""
+        raise
     text = runner.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     if args.json:
         print(json.dumps(dict(method=args.method, text=text, token_ids=out.token_ids, **out.stats.as_dict())))
@@ -230,7 +243,7 @@ def read_prompts(path: Path, limit: Optional[int]) -> List[dict]:
             raise ValueError(f"{path}:{n}: expected a 'prompt' string or a non-empty 'turns' list of strings, got {got}")
         if not isinstance(row.get("category", ""), str):
             raise ValueError(f"{path}:{n}: 'category' must be a string, got {row['category']!r}")
-        prompts.append(dict(id=row.get("question_id", n), category=row.get("category", ""), prompt=text))
+        prompts.append(dict(id=row.get("question_id", n), category=row.get("category", ""), prompt=text, line=n))
     prompts = prompts[:limit] if limit else prompts
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
@@ -257,38 +270,62 @@ def cmd_bench(args) -> int:
     tree = check_generation_args(args)
     prompts = read_prompts(Path(args.prompts), args.limit)
     runner = Runner(args, methods, tree)
+    prompt_ids = [chat_ids(runner.tokenizer, p["prompt"], not args.no_chat_template) for p in prompts]
+    limit = runner.target.config.max_position_embeddings
+    for p, ids in zip(prompts, prompt_ids):  # all of them before any run
+        if ids.numel() >= limit:
+            raise ValueError(f"{args.prompts}:{p['line']}: prompt {p['id']} has {ids.numel()} tokens, but the target's "
+                             f"context holds {limit} positions (max_position_embeddings): leave it out or shorten it")
     for m in methods:  # untimed warm-up: the first call of each path pays one-off costs
-        runner.run(m, chat_ids(runner.tokenizer, prompts[0]["prompt"], not args.no_chat_template), max_new_tokens=4)
+        runner.run(m, prompt_ids[0], max_new_tokens=4)
     per_prompt = []
     runs: Dict[str, List[dict]] = {m: [] for m in methods}
     batch_seconds: Dict[str, float] = {m: 0.0 for m in methods}
     size = args.batch_size
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
-    for first in range(0, len(prompts), size):  # batches of consecutive prompts (one at a time by default)
-        group = prompts[first:first + size]
-        ids = [chat_ids(runner.tokenizer, p["prompt"], not args.no_chat_template) for p in group]
-        rows = [dict(id=p["id"], category=p["category"], prompt_tokens=int(x.numel()), methods={})
-                for p, x in zip(group, ids)]
-        reference = None
-        for m in methods:  # side by side, batch by batch
-            t0 = time.perf_counter()
-            outs = runner.run(m, ids) if size > 1 else [runner.run(m, ids[0])]
-            batch_seconds[m] += time.perf_counter() - t0 if size > 1 else outs[0].stats.wall_time_s
-            for i, (out, p, row) in enumerate(zip(outs, group, rows)):
-                stats = dict(out.stats.as_dict(), category=p["category"])
+    try:
+        for first in range(0, len(prompts), size):  # batches of consecutive prompts (one at a time by default)
+            activity.now = f"benchmarking prompts {first + 1}-{min(first + size, len(prompts))} of {len(prompts)}"
+            group, ids = prompts[first:first + size], prompt_ids[first:first + size]
+            rows = [dict(id=p["id"], category=p["category"], prompt_tokens=int(x.numel()), methods={})
+                    for p, x in zip(group, ids)]
+            reference, seconds = None, {}
+            for m in methods:  # side by side, batch by batch
+                t0 = time.perf_counter()
+                outs = runner.run(m, ids) if size > 1 else [runner.run(m, ids[0])]
+                seconds[m] = time.perf_counter() - t0 if size > 1 else outs[0].stats.wall_time_s
+                for i, (out, p, row) in enumerate(zip(outs, group, rows)):
+                    stats = dict(out.stats.as_dict(), category=p["category"])
+                    if m == "ar":
+                        stats["token_ids"] = out.token_ids
+                    elif reference is not None and args.temperature == 0:
+                        stats["same_tokens_as_ar"] = out.token_ids == reference[i]
+                    row["methods"][m] = stats
                 if m == "ar":
-                    stats["token_ids"] = out.token_ids
-                elif reference is not None and args.temperature == 0:
-                    stats["same_tokens_as_ar"] = out.token_ids == reference[i]
-                runs[m].append(stats)
-                row["methods"][m] = stats
-            if m == "ar":
-                reference = [row["methods"]["ar"].pop("token_ids") for row in rows]
-            bar.update(len(group))
-            bar.set_postfix_str(f"{m} tau {sum(o.stats.new_tokens for o in outs) / max(1, sum(o.stats.target_forwards for o in outs)):.2f}")
-        per_prompt += rows
+                    reference = [row["methods"]["ar"].pop("token_ids") for row in rows]
+                bar.update(len(group))
+                bar.set_postfix_str(f"{m} tau {sum(o.stats.new_tokens for o in outs) / max(1, sum(o.stats.target_forwards for o in outs)):.2f}")
+            per_prompt += rows  # a batch counts once every method has run it
+            for m in methods:
+                runs[m] += [row["methods"][m] for row in rows]
+                batch_seconds[m] += seconds[m]
+    except KeyboardInterrupt:
+        bar.close()
+        if per_prompt:
+            print(f"interrupted: the statistics of the {len(per_prompt)} of {len(prompts)} prompts finished",
+                  file=sys.stderr)
+            bench_report(args, methods, runner, runs, per_prompt, batch_seconds, complete=False)
+            activity.saved = f"the statistics of the {len(per_prompt)} prompts finished are printed"
+        raise
     bar.close()
+    bench_report(args, methods, runner, runs, per_prompt, batch_seconds)
+    return 0
 
+
+def bench_report(args, methods: List[str], runner: Runner, runs: Dict[str, List[dict]], per_prompt: List[dict],
+                 batch_seconds: Dict[str, float], complete: bool = True) -> None:
+    """The benchmark's summary: one JSON object (``--json``) or the per-prompt table and the totals."""
+    size = args.batch_size
     summary = {m: summarize(r, batch_seconds[m]) for m, r in runs.items()}
     for m, s in summary.items():
         categories = sorted({r["category"] for r in runs[m]})
@@ -308,10 +345,10 @@ def cmd_bench(args) -> int:
     config = dict(prompts=str(args.prompts), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                   tree={m: tree_dict(runner.tree_for(m)) for m in methods if m != "ar"},
-                  threads=torch.get_num_threads(), batch_size=size)
+                  threads=torch.get_num_threads(), batch_size=size, complete=complete)
     if args.json:
         print(json.dumps(dict(config=config, methods=summary, per_prompt=per_prompt)))
-        return 0
+        return
     print(f"{'prompt':>8s} {'category':14s} " + " ".join(f"{m + ' tok/s':>18s} {'tau':>5s}" for m in methods))
     for row in per_prompt:
         cells = " ".join(f"{row['methods'][m]['tokens_per_s']:18.1f} {row['methods'][m]['tau']:5.2f}" for m in methods)
@@ -321,7 +358,6 @@ def cmd_bench(args) -> int:
         extra = f"  speedup {s['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in s else ""
         same = "" if "all_same_tokens_as_ar" not in s else f"  tokens identical to ar: {s['all_same_tokens_as_ar']}"
         print(f"  {m:12s} {s['tokens_per_s']:7.1f} tokens/s  tau {s['tau']:.2f}  {s['new_tokens']} tokens{extra}{same}")
-    return 0
 
 
 def cmd_demo(args) -> int:
@@ -345,26 +381,41 @@ def cmd_demo(args) -> int:
 
 def cmd_corpus(args) -> int:
     """Generate (or extend, or resume) a self-distilled token corpus."""
-    from jakiro_ext.corpus import generate_corpus
-    from jakiro_ext.models.default import DEFAULT_MODEL
-    from jakiro_ext.trainset import feature_cache_dir
-
     set_threads(args.threads)
+    atomic.check_output_dir(args.out, 0, "the corpus")  # writable, before anything is loaded
+    activity.now = "loading the target model"
     target, tokenizer, _ = load_target("float32")
     conversations = None
     if args.conversations:
         from jakiro_ext.data import load_sharegpt
 
         conversations = load_sharegpt(Path(args.conversations))
-    meta = generate_corpus(args.out, target, tokenizer, DEFAULT_MODEL, args.answer_tokens, conversations,
-                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
-                           max_turns=args.max_turns, batch=args.generation_batch,
-                           source=Path(args.conversations).name if args.conversations else None,
-                           feature_dir=None if args.no_feature_cache else feature_cache_dir(args.out))
+    activity.now = f"generating the corpus {args.out}"
+    try:
+        meta = _generate_corpus(args, target, tokenizer, conversations)
+    except KeyboardInterrupt:
+        from jakiro_ext.corpus import read_corpus_meta
+
+        shards = read_corpus_meta(args.out)["shards"] if Path(args.out, "corpus.json").exists() else []
+        activity.saved = (f"{args.out} holds {len(shards)} shards, {sum(s['answer_tokens'] for s in shards)} answer "
+                          "tokens, the finished sequences included; the same command resumes")
+        raise
     shards = meta["shards"]
     print(f"{args.out}: {len(shards)} shards, {sum(s['sequences'] for s in shards)} sequences, "
           f"{sum(s['answer_tokens'] for s in shards)} answer tokens", file=sys.stderr)
     return 0
+
+
+def _generate_corpus(args, target, tokenizer, conversations) -> dict:
+    from jakiro_ext.corpus import generate_corpus
+    from jakiro_ext.models.default import DEFAULT_MODEL
+    from jakiro_ext.trainset import feature_cache_dir
+
+    return generate_corpus(args.out, target, tokenizer, DEFAULT_MODEL, args.answer_tokens, conversations,
+                           max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens,
+                           max_turns=args.max_turns, batch=args.generation_batch,
+                           source=Path(args.conversations).name if args.conversations else None,
+                           feature_dir=None if args.no_feature_cache else feature_cache_dir(args.out))
 
 
 def cmd_calibrate(args) -> int:
@@ -384,7 +435,7 @@ def cmd_calibrate(args) -> int:
     held_out = [ex for ex in examples if ex.conversation % args.eval_every_nth == 0]
     profile = dict(acceptance_profile(head, held_out),
                    data=f"{len(held_out)} held-out sequences of {Path(args.data).name}")
-    (Path(args.head) / ACCEPTANCE_FILE).write_text(json.dumps(profile, indent=1) + "\n")
+    atomic.write_text(Path(args.head) / ACCEPTANCE_FILE, json.dumps(profile, indent=1) + "\n")
     row = lambda r: " ".join(f"{p:.3f}" for p in r[:4])  # noqa: E731
     print(f"{args.head}: acceptance by depth (ranks 0-3) on {profile['positions']} positions of {DEFAULT_MODEL}'s "
           "answers:\n" + "\n".join(f"  depth {d + 1}: {row(r)}" for d, r in enumerate(profile["depth_rank"])))
@@ -399,22 +450,33 @@ def cmd_train(args) -> int:
     from tqdm import tqdm
 
     from jakiro_ext.models.default import cache_root
-    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+    from jakiro_ext.models.draft_head import TRAINING_FILE, DraftConfig, DraftHead
     from jakiro_ext.train import TrainConfig, init_distributed, train_head
     from jakiro_ext.trainset import build_trainset, load_trainset, select_draft_vocab
 
     set_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    out = Path(args.out)
+    # Writable before anything is loaded: the checkpoints go into --out, the head is written
+    # beside it and swapped in.
+    atomic.check_output_dir(out, 0, "the checkpoints")
+    atomic.check_output_dir(out.resolve().parent, 0, "the head's new directory while it is written")
     ranks = init_distributed(args.device)  # several processes under torchrun: data-parallel
     main = ranks.rank == 0
+    activity.now = "loading the target model"
     target, tokenizer, name = load_target("float32", ranks.device, args.target)
     from jakiro_ext.corpus import CORPUS_META
-    from jakiro_ext.trainset import corpus_examples
+    from jakiro_ext.trainset import corpus_examples, feature_cache_dir, uncached_feature_tokens
 
     t0 = time.perf_counter()
     if args.data and (Path(args.data) / CORPUS_META).exists():  # a token corpus: features cached or recomputed
         data_dir = Path(args.data)
+        missing = uncached_feature_tokens(data_dir)
+        if missing and main:
+            atomic.check_output_dir(feature_cache_dir(data_dir), 2 * target.config.hidden_size * missing,
+                                    f"the bf16 features of {missing} corpus tokens not yet in the cache")
+        activity.now = "reading the corpus and computing its missing features"
         examples, corpus_meta = corpus_examples(data_dir, target, progress=main, ranks=ranks)
         meta = dict(settings=dict(corpus_meta["settings"], corpus=str(data_dir)), shards=len(corpus_meta["shards"]),
                     sequences=len(examples), tokens=sum(int(ex.tokens.numel()) for ex in examples),
@@ -458,13 +520,15 @@ def cmd_train(args) -> int:
                              f"(there: {start.config}; here: {head.config}); train it on the same data and options")
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in start.state_dict().items()})
     head.bind(target)
+    if main:  # room for the checkpoints (fp32 weights and two Adam moments, the previous one kept) and the head
+        params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+        checkpoint_bytes = 3 * 4 * params if args.checkpoint_every else 0
+        atomic.check_output_dir(out, 3 * checkpoint_bytes + 2 * 4 * params, "the checkpoints and the head")
     cfg = TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
                       ttt_steps=args.ttt_steps, minutes=args.minutes, mlp_input=args.mlp_input,
                       seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step", disable=not main)
 
     def on_step(step: int, record: dict) -> None:
@@ -474,10 +538,21 @@ def cmd_train(args) -> int:
         evals = {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")}
         if evals:
             bar.write(f"step {step + 1}: held-out top-1 {evals}")
+        activity.now = f"training the {args.kind} head (step {step + 2} of {bar.total or '?'})"
 
     t_train = time.perf_counter()
-    history = train_head(head, train, cfg, held_out, out / "checkpoint.pt" if args.checkpoint_every else None, on_step,
-                         ranks)
+    checkpoint = out / "checkpoint.pt" if args.checkpoint_every else None
+    activity.now = f"training the {args.kind} head"
+    try:
+        history = train_head(head, train, cfg, held_out, checkpoint, on_step, ranks)
+    except KeyboardInterrupt:
+        bar.close()
+        if checkpoint is not None and checkpoint.exists():
+            step = torch.load(checkpoint, mmap=True, weights_only=False)["step"]
+            activity.saved = f"{checkpoint} holds the first {step} steps; the same command resumes from there"
+        else:
+            activity.saved = "no checkpoint was kept (--checkpoint-every 0)"
+        raise
     bar.close()
     if not main:  # rank 0 writes the head
         ranks.close()
@@ -500,8 +575,9 @@ def cmd_train(args) -> int:
 
         head.acceptance = dict(acceptance_profile(head, held_out, cfg.max_seq_len),
                                data=f"{len(held_out)} held-out sequences of {data_dir.name}")
-    head.save(out, getattr(torch, args.save_dtype))
-    (out / "training.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    activity.now = f"saving the head to {out}"
+    head.save(out, getattr(torch, args.save_dtype),
+              extra_files={TRAINING_FILE: json.dumps(summary, indent=2, default=str) + "\n"})
     print(f"saved {args.kind} head to {out} ({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training); "
           f"held-out top-1: {final}", file=sys.stderr)
     ranks.close()
@@ -652,8 +728,50 @@ def main(argv=None) -> int:
         args = parser.parse_args(["demo"])
     command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo, "train": cmd_train,
                "corpus": cmd_corpus, "calibrate": cmd_calibrate}[args.command]
+    activity.now, activity.saved = f"running {args.command}", ""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
     try:
         return command(args)
-    except USER_ERRORS as exc:  # the message says what was expected and what was given
-        print("error: " + re.sub(r"\s*\n\s*", " ", str(exc).strip()), file=sys.stderr)
+    except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM through _raise_terminated: the work is saved by now
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"interrupted by {signal.Signals(signum).name} while {activity.now}"
+              + (f"; {activity.saved}" if activity.saved else ""), file=sys.stderr)
+        return 128 + signum
+    except Exception as exc:  # noqa: BLE001 - what a user can cause is one line; anything else a traceback
+        if is_out_of_memory(exc):
+            text = str(exc) if str(exc).startswith("out of memory while ") else f"out of memory while {activity.now} ({exc})"
+        elif isinstance(exc, USER_ERRORS):  # the message says what was expected and what was given
+            text = str(exc)
+        else:
+            raise
+        print("error: " + re.sub(r"\s*\n\s*", " ", text.strip()), file=sys.stderr)
         return 2
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like SIGINT's KeyboardInterrupt so that the same code saves the work."""
+    signum = signal.SIGTERM
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+@dataclass
+class Activity:
+    """What the command is doing (for the line an interrupt or a failed allocation prints), and
+    what it has saved."""
+    now: str = "starting"
+    saved: str = ""
+
+
+activity = Activity()

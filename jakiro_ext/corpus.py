@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -30,7 +31,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from jakiro_ext import atomic
+
 CORPUS_META = "corpus.json"
+TOKENS_PER_ANSWER_TOKEN = 2.0  # a sequence's tokens per answer token, with room (1.68 in the shipped corpus)
 
 
 @dataclass
@@ -72,14 +76,21 @@ class CorpusWriter:
     def __init__(self, path, settings: dict, shard_answer_tokens: int = 100_000, feature_dir=None):
         self.path = Path(path)
         self.feature_dir = Path(feature_dir) if feature_dir is not None else None
-        self.path.mkdir(parents=True, exist_ok=True)
-        meta_file = self.path / CORPUS_META
-        if meta_file.exists():
-            self.meta = json.loads(meta_file.read_text())
+        atomic.check_output_dir(self.path, 0, "the corpus")
+        atomic.remove_stale_temporaries(self.path)
+        if self.feature_dir is not None and self.feature_dir.is_dir():
+            atomic.remove_stale_temporaries(self.feature_dir)
+        if (self.path / CORPUS_META).exists():
+            self.meta = read_corpus_meta(self.path)
             if self.meta["settings"] != settings:
                 raise ValueError(f"{self.path} holds a corpus generated with other settings:\n"
                                  f"  there: {self.meta['settings']}\n  asked: {settings}\n"
                                  "use another directory (or delete it)")
+            missing = [s["name"] for s in self.meta["shards"] if not (self.path / s["name"]).exists()]
+            if missing:  # deleted (a damaged shard's remedy): its sequences are generated again
+                print(f"warning: {self.path}: shards {missing} are missing; their sequences will be generated again",
+                      file=sys.stderr)
+                self.meta["shards"] = [s for s in self.meta["shards"] if s["name"] not in missing]
         else:
             self.meta = dict(settings=settings, shards=[])
         self.shard_answer_tokens = shard_answer_tokens
@@ -111,41 +122,69 @@ class CorpusWriter:
         if tokens.min() < 0 or tokens.max() >= vocab:
             raise ValueError(f"token ids must be in [0, {vocab}), got [{tokens.min()}, {tokens.max()}]")
         lengths = np.array([0] + [q.tokens.numel() for q in self.pending], dtype=np.int64)
-        name = f"shard-{len(self.meta['shards']):05d}.npz"
-        tmp = self.path / (name + ".tmp.npz")
-        np.savez_compressed(tmp, tokens=tokens.astype(dtype), offsets=lengths.cumsum(),
-                            prompt_lengths=np.array([q.prompt_length for q in self.pending], dtype=np.int32),
-                            conversation=np.array([q.conversation for q in self.pending], dtype=np.int32),
-                            turn=np.array([q.turn for q in self.pending], dtype=np.int16))
-        if self.feature_dir is not None:
+        name = f"shard-{self._next_index():05d}.npz"
+        arrays = dict(tokens=tokens.astype(dtype), offsets=lengths.cumsum(),
+                      prompt_lengths=np.array([q.prompt_length for q in self.pending], dtype=np.int32),
+                      conversation=np.array([q.conversation for q in self.pending], dtype=np.int32),
+                      turn=np.array([q.turn for q in self.pending], dtype=np.int16))
+        if self.feature_dir is not None:  # first: a shard without its cached features is only slower to train on
             from jakiro_ext.trainset import save_feature_shard
 
             save_feature_shard(self.feature_dir / name.replace(".npz", ".safetensors"), self.pending,
                                self.pending_features)
-        tmp.replace(self.path / name)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "wb") as f:
+                np.savez_compressed(f, **arrays)
+
+        atomic.write_file(self.path / name, write)
         now = time.perf_counter()
         self.meta["shards"].append(dict(
             name=name, sequences=len(self.pending), tokens=int(lengths.sum()),
             answer_tokens=int(sum(q.answer.numel() for q in self.pending)),
             seconds=round(now - self.started, 1), machine=f"{_cpu_name()}, {torch.get_num_threads()} threads"))
         self.started = now
-        (self.path / CORPUS_META).write_text(json.dumps(self.meta, indent=1) + "\n")
+        atomic.write_text(self.path / CORPUS_META, json.dumps(self.meta, indent=1) + "\n")
         self.pending, self.pending_features = [], []
+
+    def _next_index(self) -> int:
+        """One past the highest shard number recorded (a deleted shard's number is not reused)."""
+        return 1 + max((int(s["name"][len("shard-"):-len(".npz")]) for s in self.meta["shards"]), default=-1)
 
 
 def read_corpus_meta(path) -> dict:
     path = Path(path)
-    if not (path / CORPUS_META).exists():
-        raise FileNotFoundError(f"{path / CORPUS_META} not found: not a token corpus "
+    file = path / CORPUS_META
+    if not file.exists():
+        raise FileNotFoundError(f"{file} not found: not a token corpus "
                                 "(python -m jakiro_ext corpus --out DIR generates one)")
-    return json.loads((path / CORPUS_META).read_text())
+    try:
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+        if not (isinstance(meta, dict) and isinstance(meta.get("settings"), dict) and isinstance(meta.get("shards"), list)
+                and all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in meta["shards"])):
+            raise ValueError("expected an object with 'settings' and a list of 'shards'")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"{file} is damaged ({exc}): restore it (git checkout -- {file}, if it is committed) or "
+                         "delete the corpus directory and generate it again") from None
+    return meta
 
 
 def read_shard(path) -> List[CorpusSequence]:
-    with np.load(path) as z:
-        tokens = torch.from_numpy(z["tokens"].astype(np.int64))
-        offsets, plen = z["offsets"].tolist(), z["prompt_lengths"].tolist()
-        conv, turn = z["conversation"].tolist(), z["turn"].tolist()
+    """A shard's sequences; a shard that cannot be read is a ValueError naming it and the remedy."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"corpus shard {path} is missing: run the corpus command on {path.parent} again to "
+                                "generate its sequences anew")
+    try:
+        with np.load(path) as z:
+            tokens = torch.from_numpy(z["tokens"].astype(np.int64))
+            offsets, plen = z["offsets"].tolist(), z["prompt_lengths"].tolist()
+            conv, turn = z["conversation"].tolist(), z["turn"].tolist()
+        if len(offsets) != len(plen) + 1 or offsets[-1] != tokens.numel() or not (len(conv) == len(turn) == len(plen)):
+            raise ValueError("its arrays disagree in length")
+    except Exception as exc:  # noqa: BLE001 - zipfile, zlib, numpy and key errors all mean a damaged file
+        raise ValueError(f"corpus shard {path} is damaged ({type(exc).__name__}: {exc}): delete it and run the "
+                         f"corpus command on {path.parent} again to generate its sequences anew") from None
     return [CorpusSequence(conv[i], turn[i], tokens[offsets[i]:offsets[i + 1]], plen[i]) for i in range(len(plen))]
 
 
@@ -202,6 +241,13 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
     writer = CorpusWriter(path, settings, shard_answer_tokens, feature_dir)
     if writer.answer_tokens >= answer_tokens:
         return writer.meta
+    # Room for what is left, checked before the generation: ~1.7 tokens an answer token (prompts
+    # included), stored in at most 4 bytes (compressed: ~1), and their bf16 features when cached.
+    tokens_left = int(TOKENS_PER_ANSWER_TOKEN * (answer_tokens - writer.answer_tokens))
+    atomic.check_output_dir(writer.path, 4 * tokens_left, f"the corpus's {tokens_left} more tokens")
+    if feature_dir is not None:
+        atomic.check_output_dir(feature_dir, 2 * target.config.hidden_size * tokens_left,
+                                f"the features of {tokens_left} more tokens (--no-feature-cache keeps none)")
     conversations = load_sharegpt() if conversations is None else conversations
 
     # Resume: what is done, and the EOS-ended answers whose next turn is not.

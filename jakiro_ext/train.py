@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from jakiro_ext import atomic
 from jakiro_ext.models.draft_head import DraftHead, DraftStep
 from jakiro_ext.models.llama import LlamaModel
 
@@ -419,6 +421,40 @@ class _HeadLoss(torch.nn.Module):
         return batch_loss(self.head, batch, cfg, noise, totals)
 
 
+def previous_checkpoint(path: Path) -> Path:
+    """Where the checkpoint before the last one is kept (``checkpoint.prev.pt``)."""
+    return path.with_name(path.stem + ".prev" + path.suffix)
+
+
+def write_checkpoint(path: Path, state: dict) -> None:
+    """Write a training checkpoint atomically, keeping the one it replaces as
+    :func:`previous_checkpoint` (a fallback should the newer be damaged later)."""
+    if path.exists():  # the previous one, by a hard link: the checkpoint itself stays in place
+        def keep(tmp: Path) -> None:
+            try:
+                os.link(path, tmp)
+            except OSError:
+                shutil.copy2(path, tmp)
+
+        atomic.write_file(previous_checkpoint(path), keep)
+    atomic.write_file(path, lambda tmp: torch.save(state, tmp))
+
+
+def read_checkpoint(path: Path) -> dict:
+    """A training checkpoint; a damaged one is a ValueError naming it and the way on."""
+    try:
+        state = torch.load(path, weights_only=False)
+        if not isinstance(state, dict) or not {"head", "optimizer", "schedule", "step", "config"} <= set(state):
+            raise ValueError("not a training checkpoint of this package")
+    except Exception as exc:  # noqa: BLE001 - truncated, flipped or foreign files all end here
+        previous = previous_checkpoint(path)
+        way = (f"resume from the previous checkpoint (mv {previous} {path}) or delete it to start over"
+               if previous.exists() else "delete it to start over")
+        raise ValueError(f"checkpoint {path} is damaged ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
+                         f"{way}") from None
+    return state
+
+
 def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                eval_examples: Sequence[Example] = (), checkpoint: Optional[os.PathLike] = None,
                on_step: Optional[Callable[[int, dict], None]] = None, ranks: Ranks = Ranks()) -> List[dict]:
@@ -467,8 +503,10 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     history: List[dict] = []
     start = 0
+    if checkpoint is not None:
+        atomic.remove_stale_temporaries(Path(checkpoint).parent)
     if checkpoint is not None and Path(checkpoint).exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = read_checkpoint(Path(checkpoint))
         if cfg.minutes:
             total = state["total"]
         if state["config"] != asdict(cfg) or state["total"] != total or state["examples"] != len(examples):
@@ -487,50 +525,59 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     epoch_batches, epoch_of = None, -1
     head.train()
     step, t_start = start, time.perf_counter()
-    while step < total:
-        if cfg.minutes and total == UNSET and step >= BUDGET_PROBE_STEPS and step > start:
-            per_step = ranks.max((time.perf_counter() - t_start) / (step - start))  # (one total for all)
-            total = step + max(1, int((cfg.minutes * 60 - per_step * step) / per_step))
-        epoch = step // per_epoch
-        if epoch != epoch_of:
-            epoch_batches, epoch_of = _batches(examples, cfg, epoch), epoch
-        chosen = [examples[i] for i in epoch_batches[(step % per_epoch) % len(epoch_batches)]]
-        length = batch_length(chosen, cfg.max_seq_len)
-        # An epoch's last batch may leave a process without a sequence: it runs the first one
-        # with a zero weight, as every process must take part in the gradients' reduction.
-        share = list(range(len(chosen)))[ranks.rank::ranks.world]
-        idle = not share
-        share = share or [0]
-        batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(head.fc.weight.device)
-        noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
-        rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
-                                                            head.config.num_mlp_heads).items()}
-        names = sorted(rows)
-        totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
-        loss, metrics = model(batch, cfg, None if noise is None else noise[share].to(batch.features.device), totals)
-        if idle:
-            loss, metrics = loss * 0.0, {k: 0 for k in metrics}
-        opt.zero_grad()
-        (loss * ranks.world).backward()  # DDP averages the processes' gradients; the batch's are their sum
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        sched.step()
-        summed = ranks.sum([float(loss.detach())] + [metrics[f"hits_{k}"] for k in names])
-        record = {"step": step + 1, "loss": summed[0], "lr": opt.param_groups[0]["lr"],
-                  **{k: summed[1 + i] / max(totals[k], 1) for i, k in enumerate(names)}}
-        last = step + 1 == total
-        if eval_examples and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or last):
-            record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg, ranks=ranks).items()})
-        history.append(record)
-        if on_step and ranks.rank == 0:
-            on_step(step, record)
-        if (checkpoint is not None and ranks.rank == 0
-                and ((cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or last)):
-            tmp = Path(str(checkpoint) + ".tmp")
-            torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
-                        "step": step + 1, "history": history, "config": asdict(cfg), "total": total,
-                        "examples": len(examples)}, tmp)
-            tmp.replace(checkpoint)
-        step += 1
+    saved = [start]
+
+    def save(at: int) -> None:
+        if checkpoint is not None and ranks.rank == 0 and saved[0] != at:
+            write_checkpoint(Path(checkpoint), {
+                "head": head.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
+                "step": at, "history": history, "config": asdict(cfg), "total": total, "examples": len(examples)})
+            saved[0] = at
+
+    try:
+        while step < total:
+            if cfg.minutes and total == UNSET and step >= BUDGET_PROBE_STEPS and step > start:
+                per_step = ranks.max((time.perf_counter() - t_start) / (step - start))  # (one total for all)
+                total = step + max(1, int((cfg.minutes * 60 - per_step * step) / per_step))
+            epoch = step // per_epoch
+            if epoch != epoch_of:
+                epoch_batches, epoch_of = _batches(examples, cfg, epoch), epoch
+            chosen = [examples[i] for i in epoch_batches[(step % per_epoch) % len(epoch_batches)]]
+            length = batch_length(chosen, cfg.max_seq_len)
+            # An epoch's last batch may leave a process without a sequence: it runs the first one
+            # with a zero weight, as every process must take part in the gradients' reduction.
+            share = list(range(len(chosen)))[ranks.rank::ranks.world]
+            idle = not share
+            share = share or [0]
+            batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(head.fc.weight.device)
+            noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
+            rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
+                                                                head.config.num_mlp_heads).items()}
+            names = sorted(rows)
+            totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
+            loss, metrics = model(batch, cfg, None if noise is None else noise[share].to(batch.features.device), totals)
+            if idle:
+                loss, metrics = loss * 0.0, {k: 0 for k in metrics}
+            with atomic.signals_held():  # a step is taken whole: an interrupt comes before or after it
+                opt.zero_grad()
+                (loss * ranks.world).backward()  # DDP averages the processes' gradients; the batch's are their sum
+                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                opt.step()
+                sched.step()
+                summed = ranks.sum([float(loss.detach())] + [metrics[f"hits_{k}"] for k in names])
+                record = {"step": step + 1, "loss": summed[0], "lr": opt.param_groups[0]["lr"],
+                          **{k: summed[1 + i] / max(totals[k], 1) for i, k in enumerate(names)}}
+                history.append(record)
+                step += 1
+            last = step == total
+            if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+                record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg, ranks=ranks).items()})
+            if on_step and ranks.rank == 0:
+                on_step(step - 1, record)
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or last:
+                save(step)
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM as the CLI raises it: the steps taken so far are kept
+        save(step)
+        raise
     head.eval()
     return history

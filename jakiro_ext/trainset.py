@@ -20,11 +20,13 @@ interrupted build resumes).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from jakiro_ext import atomic
 from jakiro_ext.models.llama import LlamaModel, causal_tree_mask
 from jakiro_ext.train import Example
 
@@ -137,15 +139,16 @@ class TrainSetWriter:
 
         name = f"shard-{len(self.meta['shards']):05d}.safetensors"
         lengths = torch.tensor([0] + [t.numel() for t in self.tokens])
-        save_file({"tokens": torch.cat(self.tokens), "loss_mask": torch.cat(self.masks),
-                   "features": torch.cat(self.features), "offsets": lengths.cumsum(0)}, str(self.path / name))
+        tensors = {"tokens": torch.cat(self.tokens), "loss_mask": torch.cat(self.masks),
+                   "features": torch.cat(self.features), "offsets": lengths.cumsum(0)}
+        atomic.write_file(self.path / name, lambda tmp: save_file(tensors, str(tmp)))
         m = self.meta
         m["shards"].append(name)
         m["sequences"] += len(self.tokens)
         m["tokens"] += int(lengths.sum())
         m["learned_tokens"] += int(sum(int(x.sum()) for x in self.masks))
         m["done"] += self.keys
-        (self.path / META_FILE).write_text(json.dumps(m) + "\n")
+        atomic.write_text(self.path / META_FILE, json.dumps(m) + "\n")
         self._clear()
 
 
@@ -165,10 +168,27 @@ def save_feature_shard(path, sequences, features: Sequence[torch.Tensor]) -> Non
         rows.append(f.to("cpu", torch.bfloat16))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file({"features": torch.cat(rows), "tokens": torch.cat([q.tokens for q in sequences]).to(torch.int32)},
-              str(tmp))
-    tmp.replace(path)
+    tensors = {"features": torch.cat(rows), "tokens": torch.cat([q.tokens for q in sequences]).to(torch.int32)}
+    atomic.write_file(path, lambda tmp: save_file(tensors, str(tmp)))
+
+
+def read_feature_shard(path: Path, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The cached features of a shard's ``tokens``; None when the cache has none, holds those of
+    other tokens, or is damaged (said on stderr: the cache is recomputable, and is recomputed)."""
+    from safetensors.torch import load_file
+
+    if not path.exists():
+        return None
+    try:
+        stored = load_file(str(path))
+        features, cached_tokens = stored["features"], stored["tokens"].long()
+        if features.dim() != 2 or features.shape[0] != cached_tokens.numel():
+            raise ValueError(f"{features.shape[0]} feature rows for {cached_tokens.numel()} tokens")
+    except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
+        print(f"warning: the feature cache file {path} is damaged ({type(exc).__name__}: {exc}); recomputing it",
+              file=sys.stderr)
+        return None
+    return features if torch.equal(cached_tokens, tokens) else None
 
 
 @torch.no_grad()
@@ -196,6 +216,15 @@ def prefill_features(target: LlamaModel, sequences, batch_tokens: int = 8192) ->
     return out
 
 
+def uncached_feature_tokens(corpus_dir, feature_dir=None) -> int:
+    """How many of a corpus's tokens have no feature-cache file yet (what computing them writes)."""
+    from jakiro_ext.corpus import read_corpus_meta
+
+    feature_dir = Path(feature_dir) if feature_dir is not None else feature_cache_dir(corpus_dir)
+    return sum(s.get("tokens", 0) for s in read_corpus_meta(corpus_dir)["shards"]
+               if not (feature_dir / s["name"].replace(".npz", ".safetensors")).exists())
+
+
 def corpus_examples(corpus_dir, target: LlamaModel, feature_dir=None, batch_tokens: int = 8192,
                     progress: bool = True, ranks=None) -> Tuple[List[Example], dict]:
     """Training examples of a token corpus (loss on the answers): the features of each shard from
@@ -205,7 +234,6 @@ def corpus_examples(corpus_dir, target: LlamaModel, feature_dir=None, batch_toke
     ``ranks`` (:class:`jakiro_ext.train.Ranks`, several processes sharing the cache): each process
     first computes the missing features of its share of the shards (every world-th), then all
     read them all."""
-    from safetensors.torch import load_file
     from tqdm import tqdm
 
     from jakiro_ext.corpus import read_corpus_meta, read_shard, target_fingerprint
@@ -221,10 +249,9 @@ def corpus_examples(corpus_dir, target: LlamaModel, feature_dir=None, batch_toke
         sequences = read_shard(Path(corpus_dir) / shard["name"])
         tokens = torch.cat([q.tokens for q in sequences])
         cached = feature_dir / shard["name"].replace(".npz", ".safetensors")
-        if cached.exists():
-            stored = load_file(str(cached))
-            if torch.equal(stored["tokens"].long(), tokens):
-                return sequences, stored["features"]
+        features = read_feature_shard(cached, tokens)
+        if features is not None:
+            return sequences, features
         per_sequence = prefill_features(target, [q.tokens for q in sequences], batch_tokens)
         save_feature_shard(cached, sequences, per_sequence)
         return sequences, torch.cat(per_sequence).to(torch.bfloat16)
@@ -252,12 +279,21 @@ def load_trainset(path) -> Tuple[List[Example], dict]:
     if not (path / META_FILE).exists():
         raise FileNotFoundError(f"{path / META_FILE} not found: build the training set first "
                                 "(python -m jakiro_ext train --data DIR builds it when missing)")
-    meta = json.loads((path / META_FILE).read_text())
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        names = list(meta["shards"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path / META_FILE} is damaged ({exc}): delete {path} to build the training set "
+                         "again") from None
     examples = []
-    for name in meta["shards"]:
-        shard = load_file(str(path / name))
-        offsets = shard["offsets"].tolist()
-        tokens, mask, features = shard["tokens"].long(), shard["loss_mask"].bool(), shard["features"]
+    for name in names:
+        try:
+            shard = load_file(str(path / name))
+            offsets = shard["offsets"].tolist()
+            tokens, mask, features = shard["tokens"].long(), shard["loss_mask"].bool(), shard["features"]
+        except Exception as exc:  # noqa: BLE001 - a missing, truncated or foreign file
+            raise ValueError(f"training-set shard {path / name} is damaged or missing ({type(exc).__name__}: {exc}): "
+                             f"delete {path} to build the training set again") from None
         for a, b in zip(offsets[:-1], offsets[1:]):
             examples.append(Example(tokens[a:b], features[a:b], mask[a:b], len(examples)))
     return examples, meta

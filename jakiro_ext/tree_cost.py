@@ -27,11 +27,14 @@ from __future__ import annotations
 import json
 import re
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from jakiro_ext import atomic
 
 ACCEPTANCE_FILE = "acceptance.json"
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # target forwards measured at these N
@@ -177,16 +180,18 @@ def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, prog
     batch = batch_bucket(batch)
     path = Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method, batch) + ".json")
     if path.exists():
-        return json.loads(path.read_text())
+        try:
+            costs = json.loads(path.read_text())
+            if isinstance(costs, dict) and {"verify", "draft", "catch_up"} <= set(costs):
+                return costs
+            raise ValueError("not a cost table")
+        except (ValueError, UnicodeDecodeError) as exc:  # a cache: measured again
+            print(f"warning: the cached costs {path} are damaged ({exc}); measuring them again", file=sys.stderr)
     if progress:
-        import sys
-
         print(f"measuring this machine's round costs once for the tree choice (cached in {path})", file=sys.stderr)
     costs = measure_costs(target, head, method, repeats=5 if batch == 1 else 3, batch=batch)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(costs, indent=1) + "\n")
-    tmp.replace(path)
+    atomic.write_text(path, json.dumps(costs, indent=1) + "\n")
     return costs
 
 

@@ -242,7 +242,7 @@ def test_sliding_window_bounds_a_growing_cache():
 
 def test_a_failed_allocation_says_how_many_bytes(target):
     with pytest.raises(MemoryError, match=r"a KV cache of 10000000000000 positions \(\[2, 2, 1, 2, 10000000000000, "
-                                          r"16\], torch.float32\) needs 5120000000000000 bytes \(4768371.58 GiB\)"):
+                                          r"16\], torch.float32\), which needs 5120000000000000 bytes \(4768371.58 GiB\)"):
         target.new_cache(1, 10**13)
 
 

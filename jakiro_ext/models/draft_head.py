@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, project, rope_cos_sin,
-                                     rotary)
+from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, memory_errors, project,
+                                     rope_cos_sin, rotary)
 
 KINDS = ("eagle2", "jakiro", "gumiho", "jakiro_gumiho")  # jakiro_gumiho: Jakiro's MoE layer, then MLP heads
 CONFIG_FILE = "config.json"
@@ -158,17 +158,35 @@ class DraftConfig:
                            rms_norm_eps=self.rms_norm_eps)
 
 
-def write_head_files(path, config: dict, state: dict, dtype: Optional[torch.dtype], metadata: dict) -> None:
-    """A head directory: ``config.json`` and ``model.safetensors`` (floating tensors in ``dtype``
-    if given; ``metadata``, str -> str, in the file's header)."""
+TRAINING_FILE = "training.json"  # optional: how the head was trained (the train command's summary)
+# The files a head directory is made of: rewriting a head replaces them all, none survives stale.
+HEAD_FILES = (CONFIG_FILE, WEIGHTS_FILE, ACCEPTANCE_FILE, TRAINING_FILE, "pytorch_model.bin")
+
+
+def write_head_files(path, config: dict, state: dict, dtype: Optional[torch.dtype], metadata: dict,
+                     extra_files: Optional[dict] = None) -> None:
+    """A head directory, replaced atomically (:func:`jakiro_ext.atomic.write_directory`):
+    ``config.json``, ``model.safetensors`` (floating tensors in ``dtype`` if given; ``metadata``,
+    str -> str, in the file's header) and ``extra_files`` (name -> text). A kill at any moment
+    leaves the whole old head or the whole new one; other files of the old directory (a training
+    checkpoint) are kept."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    from jakiro_ext.atomic import write_directory
+
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
              for k, v in state.items()}
-    save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
+    unknown = set(extra_files or {}) - set(HEAD_FILES)
+    if unknown:
+        raise ValueError(f"a head directory's extra files are among {HEAD_FILES}, got {sorted(unknown)}")
+
+    def write(tmp: Path) -> None:
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+
+    write_directory(path, write, HEAD_FILES)
 
 
 class DraftStep(NamedTuple):
@@ -314,9 +332,12 @@ class DraftHead(nn.Module):
         return self.to(dtype=target.lm_head.weight.dtype, device=device)
 
     def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None,
-             format: str = "jakiro_ext", full_vocabulary: bool = False) -> None:
+             format: str = "jakiro_ext", full_vocabulary: bool = False, extra_files: Optional[dict] = None) -> None:
         """``config.json`` plus ``model.safetensors`` (the head's own weights, in ``dtype`` if
-        given, and the draft vocabulary); ``metadata`` (str -> str) goes into the file's header.
+        given, and the draft vocabulary), and ``acceptance.json`` when the head has a profile;
+        ``metadata`` (str -> str) goes into the file's header; ``extra_files`` (name -> text, e.g.
+        ``training.json``) are written with them. The directory is replaced atomically: a kill
+        leaves the old head or the new one, never a mix, and no file of the old head survives.
         ``format="eagle"``: a dense head in the EAGLE-1/2 format that vLLM and SGLang load for
         their ``eagle`` method (:func:`jakiro_ext.models.head_formats.eagle_files`); a head with a
         reduced draft vocabulary needs ``full_vocabulary=True`` (that format drafts over the whole
@@ -336,12 +357,18 @@ class DraftHead(nn.Module):
             config, state = head_formats.eagle_files(head)
         else:
             config, state = asdict(self.config), self.state_dict()
-        write_head_files(path, config, state, dtype, {"kind": self.config.kind, **(metadata or {})})
+        extra = dict(extra_files or {})
         if self.acceptance is not None and format == "jakiro_ext":
-            (Path(path) / ACCEPTANCE_FILE).write_text(json.dumps(self.acceptance, indent=1) + "\n")
+            extra[ACCEPTANCE_FILE] = json.dumps(self.acceptance, indent=1) + "\n"
+        write_head_files(path, config, state, dtype, {"kind": self.config.kind, **(metadata or {})}, extra)
 
     @classmethod
     def load(cls, path, target: Optional[LlamaModel] = None, format: Optional[str] = None) -> "DraftHead":
+        with memory_errors(f"loading the draft head {path}"):
+            return cls._load(path, target, format)
+
+    @classmethod
+    def _load(cls, path, target: Optional[LlamaModel], format: Optional[str]) -> "DraftHead":
         """Load a head (and bind it to ``target`` when given): saved by this package, or released
         in the EAGLE-1/2, Jakiro or EAGLE-3 format (:mod:`jakiro_ext.models.head_formats`), recognised from
         its config and weight names (``format=`` forces one of ``head_formats.FORMATS``). A missing

@@ -190,8 +190,9 @@ class Eagle3Head(DraftHead):
         return config, state
 
     def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None,
-             format: str = "eagle3", full_vocabulary: bool = False) -> None:
-        """The released EAGLE-3 format (its only format here): config.json and model.safetensors."""
+             format: str = "eagle3", full_vocabulary: bool = False, extra_files: Optional[dict] = None) -> None:
+        """The released EAGLE-3 format (its only format here): config.json and model.safetensors
+        (and ``extra_files``), the directory replaced atomically."""
         if format != "eagle3":
             raise ValueError(f"an EAGLE-3 head is saved in the eagle3 format, got format={format!r}")
-        write_head_files(path, *self.released_files(), dtype, {"kind": "eagle3", **(metadata or {})})
+        write_head_files(path, *self.released_files(), dtype, {"kind": "eagle3", **(metadata or {})}, extra_files)

@@ -5,7 +5,10 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import math
+import re
 import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -75,6 +78,38 @@ class LlamaConfig:
                    max_position_embeddings=getattr(hf, "max_position_embeddings", None), rope_scaling=scaling)
 
 
+_TRIED = re.compile(r"tried to allocate (\d+(?:\.\d+)?) ?(bytes|[KMGT]i?B)")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed allocation: Python's or numpy's MemoryError, torch's (a
+    RuntimeError, torch.OutOfMemoryError on a GPU) or a mapping's ENOMEM."""
+    if isinstance(exc, MemoryError):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text
+                                              or "not enough memory" in text)
+
+
+@contextlib.contextmanager
+def memory_errors(what: str):
+    """Allocation failures inside as one MemoryError naming ``what`` (and the size the allocator
+    asked for, when it said)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - only allocation failures are translated
+        if not is_out_of_memory(exc) or str(exc).startswith("out of memory while "):
+            raise
+        m = _TRIED.search(str(exc))
+        asked = ""
+        if m:
+            size = float(m[1]) if m[2] == "bytes" else float(m[1]) * 1024 ** (" KMGT".index(m[2][0]))
+            asked = f" (an allocation of {size / 2**20:.1f} MiB failed)"
+        raise MemoryError(f"out of memory while {what}{asked}") from exc
+
+
 class KVCache(nn.Module):
     """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one
     ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B],
@@ -107,12 +142,10 @@ class KVCache(nn.Module):
     def _new_buffer(self, capacity: int, dtype: torch.dtype, device) -> torch.Tensor:
         c = self.config
         shape = (c.num_layers, 2, self.batch, c.num_kv_heads, capacity, c.head_dim)
-        try:
+        nbytes = math.prod(shape) * dtype.itemsize
+        with memory_errors(f"allocating a KV cache of {capacity} positions ({list(shape)}, {dtype}), which needs "
+                           f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"):
             return torch.zeros(shape, dtype=dtype, device=device)
-        except RuntimeError as exc:  # torch.OutOfMemoryError included
-            nbytes = math.prod(shape) * dtype.itemsize
-            raise MemoryError(f"a KV cache of {capacity} positions ({list(shape)}, {dtype}) needs {nbytes} bytes "
-                              f"({nbytes / 2**30:.2f} GiB), which could not be allocated") from exc
 
     def reserve(self, positions: int) -> None:
         """Make room for ``positions`` positions per sequence: the buffer grows to at least twice

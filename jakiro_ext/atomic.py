@@ -1,0 +1,267 @@
+"""Durable artifacts: every file and head directory this package writes appears whole or not at all.
+
+- A file is written to a temporary sibling, flushed to disk (fsync) and renamed over its name.
+- A directory (a draft head) is written complete into a temporary sibling and swapped with the
+  old one in one step (Linux ``renameat2(RENAME_EXCHANGE)``; where that is missing, two renames,
+  undone at the next start if a kill falls between them). Files of the old directory that the
+  new one does not write (a training checkpoint, a user's notes) are carried over; the files the
+  writer owns are never carried, so no stale one survives beside new weights.
+- Temporaries are named ``.NAME.tmp-PID-XXXXXX``; :func:`remove_stale_temporaries` (called when a
+  run starts writing into a directory) removes those whose process is gone.
+- SIGINT and SIGTERM that arrive during a write are held until the write is done, then delivered.
+- A write that fails (full disk, read-only directory, file-size limit) leaves nothing behind and
+  raises :class:`WriteError` naming the file; what was there before is untouched.
+
+:func:`check_output_dir` checks, before a long run, that its output directory can be written and
+has room for what the run will write.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+import signal
+import threading
+from pathlib import Path
+from typing import Callable, Collection, Iterator, Optional
+
+TEMP_PATTERN = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{6}")
+MB = 1 << 20
+
+
+class WriteError(OSError):
+    """An artifact could not be written; nothing was replaced and no temporary was left."""
+
+
+# ----------------------------------------------------------------------------- signals
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the duration (main thread only; elsewhere a no-op), then
+    deliver the first one that came to the handler that was in place."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if caught:
+            handler = previous[caught[0]]
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), caught[0])
+
+
+# ----------------------------------------------------------------------------- helpers
+def _temp_sibling(path: Path, kind: str = "tmp") -> Path:
+    return path.parent / f".{path.name}.{kind}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:  # some filesystems cannot sync a directory; the rename is still atomic
+        pass
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+_libc = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically; False where the system or filesystem cannot."""
+    global _libc
+    if not hasattr(os, "uname") or os.uname().sysname != "Linux":
+        return False
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(_libc, "renameat2", None)
+    if fn is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _failed(path: Path, exc: BaseException) -> WriteError:
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
+    code = exc.errno if isinstance(exc, OSError) else None
+    hint = " (is the disk full?)" if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or code is None else ""
+    return WriteError(code or errno.EIO, f"{path} could not be written: {reason}{hint}; nothing was replaced")
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    """OSError, or what the tensor writers make of one (torch.save's RuntimeError, safetensors'
+    SafetensorError): the data are checked before they reach a writer, so these are I/O."""
+    return isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError"
+
+
+# ----------------------------------------------------------------------------- writing
+def write_file(path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` atomically: ``write(tmp)`` fills a temporary sibling, which is then synced
+    and renamed over ``path``. On failure the temporary is removed and a :class:`WriteError`
+    names ``path``."""
+    path = Path(path)
+    tmp = _temp_sibling(path)
+    with signals_held():
+        try:
+            write(tmp)
+            _fsync(tmp)
+            os.replace(tmp, path)
+        except BaseException as exc:
+            _remove(tmp)
+            if _is_write_failure(exc):
+                raise _failed(path, exc) from exc
+            raise
+        _fsync_dir(path.parent)
+
+
+def write_text(path, text: str) -> None:
+    write_file(path, lambda tmp: tmp.write_text(text))
+
+
+def write_directory(path, write: Callable[[Path], None], owned: Collection[str]) -> None:
+    """Replace the directory ``path`` atomically by what ``write(tmp)`` puts into an empty
+    temporary sibling. ``owned``: the file names this kind of directory is made of; the old
+    directory's other entries are carried over (hard links where possible), its owned files
+    that ``write`` did not write are dropped."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
+    tmp = _temp_sibling(path)
+    with signals_held():
+        try:
+            tmp.mkdir()
+            write(tmp)
+            for entry in tmp.iterdir():
+                if entry.is_file():
+                    _fsync(entry)
+            if path.is_dir():
+                for entry in path.iterdir():
+                    if entry.name not in owned and not (tmp / entry.name).exists():
+                        _carry(entry, tmp / entry.name)
+            _fsync_dir(tmp)
+            if not path.exists():
+                os.rename(tmp, path)
+            elif _exchange(tmp, path):
+                _remove(tmp)  # now the old directory
+            else:  # two renames: a kill between them is undone at the next start
+                old = _temp_sibling(path, "old")
+                os.rename(path, old)
+                os.rename(tmp, path)
+                _remove(old)
+        except BaseException as exc:
+            _remove(tmp)
+            if _is_write_failure(exc):
+                raise _failed(path, exc) from exc
+            raise
+        _fsync_dir(path.parent)
+
+
+def _carry(src: Path, dst: Path) -> None:
+    def link_or_copy(a, b):
+        try:
+            os.link(a, b)
+        except OSError:
+            shutil.copy2(a, b)
+
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, copy_function=link_or_copy, symlinks=True)
+    elif src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    else:
+        link_or_copy(src, dst)
+
+
+def remove_stale_temporaries(directory) -> None:
+    """Remove the temporaries of writers that were killed (their process is gone); put back an
+    old directory whose replacement never arrived (a kill between the two renames)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for entry in directory.iterdir():
+        m = TEMP_PATTERN.fullmatch(entry.name)
+        if m is None or _alive(int(m["pid"])):
+            continue
+        final = directory / m["name"]
+        if m["kind"] == "old" and not final.exists():
+            os.rename(entry, final)
+        else:
+            _remove(entry)
+
+
+# ----------------------------------------------------------------------------- checks
+def check_output_dir(directory, needed_bytes: int = 0, what: str = "the output") -> Path:
+    """Create ``directory`` (and its parents), prove it writable by writing a probe file, and
+    compare its free space with ``needed_bytes``; an OSError says which of these failed, before
+    any work is done."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = _temp_sibling(directory / "probe")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"\0")
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            _remove(probe)
+    except OSError as exc:
+        raise OSError(exc.errno, f"{directory} cannot hold {what}: {exc.strerror or exc}") from None
+    free = shutil.disk_usage(directory).free
+    if needed_bytes > free:
+        raise OSError(errno.ENOSPC, f"{directory} has {free / MB:.0f} MB free, but {what} needs about "
+                                    f"{needed_bytes / MB:.0f} MB: free some space or choose another directory")
+    return directory
+
+
+def size_of(path: Optional[Path]) -> int:
+    """Bytes a file or directory takes (0 when missing)."""
+    if path is None or not Path(path).exists():
+        return 0
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -125,11 +125,26 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def os_error(cls, code: Optional[int], message: str) -> OSError:
+    """An OSError whose text is ``message`` alone (``OSError(code, text)`` would prefix the code)."""
+    error = cls(message)
+    error.errno = code
+    return error
+
+
 def _failed(path: Path, exc: BaseException) -> WriteError:
-    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).strip().splitlines()[0]
-    code = exc.errno if isinstance(exc, OSError) else None
-    hint = " (is the disk full?)" if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) or code is None else ""
-    return WriteError(code or errno.EIO, f"{path} could not be written: {reason}{hint}; nothing was replaced")
+    """The failure of a writer as one sentence, with the system's reason: the OSError itself,
+    the one torch.save raised from (its ``__context__``), or the code safetensors quotes."""
+    cause = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    code = cause.errno if isinstance(cause, OSError) else None
+    if code is None:
+        m = re.search(r"os error (\d+)", str(exc))
+        code = int(m[1]) if m else None
+    reason = os.strerror(code) if code else str(exc).strip().splitlines()[0]
+    hint = " (is the disk full?)" if code in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else ""
+    return os_error(WriteError, code or errno.EIO, f"{path} could not be written: {reason}{hint}; nothing was replaced")
 
 
 def _is_write_failure(exc: BaseException) -> bool:
@@ -249,11 +264,11 @@ def check_output_dir(directory, needed_bytes: int = 0, what: str = "the output")
         finally:
             _remove(probe)
     except OSError as exc:
-        raise OSError(exc.errno, f"{directory} cannot hold {what}: {exc.strerror or exc}") from None
+        raise os_error(OSError, exc.errno, f"{directory} cannot hold {what}: {exc.strerror or exc}") from None
     free = shutil.disk_usage(directory).free
     if needed_bytes > free:
-        raise OSError(errno.ENOSPC, f"{directory} has {free / MB:.0f} MB free, but {what} needs about "
-                                    f"{needed_bytes / MB:.0f} MB: free some space or choose another directory")
+        raise os_error(OSError, errno.ENOSPC, f"{directory} has {free / MB:.0f} MB free, but {what} needs about "
+                                              f"{needed_bytes / MB:.0f} MB: free some space or choose another directory")
     return directory
 
 

@@ -546,14 +546,14 @@ def cmd_train(args) -> int:
     try:
         history = train_head(head, train, cfg, held_out, checkpoint, on_step, ranks)
     except KeyboardInterrupt:
-        bar.close()
         if checkpoint is not None and checkpoint.exists():
             step = torch.load(checkpoint, mmap=True, weights_only=False)["step"]
             activity.saved = f"{checkpoint} holds the first {step} steps; the same command resumes from there"
         else:
             activity.saved = "no checkpoint was kept (--checkpoint-every 0)"
         raise
-    bar.close()
+    finally:
+        bar.close()
     if not main:  # rank 0 writes the head
         ranks.close()
         return 0

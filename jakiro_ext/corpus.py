@@ -12,7 +12,7 @@ What is generated (Spec-Bench style chat, the answers the head will have to draf
   answer that ended on EOS is continued (a cut-off one would not be a real chat).
 
 On disk, a directory with ``corpus.json`` (the settings, the target's identity, one record per
-shard) and ``shard-*.npz`` (numpy, deflate-compressed): ``tokens`` (uint16 when the vocabulary
+shard: its name, sha256 and counts) and ``shard-*.npz`` (numpy, deflate-compressed): ``tokens`` (uint16 when the vocabulary
 fits, else int32) of all sequences concatenated, prompt then answer; ``offsets`` int64 [k + 1];
 ``prompt_lengths`` int32 [k]; ``conversation`` int32 [k] (index in the source); ``turn`` int16 [k].
 """
@@ -138,9 +138,10 @@ class CorpusWriter:
                 np.savez_compressed(f, **arrays)
 
         atomic.write_file(self.path / name, write)
+        digest = hashlib.sha256((self.path / name).read_bytes()).hexdigest()
         now = time.perf_counter()
         self.meta["shards"].append(dict(
-            name=name, sequences=len(self.pending), tokens=int(lengths.sum()),
+            name=name, sha256=digest, sequences=len(self.pending), tokens=int(lengths.sum()),
             answer_tokens=int(sum(q.answer.numel() for q in self.pending)),
             seconds=round(now - self.started, 1), machine=f"{_cpu_name()}, {torch.get_num_threads()} threads"))
         self.started = now
@@ -148,7 +149,7 @@ class CorpusWriter:
         self.pending, self.pending_features = [], []
 
     def _next_index(self) -> int:
-        """One past the highest shard number recorded (a deleted shard's number is not reused)."""
+        """One past the highest shard number recorded: a new shard never replaces a recorded one."""
         return 1 + max((int(s["name"][len("shard-"):-len(".npz")]) for s in self.meta["shards"]), default=-1)
 
 
@@ -169,13 +170,16 @@ def read_corpus_meta(path) -> dict:
     return meta
 
 
-def read_shard(path) -> List[CorpusSequence]:
-    """A shard's sequences; a shard that cannot be read is a ValueError naming it and the remedy."""
+def read_shard(path, sha256: Optional[str] = None) -> List[CorpusSequence]:
+    """A shard's sequences (``sha256``: the digest its record in corpus.json gives, checked); a
+    shard that cannot be read is a ValueError naming it and the remedy."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"corpus shard {path} is missing: run the corpus command on {path.parent} again to "
                                 "generate its sequences anew")
     try:
+        if sha256 is not None and hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+            raise ValueError("its sha256 differs from the one corpus.json records")
         with np.load(path) as z:
             tokens = torch.from_numpy(z["tokens"].astype(np.int64))
             offsets, plen = z["offsets"].tolist(), z["prompt_lengths"].tolist()
@@ -192,7 +196,7 @@ def read_corpus(path) -> Iterator[CorpusSequence]:
     """Every sequence of a corpus, shard by shard."""
     path = Path(path)
     for shard in read_corpus_meta(path)["shards"]:
-        yield from read_shard(path / shard["name"])
+        yield from read_shard(path / shard["name"], shard.get("sha256"))
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -253,7 +257,7 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
     # Resume: what is done, and the EOS-ended answers whose next turn is not.
     done = set()
     last: Dict[Tuple[int, int], torch.Tensor] = {}
-    for q in (q for shard in writer.meta["shards"] for q in read_shard(writer.path / shard["name"])):
+    for q in (q for shard in writer.meta["shards"] for q in read_shard(writer.path / shard["name"], shard.get("sha256"))):
         done.add((q.conversation, q.turn))
         if q.tokens[-1] == eos:
             last[(q.conversation, q.turn)] = q.tokens

@@ -437,7 +437,11 @@ def write_checkpoint(path: Path, state: dict) -> None:
                 shutil.copy2(path, tmp)
 
         atomic.write_file(previous_checkpoint(path), keep)
-    atomic.write_file(path, lambda tmp: torch.save(state, tmp))
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:  # (a file object: a failed write's OSError reaches the error message)
+            torch.save(state, f)
+
+    atomic.write_file(path, write)
 
 
 def read_checkpoint(path: Path) -> dict:

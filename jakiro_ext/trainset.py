@@ -246,7 +246,7 @@ def corpus_examples(corpus_dir, target: LlamaModel, feature_dir=None, batch_toke
     feature_dir = Path(feature_dir) if feature_dir is not None else feature_cache_dir(corpus_dir)
 
     def shard_features(shard):
-        sequences = read_shard(Path(corpus_dir) / shard["name"])
+        sequences = read_shard(Path(corpus_dir) / shard["name"], shard.get("sha256"))
         tokens = torch.cat([q.tokens for q in sequences])
         cached = feature_dir / shard["name"].replace(".npz", ".safetensors")
         features = read_feature_shard(cached, tokens)

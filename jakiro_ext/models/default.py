@@ -12,6 +12,7 @@ from typing import Tuple
 
 import torch
 
+from jakiro_ext import atomic
 from jakiro_ext.models.llama import LlamaModel, memory_errors
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -55,17 +56,13 @@ def default_model_dir() -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    tmp = out.with_name(out.name + f".partial-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    config.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    if out.exists():  # another process finished first
-        import shutil
 
-        shutil.rmtree(tmp)
-    else:
-        tmp.rename(out)
+    def write(tmp: Path) -> None:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    atomic.write_directory(out, write, owned=())  # whole or not at all (two first runs: the last one's)
     return out
 
 

@@ -154,23 +154,31 @@ def _is_write_failure(exc: BaseException) -> bool:
 
 
 # ----------------------------------------------------------------------------- writing
-def write_file(path, write: Callable[[Path], None]) -> None:
-    """Write ``path`` atomically: ``write(tmp)`` fills a temporary sibling, which is then synced
-    and renamed over ``path``. On failure the temporary is removed and a :class:`WriteError`
-    names ``path``."""
-    path = Path(path)
+@contextlib.contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A temporary sibling of ``path`` to build the replacement in, with SIGINT and SIGTERM held;
+    on failure it is removed (an I/O failure becomes a WriteError naming ``path``)."""
     tmp = _temp_sibling(path)
     with signals_held():
         try:
-            write(tmp)
-            _fsync(tmp)
-            os.replace(tmp, path)
+            yield tmp
         except BaseException as exc:
             _remove(tmp)
             if _is_write_failure(exc):
                 raise _failed(path, exc) from exc
             raise
         _fsync_dir(path.parent)
+
+
+def write_file(path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` atomically: ``write(tmp)`` fills a temporary sibling, which is then synced
+    and renamed over ``path``. On failure the temporary is removed and a :class:`WriteError`
+    names ``path``."""
+    path = Path(path)
+    with _replacing(path) as tmp:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)
 
 
 def write_text(path, text: str) -> None:
@@ -185,43 +193,37 @@ def write_directory(path, write: Callable[[Path], None], owned: Collection[str])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path.parent)
-    tmp = _temp_sibling(path)
-    with signals_held():
-        try:
-            tmp.mkdir()
-            write(tmp)
-            for entry in tmp.iterdir():
-                if entry.is_file():
-                    _fsync(entry)
-            if path.is_dir():
-                for entry in path.iterdir():
-                    if entry.name not in owned and not (tmp / entry.name).exists():
-                        _carry(entry, tmp / entry.name)
-            _fsync_dir(tmp)
-            if not path.exists():
-                os.rename(tmp, path)
-            elif _exchange(tmp, path):
-                _remove(tmp)  # now the old directory
-            else:  # two renames: a kill between them is undone at the next start
-                old = _temp_sibling(path, "old")
-                os.rename(path, old)
-                os.rename(tmp, path)
-                _remove(old)
-        except BaseException as exc:
-            _remove(tmp)
-            if _is_write_failure(exc):
-                raise _failed(path, exc) from exc
-            raise
-        _fsync_dir(path.parent)
+    with _replacing(path) as tmp:
+        tmp.mkdir()
+        write(tmp)
+        for entry in tmp.iterdir():
+            if entry.is_file():
+                _fsync(entry)
+        if path.is_dir():
+            for entry in path.iterdir():
+                if entry.name not in owned and not (tmp / entry.name).exists():
+                    _carry(entry, tmp / entry.name)
+        _fsync_dir(tmp)
+        if not path.exists():
+            os.rename(tmp, path)
+        elif _exchange(tmp, path):
+            _remove(tmp)  # now the old directory
+        else:  # two renames: a kill between them is undone at the next start
+            old = _temp_sibling(path, "old")
+            os.rename(path, old)
+            os.rename(tmp, path)
+            _remove(old)
+
+
+def link_or_copy(src, dst) -> None:
+    """``dst`` as a hard link to ``src`` (no bytes copied), or a copy where links are not possible."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _carry(src: Path, dst: Path) -> None:
-    def link_or_copy(a, b):
-        try:
-            os.link(a, b)
-        except OSError:
-            shutil.copy2(a, b)
-
     if src.is_dir() and not src.is_symlink():
         shutil.copytree(src, dst, copy_function=link_or_copy, symlinks=True)
     elif src.is_symlink():
@@ -270,13 +272,3 @@ def check_output_dir(directory, needed_bytes: int = 0, what: str = "the output")
         raise os_error(OSError, errno.ENOSPC, f"{directory} has {free / MB:.0f} MB free, but {what} needs about "
                                               f"{needed_bytes / MB:.0f} MB: free some space or choose another directory")
     return directory
-
-
-def size_of(path: Optional[Path]) -> int:
-    """Bytes a file or directory takes (0 when missing)."""
-    if path is None or not Path(path).exists():
-        return 0
-    path = Path(path)
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

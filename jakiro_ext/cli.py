@@ -312,8 +312,6 @@ def cmd_bench(args) -> int:
     except KeyboardInterrupt:
         bar.close()
         if per_prompt:
-            print(f"interrupted: the statistics of the {len(per_prompt)} of {len(prompts)} prompts finished",
-                  file=sys.stderr)
             bench_report(args, methods, runner, runs, per_prompt, batch_seconds, complete=False)
             activity.saved = f"the statistics of the {len(per_prompt)} prompts finished are printed"
         raise

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -430,13 +429,7 @@ def write_checkpoint(path: Path, state: dict) -> None:
     """Write a training checkpoint atomically, keeping the one it replaces as
     :func:`previous_checkpoint` (a fallback should the newer be damaged later)."""
     if path.exists():  # the previous one, by a hard link: the checkpoint itself stays in place
-        def keep(tmp: Path) -> None:
-            try:
-                os.link(path, tmp)
-            except OSError:
-                shutil.copy2(path, tmp)
-
-        atomic.write_file(previous_checkpoint(path), keep)
+        atomic.write_file(previous_checkpoint(path), lambda tmp: atomic.link_or_copy(path, tmp))
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:  # (a file object: a failed write's OSError reaches the error message)
             torch.save(state, f)

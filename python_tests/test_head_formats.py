@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from jakiro_ext.engine import TreeConfig, speculative_generate
 from jakiro_ext.models.draft_head import DraftHead
-from test_generate import copy_head, prompt, tiny_target
+from test_generate import copy_head, prompt, random_head, tiny_target
 
 TREE = TreeConfig(12, 3, 4)
 
@@ -86,6 +86,46 @@ def test_released_heads_load_and_decode_as_the_head_they_hold(target, tmp_path, 
         assert theirs.token_ids == plain.token_ids  # lossless
         assert theirs.stats.accept_lengths == ours.stats.accept_lengths  # and the same drafts
         assert sum(theirs.stats.accept_lengths) > 0
+
+
+def every_weight_matters(target, kind, seed=7):
+    """A random head whose every tensor changes its output (norms away from 1, no zeroed
+    projection as in copy heads), drafting over the whole vocabulary as released heads do."""
+    head = random_head(target, kind, seed=seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(seed))
+    return head
+
+
+def draft_outputs(head, target, seed=3):
+    """The head's feature, residual and (MoE) experts' outputs for one 6-row chain."""
+    from jakiro_ext.models.llama import causal_tree_mask
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.config.vocab_size, (1, 6), generator=g)
+    features = torch.randn(1, 6, target.config.hidden_size, generator=g)
+    step = head(tokens, features, torch.arange(6)[None], head.new_cache(8), causal_tree_mask(1, 6))
+    return [t for t in (step.feature, step.residual, step.expert_out, step.expert_score, step.contrast_weight)
+            if t is not None]
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+@pytest.mark.parametrize("weights", ["safetensors", "bin"])
+def test_released_heads_load_every_tensor_into_its_place(target, tmp_path, kind, weights):
+    """Tensor by tensor against the head written, and the same draft outputs: a loader that swaps
+    gate and up, scales a projection, flips experts or router rows, or drops a norm fails here
+    (copy heads, whose o_proj and down projections are zero, hide all of these)."""
+    head = every_weight_matters(target, kind)
+    loaded = DraftHead.load(write_released(tmp_path / "head", head, target, weights), target)
+    mine = head.state_dict()
+    assert set(loaded.state_dict()) == set(mine)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, mine[name]), name
+    with torch.no_grad():
+        for a, b in zip(draft_outputs(head, target), draft_outputs(loaded, target)):
+            assert torch.equal(a, b)
 
 
 def released_gumiho_state(head, target) -> dict:

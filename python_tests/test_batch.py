@@ -11,8 +11,8 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.drafting import DraftTree, VerifyTree
 from jakiro_ext.engine import MAX_BATCH, TreeConfig, generate_many, speculative_generate
-from test_generate import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLING_CASES, TREES, chi_square_p, copy_head,
-                           exact_distribution, prompt, random_head, tiny_target)
+from test_generate import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head,
+                           exact_distribution, power_at_shift, prompt, random_head, tiny_target, verified_token_p)
 
 # Ragged prompts (1 to 20 tokens).
 PROMPTS = [prompt(n, seed=s) for n, s in [(13, 2), (5, 3), (20, 4), (1, 5), (9, 6)]]
@@ -165,6 +165,9 @@ def test_features_of_a_generation(target):
 
 @pytest.mark.parametrize("kind,method,tokens,tree", SAMPLING_CASES, ids=[c[1] for c in SAMPLING_CASES])
 def test_sampling_inside_a_batch_follows_the_target_distribution(kind, method, tokens, tree):
+    """The sequence of interest, 125 copies of it among other prompts in each batch of 128: its
+    verified token is tested with 95% power against a 0.05 shift of a share (power_at_shift),
+    the whole generation by one chi-square; the unfiltered sampler is rejected."""
     vocab = 12
     target = tiny_target(vocab=vocab, embed_std=0.03, seed=3)
     head = copy_head(target, kind, scale=5.0)
@@ -172,24 +175,29 @@ def test_sampling_inside_a_batch_follows_the_target_distribution(kind, method, t
     others = [torch.tensor([1, 2]), torch.tensor([5, 5, 5, 5, 5, 5, 5, 5, 5]), torch.tensor([9])]
     temperature, top_p, top_k = 0.8, 0.9, 6
     expected = exact_distribution(target, ids, temperature, top_p, top_k, tokens)
+    assert power_at_shift(tuple(expected.items()), SAMPLES) >= 0.95
     counts, n, accepted = {}, 0, 0
-    batch = [others[0], ids, others[1], ids, others[2], ids]  # the sequence of interest among others
-    for call in range(667):
+    batch = [others[0], ids, others[1], others[2]] + [ids] * 124  # the sequence of interest among others
+    mine = [i for i, x in enumerate(batch) if x is ids]
+    for call in range(SAMPLES // len(mine)):
         outs = speculative_generate(target, head, batch, tokens, method=method, tree=tree, temperature=temperature,
                                     top_p=top_p, top_k=top_k, seed=call * len(batch))
-        for i in (1, 3, 5):
+        for i in mine:
             key = tuple(outs[i].token_ids)
             counts[key] = counts.get(key, 0) + 1
             accepted += sum(outs[i].stats.accept_lengths)
             n += 1
-    assert 0.5 < accepted / n < tokens - 0.5, accepted / n
+    assert n == SAMPLES and 0.5 < accepted / n < tokens - 0.5, accepted / n
+    assert verified_token_p(counts, expected, n) > 1e-3
     assert chi_square_p(counts, expected, n) > 1e-3
     unfiltered = exact_distribution(target, ids, temperature, 1.0, 0, tokens)
     assert chi_square_p(counts, unfiltered, n) < 1e-6
     # Each sequence samples from its own generator (seed + its index): the same tokens alone.
-    alone = speculative_generate(target, head, ids, tokens, method=method, tree=tree, temperature=temperature,
-                                 top_p=top_p, top_k=top_k, seed=666 * len(batch) + 3)
-    assert alone.token_ids == outs[3].token_ids
+    last = (SAMPLES // len(mine) - 1) * len(batch)
+    for i in (1, mine[-1]):
+        alone = speculative_generate(target, head, ids, tokens, method=method, tree=tree, temperature=temperature,
+                                     top_p=top_p, top_k=top_k, seed=last + i)
+        assert alone.token_ids == outs[i].token_ids
 
 
 def test_padding_nodes_are_never_accepted():

@@ -2,6 +2,9 @@
 every method and tree shape, the exact target distribution when sampling (chi-square, with a
 negative control), stopping rules, statistics and errors."""
 
+import functools
+
+import numpy as np
 import pytest
 import scipy.stats
 import torch
@@ -232,15 +235,107 @@ def chi_square_p(counts, expected_probs, n):
     return float(scipy.stats.chi2.sf(stat, bins - 1))
 
 
+def marginal(probs_or_counts: dict, k: int) -> dict:
+    """The first ``k`` tokens' distribution (or counts) of a distribution over token tuples."""
+    out = {}
+    for key, v in probs_or_counts.items():
+        out[key[:k]] = out.get(key[:k], 0) + v
+    return out
+
+
+def _rank_pooled(counts: dict, pair_probs: dict):
+    """Counts and probabilities of the second token's rank under p(. | first token), all first
+    tokens pooled: a share that moves the same way in every context adds up in one bin."""
+    by_context = {}
+    for key, p in pair_probs.items():
+        by_context.setdefault(key[:1], []).append((p, key))
+    rank = {key: r for group in by_context.values() for r, (_, key) in enumerate(sorted(group, reverse=True))}
+    pooled_counts, pooled_probs = {}, {}
+    for key, c in counts.items():
+        r = (rank.get(key, -1),)  # an impossible pair: a bin of probability 0, so p = 0
+        pooled_counts[r] = pooled_counts.get(r, 0) + c
+    for key, p in pair_probs.items():
+        pooled_probs[(rank[key],)] = pooled_probs.get((rank[key],), 0) + p
+    return pooled_counts, pooled_probs
+
+
+def verified_token_p(counts: dict, expected: dict, n: int) -> float:
+    """p-value for the first token the verification emits (a generation's second: the first is
+    the prefill's own sample): chi-square over (first, second) pairs and over the second token's
+    rank in its context, Bonferroni-combined."""
+    pairs, observed = marginal(expected, 2), marginal(counts, 2)
+    ranked = _rank_pooled(observed, pairs)
+    return min(1.0, 2 * min(chi_square_p(observed, pairs, n), chi_square_p(*ranked, n)))
+
+
+def shifted(expected: dict, rank: int, shift: float) -> dict:
+    """(first, second)-pair probabilities with the second token's rank-``rank`` share moved by
+    ``shift`` in every context (the other shares rescaled): what a biased verifier would emit."""
+    pairs, out = marginal(expected, 2), {}
+    for context, pc in marginal(expected, 1).items():
+        cond = sorted(((pairs[k] / pc, k) for k in pairs if k[:1] == context), reverse=True)
+        s0, k0 = cond[min(rank, len(cond) - 1)]
+        s1 = min(max(s0 + shift, 0.0), 1.0)
+        for s, k in cond:
+            out[k] = pc * (s1 if k == k0 else (s * (1 - s1) / (1 - s0) if s0 < 1 else 0.0))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def power_at_shift(expected_items: tuple, n: int, shift: float = 0.05, alpha: float = 1e-3, sims: int = 200) -> float:
+    """The smallest probability, over the verified token's three largest shares moved up or down
+    by ``shift``, that :func:`verified_token_p` falls below ``alpha`` on ``n`` samples (by
+    simulation): the power the test has against such a bias."""
+    expected = dict(expected_items)
+    rng = np.random.default_rng(0)
+    worst = 1.0
+    for rank in range(3):
+        for sign in (1, -1):
+            q = shifted(expected, rank, sign * shift)
+            keys = list(q)
+            probs = np.array([q[k] for k in keys])
+            hits = 0
+            for _ in range(sims):
+                draw = rng.multinomial(n, probs / probs.sum())
+                hits += verified_token_p({k: int(c) for k, c in zip(keys, draw) if c}, expected, n) < alpha
+            worst = min(worst, hits / sims)
+    return worst
+
+
+def lossy_verifier(monkeypatch, scale: float = 0.7):
+    """Patch the engine's verification to accept a drafted token with probability
+    min(1, p / (scale q)) instead of p / q (draws scaled): a lossy sampler, for negative controls."""
+    from jakiro_ext import ops
+
+    exact = ops.verify_tree
+
+    def lossy(parents, tokens, logits, uniforms=None, *args):
+        if uniforms is not None:
+            uniforms = torch.cat([uniforms[:, :-1] * scale, uniforms[:, -1:]], 1)
+        return exact(parents, tokens, logits, uniforms, *args)
+
+    monkeypatch.setattr(ops, "verify_tree", lossy)
+
+
+# The sampling tests' size: 4000 samples detect a 0.05 shift of a share of the verified token
+# with >= 95% power (asserted by power_at_shift in each test).
+SAMPLES = 4000
+
+
 @pytest.mark.parametrize("kind,method,tokens,tree", SAMPLING_CASES, ids=[c[1] for c in SAMPLING_CASES])
 def test_sampling_follows_the_target_distribution(kind, method, tokens, tree):
+    """Batch 1: the verified token is tested with 95% power against a 0.05 shift of any of its
+    three largest shares (power_at_shift); the whole generation (the deeper tokens too) by one
+    chi-square over every outcome, with less power. Negative controls: the sampler without its
+    top-p / top-k filter is rejected here, a lossy verifier in the next test."""
     vocab = 12
     target = tiny_target(vocab=vocab, embed_std=0.03, seed=3)  # ~130 likely continuations (3 tokens)
     head = copy_head(target, kind, scale=5.0)
     ids = torch.tensor([3, 7, 7, 1, 7, 7])
     temperature, top_p, top_k = 0.8, 0.9, 6
     expected = exact_distribution(target, ids, temperature, top_p, top_k, tokens)
-    n, counts, accepted, deepest = 2000, {}, 0, 0
+    assert power_at_shift(tuple(expected.items()), SAMPLES) >= 0.95
+    n, counts, accepted, deepest = SAMPLES, {}, 0, 0
     for seed in range(n):
         out = speculative_generate(target, head, ids, tokens, method=method, tree=tree, temperature=temperature,
                                    top_p=top_p, top_k=top_k, seed=seed)
@@ -252,11 +347,28 @@ def test_sampling_follows_the_target_distribution(kind, method, tokens, tree):
     # and the deepest layer sampled (gumiho's: an MLP head's) was accepted at times.
     assert 0.5 < accepted / n < tokens - 0.5, accepted / n
     assert deepest >= tokens - 1
+    assert verified_token_p(counts, expected, n) > 1e-3
     assert chi_square_p(counts, expected, n) > 1e-3
-    # Negative control: the same samples against the unfiltered distribution are rejected, so
-    # the statistic can tell a sampler that skips the top-p / top-k filter.
     unfiltered = exact_distribution(target, ids, temperature, 1.0, 0, tokens)
     assert chi_square_p(counts, unfiltered, n) < 1e-6
+
+
+def test_a_lossy_verifier_fails_the_sampling_statistic_at_its_size(monkeypatch):
+    """The negative control of the sampling tests: the same setting with a lossy verifier patched
+    into the engine, SAMPLES generations (drawn in batches of copies: each sequence samples with
+    seed + its index, as alone; test_batch checks that), is rejected at p < 1e-6."""
+    kind, method, tokens, tree = SAMPLING_CASES[0]
+    target = tiny_target(vocab=12, embed_std=0.03, seed=3)
+    head = copy_head(target, kind, scale=5.0)
+    ids = torch.tensor([3, 7, 7, 1, 7, 7])
+    expected = exact_distribution(target, ids, 0.8, 0.9, 6, tokens)
+    lossy_verifier(monkeypatch)
+    counts = {}
+    for call in range(SAMPLES // 500):
+        for out in speculative_generate(target, head, [ids] * 500, tokens, method=method, tree=tree, temperature=0.8,
+                                        top_p=0.9, top_k=6, seed=call * 500):
+            counts[tuple(out.token_ids)] = counts.get(tuple(out.token_ids), 0) + 1
+    assert verified_token_p(counts, expected, SAMPLES) < 1e-6
 
 
 def test_gumiho_pairs_each_leaf_with_its_own_parent(target):

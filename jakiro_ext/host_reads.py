@@ -2,8 +2,9 @@
 the launch queue): a debugging aid, used by ``benchmarks/host_syncs.py`` and by the test that
 holds a decoding round to one read. Works on any device, the CPU included, by intercepting scalar
 reads (``.item()``, ``bool()``, ``int()``, ``float()`` of a tensor: ``aten._local_scalar_dense``),
-ops whose output size depends on values (``nonzero``, ``masked_select``, ``unique``, ``equal``),
-and ``tolist()`` / ``numpy()``.
+ops whose output size depends on values (``nonzero``, ``masked_select``, ``unique``, ``equal``,
+``bincount``, ``repeat_interleave`` without ``output_size``, indexing with a boolean mask: ``x[mask]``
+and ``x[mask] = v``), copies from a device to the host, and ``tolist()`` / ``numpy()``.
 """
 import collections
 import contextlib
@@ -29,7 +30,7 @@ class HostReads(TorchDispatchMode):
         self.where = "start"  # or "round"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kind = VALUE_READS.get(func)
+        kind = VALUE_READS.get(func) or _value_dependent(func, args, kwargs or {})
         if kind:
             self.counts[self.where, kind] += 1
         return func(*args, **(kwargs or {}))
@@ -46,6 +47,25 @@ class HostReads(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.Tensor.tolist, torch.Tensor.numpy = self._saved
         return super().__exit__(*exc)
+
+
+def _value_dependent(func, args, kwargs) -> str:
+    """The kind of read an op makes only for some arguments ("" for none): a boolean-mask index
+    (its positions are read to size the result), ``repeat_interleave`` of a repeats tensor without
+    ``output_size``, ``bincount`` (sized by the largest value), a copy from a device to the host."""
+    if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):
+        if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in args[1]):
+            return "boolean index"
+    elif func is aten.repeat_interleave.Tensor:
+        if kwargs.get("output_size") is None:
+            return "repeat_interleave"
+    elif func is aten.bincount.default:
+        return "bincount"
+    elif func in (aten._to_copy.default, aten.copy_.default):
+        src, dst = (args[0], kwargs.get("device")) if func is aten._to_copy.default else (args[1], args[0].device)
+        if dst is not None and torch.device(dst).type == "cpu" and src.device.type != "cpu":
+            return "copy to host"
+    return ""
 
 
 @contextlib.contextmanager

@@ -267,3 +267,27 @@ def test_a_round_reads_the_device_once(target, method, kind, tree_name):
         assert len(got) == len(PROMPTS)
         in_rounds = sum(v for (where, _), v in reads.counts.items() if where == "round")
         assert rounds[0] > 5 and in_rounds == rounds[0], (temperature, rounds[0], dict(reads.counts))
+
+
+@pytest.mark.parametrize("planted,kind", [(lambda x: x[x > 0], "boolean index"),
+                                          (lambda x: x.__setitem__(x > 0, 0), "boolean index"),
+                                          (lambda x: torch.repeat_interleave(x.clamp(0, 2).long()), "repeat_interleave"),
+                                          (lambda x: torch.bincount(x.clamp(0, 2).long()), "bincount"),
+                                          (lambda x: x.nonzero(), "nonzero"), (lambda x: x.sum().item(), "scalar")])
+def test_a_read_planted_in_a_round_is_counted(target, planted, kind, monkeypatch):
+    """Each of these syncs a GPU: planted in every round (on the round's verified logits), each
+    is counted once a round, so the one-read test above cannot miss it."""
+    from jakiro_ext import ops
+    from jakiro_ext.host_reads import HostReads, counted_rounds
+
+    exact = ops.verify_tree
+
+    def with_a_read(parents, tokens, logits, *args):
+        planted(logits[..., 0].flatten().clone())
+        return exact(parents, tokens, logits, *args)
+
+    monkeypatch.setattr(ops, "verify_tree", with_a_read)
+    with HostReads() as reads, counted_rounds(reads) as rounds:
+        speculative_generate(target, random_head(target, "eagle2"), PROMPTS[0], 8, method="eagle2",
+                             tree=TREES["dynamic-small"])
+    assert rounds[0] >= 3 and reads.counts["round", kind] == rounds[0], dict(reads.counts)

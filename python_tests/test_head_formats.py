@@ -327,13 +327,16 @@ def write_eagle3(path, vocab=211, H=64, draft_ids=None, layers=None, seed=0, dty
     return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
-def eagle3_reference(state, embed, tokens, aux, eps=1e-6, theta=10000.0, heads=4, kv=2, hd=16):
+def eagle3_reference(state, embed, tokens, aux, eps=1e-6, theta=10000.0, heads=4, kv=2, hd=16, own=None):
     """EAGLE-3's layer in plain PyTorch over a whole sequence (causal), from the checkpoint's own
-    names: (the output fed to the next step, the logits over the draft vocabulary)."""
+    names: (the output fed to the next step, the logits over the draft vocabulary). ``own``: the
+    head's own outputs [k, H] fed to the last k rows (drafted rows), after the target's layers."""
     def rms(x, weight):
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
     T = tokens.numel()
     h = aux @ state["fc.weight"].T
+    if own is not None:
+        h = torch.cat([h, own])
     x = torch.cat([rms(embed[tokens], state["midlayer.input_layernorm.weight"]),
                    rms(h, state["midlayer.hidden_norm.weight"])], -1)
     q = (x @ state["midlayer.self_attn.q_proj.weight"].T).view(T, heads, hd)
@@ -392,6 +395,39 @@ def test_eagle3_heads_load_read_three_target_layers_and_decode_losslessly(tmp_pa
         assert torch.equal(again.state_dict()[name], value), name
     with pytest.raises(ValueError, match=r"the eagle3 format holds EAGLE-3 heads"):
         copy_head(tiny_target(), "eagle2").save(tmp_path / "no", format="eagle3")
+
+
+def test_eagle3_tree_drafts_are_the_layers_top_candidates(tmp_path):
+    """The tree an EAGLE-3 head drafts, against its layer in plain PyTorch: the depth-1 nodes are
+    the top-k of the prompt's last row, and every depth-2 node is among the top-k of the layer
+    run on its parent's token with the parent row's own output as the hidden state (the decode
+    test above accepts nothing, so it cannot see the drafts)."""
+    from jakiro_ext.drafting import METHODS, Drafter
+    from jakiro_ext.models.llama import as_target
+
+    hf = six_layer_target()
+    target = as_target(hf)
+    state = write_eagle3(tmp_path / "e3", layers=[2, 3, 5], seed=4)
+    head = DraftHead.load(tmp_path / "e3", hf)
+    ids, k = prompt(12, seed=9), 3
+    n = ids.numel()
+    _, aux = target(ids.unsqueeze(0), target.new_cache(1, 16), feature_layers=head.feature_layers)
+    drafter = Drafter(head, METHODS["eagle2"], TreeConfig(1 + k + k * k, 2, k), 1, 64)
+    drafter.catch_up(ids[1:].unsqueeze(0), aux[:, :-1], [n - 1])
+    tree = drafter.draft(ids[-1:])
+    embed = target.embed_tokens.weight.detach()
+    to_target = lambda d: d + state["d2t"][d]  # noqa: E731
+    out, logits = eagle3_reference(state, embed, ids[1:], aux[0, :n - 1])
+    tokens, parents, depths = tree.tokens[0].tolist(), tree.parents[0].tolist(), tree.depths[0].tolist()
+    first = [i for i, d in enumerate(depths) if d == 1]
+    assert [tokens[i] for i in first] == to_target(logits[-1].topk(k).indices).tolist()
+    second = [i for i, d in enumerate(depths) if d == 2]
+    assert len(second) == k * k
+    for i in second:
+        parent = tokens[parents[i]]
+        _, child_logits = eagle3_reference(state, embed, torch.cat([ids[1:], torch.tensor([parent])]), aux[0, :n - 1],
+                                           own=out[-1:])
+        assert tokens[i] in to_target(child_logits[-1].topk(k).indices).tolist(), (i, parent)
 
 
 def test_eagle3_heads_that_do_not_fit_are_clear_errors(tmp_path):

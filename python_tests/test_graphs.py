@@ -33,6 +33,17 @@ def target():
     return sharp_target()
 
 
+def attentive_head(target, kind):
+    """A copy head whose draft attention counts (random o_proj; a copy head's is zero): its drafts
+    depend on the draft cache's contents, lengths and positions, so a replay that bakes any of
+    them in changes the drafts, and the accept lengths the tests compare."""
+    head = copy_head(target, kind)
+    with torch.no_grad():
+        for i, layer in enumerate([head, *(head.layers if head.config.num_layers > 1 else ())]):
+            layer.o_proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(i))
+    return head
+
+
 def _placed(target, head, mode):
     """The target and head on the mode's device (copies on CUDA)."""
     if mode != "cuda":
@@ -79,7 +90,7 @@ CASES = [(None, "ar", "dynamic-small")] + [(k, m, t) for k, m in HEAD_METHODS fo
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind,method,tree", CASES, ids=[f"{m}-{k}-{t}" for k, m, t in CASES])
 def test_replayed_rounds_give_the_eager_tokens(target, mode, kind, method, tree, monkeypatch):
-    target, head = _placed(target, None if kind is None else copy_head(target, kind), mode)
+    target, head = _placed(target, None if kind is None else attentive_head(target, kind), mode)
     captures = []
     original = graphs.Replay.__call__
     monkeypatch.setattr(graphs.Replay, "__call__",
@@ -91,6 +102,33 @@ def test_replayed_rounds_give_the_eager_tokens(target, mode, kind, method, tree,
         replayed = dict(generate_many(target, head, iter(PROMPTS), 3, 40, graphs=mode, **kwargs))
         assert all(_same(eager[i], replayed[i]) for i in range(len(PROMPTS))), (temperature, method, tree)
         assert len(captures) > 3 * captures[-1]  # most rounds were replays
+        if kind is not None:  # drafts were accepted: the accept lengths compared above say something
+            assert sum(sum(out.stats.accept_lengths) for out in eager.values()) > 0
+
+
+def test_a_draft_position_baked_into_the_capture_changes_the_drafts(target, monkeypatch):
+    """Negative control of the draft side: the draft's positions taken from its cache's host
+    lengths (fixed at the capture) instead of the device's. Eager drafting does not see the
+    difference; a replay drafts other trees (other accept lengths), though the tokens stay the
+    target's."""
+    from jakiro_ext.models.draft_head import DraftHead
+
+    forward = DraftHead.forward
+
+    def host_positions(self, tokens, features, positions, cache, *args, **kwargs):
+        baked = torch.tensor(cache.host_lengths).unsqueeze(1) + (positions - cache.lengths.unsqueeze(1))
+        return forward(self, tokens, features, baked, cache, *args, **kwargs)
+    monkeypatch.setattr(DraftHead, "forward", host_positions)
+    head = attentive_head(target, "eagle2")
+    kwargs = dict(method="eagle2", tree=TREES["dynamic-small"])
+    eager = speculative_generate(target, head, PROMPTS[:3], 40, **kwargs)
+    monkeypatch.setattr(DraftHead, "forward", forward)
+    assert all(_same(a, b) for a, b in zip(eager, speculative_generate(target, head, PROMPTS[:3], 40, **kwargs)))
+    monkeypatch.setattr(DraftHead, "forward", host_positions)
+    replayed = speculative_generate(target, head, PROMPTS[:3], 40, graphs="recorded", **kwargs)
+    plain = [speculative_generate(target, None, p, 40) for p in PROMPTS[:3]]
+    assert all(r.token_ids == p.token_ids for r, p in zip(replayed, plain))  # still lossless
+    assert any(not _same(r, e) for r, e in zip(replayed, eager))
 
 
 def test_a_host_value_baked_into_the_capture_changes_the_tokens(target, monkeypatch):

@@ -9,6 +9,11 @@ from jakiro_ext import emulator, ops
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "covers(op, kind): this test checks the op's kind of case (nonfinite, "
+                                       "adversarial_shapes); test_op_registry requires both for every op")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _compiled_ops_loaded():
     # The tests are about the compiled kernels: never let them silently run the references.

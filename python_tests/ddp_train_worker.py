@@ -39,6 +39,7 @@ def main(out: str, checkpoint: str = None):
         if checkpoint and step == SNAPSHOT_STEP:
             shutil.copy(checkpoint, out / "snapshot.pt")
     history = train_head(head, train, CONFIG, held_out, checkpoint=checkpoint, on_step=snapshot, ranks=ranks)
+    (out / f"rank-{ranks.rank}-of-{ranks.world}").write_text(f"{len(history)} steps\n")  # who took part
     if ranks.rank == 0:
         (out / "history.json").write_text(json.dumps(history))
         torch.save(head.state_dict(), out / "head.pt")

@@ -24,6 +24,23 @@ def test_compact_kv_matches_reference(lead, dtype):
     assert torch.equal(cache[..., 0, :, 5:, :], untouched[..., 0, :, 5:, :])  # nothing past the path moved
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.covers("compact_kv", "adversarial_shapes")
+def test_compact_kv_adversarial_shapes(dtype):
+    """Head dim 1, one head, the root alone (nothing moves), a path to the cache's last slot, an
+    empty prefix, a path longer than one sequence's and a batch of one."""
+    for B, H, S, D, prefix, path, path_len in [
+            (1, 1, 3, 1, [0], [[0, 2]], [2]),
+            (2, 1, 9, 1, [0, 4], [[0, -1, -1], [0, 1, 4]], [1, 3]),
+            (3, 2, 40, 3, [30, 0, 1], [[0, 9], [0, 39], [0, 1]], [2, 2, 1])]:
+        cache = randn(2, B, H, S, D, seed=S, dtype=dtype)
+        args = (torch.tensor(prefix), torch.tensor(path), torch.tensor(path_len))
+        want = cache.clone()
+        reference.compact_kv(want, *args)
+        ops.compact_kv(cache, *args)
+        assert torch.equal(cache, want), (B, H, S, D)
+
+
 def test_compact_kv_opcheck():
     cache = randn(2, 2, 3, 40, 8, seed=2)
     args = (cache, torch.tensor([3, 10]), torch.tensor([[0, 2, 5], [0, 1, -1]]), torch.tensor([3, 2]))

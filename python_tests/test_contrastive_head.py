@@ -17,6 +17,7 @@ SHAPES = [((1,), 64, 1, 1), ((3, 5), 54, 1000, 10), ((20,), 128, 4099, 7), ((2, 
 @pytest.mark.parametrize("contrastive", [False, True], ids=["plain", "contrastive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-V{s[2]}-k{s[3]}")
+@pytest.mark.covers("contrastive_topk", "adversarial_shapes")
 def test_contrastive_topk_matches_reference(shape, dtype, contrastive):
     lead, H, V, k = shape
     h_a = randn(*lead, H, seed=1, dtype=dtype)

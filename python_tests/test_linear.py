@@ -14,6 +14,7 @@ SHAPES = [((1,), 1, 1), ((3,), 17, 5), ((2, 5), 54, 97), ((1, 7), 576, 1536), ((
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-K{s[1]}-N{s[2]}")
+@pytest.mark.covers("linear", "adversarial_shapes")
 def test_linear_matches_reference(shape, dtype, bias):
     lead, K, N = shape
     x = randn(*lead, K, seed=1, dtype=dtype)

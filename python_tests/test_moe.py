@@ -35,6 +35,7 @@ SHAPES = [((1,), 64, 64, 2), ((2, 13), 54, 97, 5), ((60,), 128, 111, 8), ((3, 1,
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-I{s[2]}-N{s[3]}")
+@pytest.mark.covers("moe_top2", "adversarial_shapes")
 def test_moe_top2_matches_reference(shape, dtype, renormalize):
     args = make_moe(*shape, dtype=dtype, seed=100)
     assert_moe_close(ops.moe_top2(*args, renormalize=renormalize),

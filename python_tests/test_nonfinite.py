@@ -63,6 +63,7 @@ def expected_nan_rows(case):
 
 @pytest.mark.parametrize("num_splits", [1, 2, 7, None])
 @pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.covers("tree_attention", "nonfinite")
 def test_tree_attention_nonfinite_propagates_to_what_reads_it(any_backend, case, num_splits):
     q, k, v, lens, mask = attention_inputs()
     (name, index, value), kind = ATTENTION_CASES[case]
@@ -76,6 +77,7 @@ def test_tree_attention_nonfinite_propagates_to_what_reads_it(any_backend, case,
     assert_same(lse, ref_lse)
 
 
+@pytest.mark.covers("merge_attention_states", "nonfinite")
 def test_merge_attention_states_nonfinite(any_backend):
     out_p = randn(1, 2, 3, 4, 8, seed=5)
     lse_p = randn(1, 2, 3, 4, seed=6)
@@ -93,6 +95,22 @@ def test_merge_attention_states_nonfinite(any_backend):
     assert_same(lse, ref_lse)
 
 
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.covers("tree_attention_partial", "nonfinite")
+def test_tree_attention_partial_nonfinite_matches_reference(any_backend, case):
+    """The split half alone: each split's partial state carries the non-finite values as the
+    reference's does (a split whose keys hold the NaN, the rows that see it)."""
+    q, k, v, lens, mask = attention_inputs()
+    (name, index, value), _ = ATTENTION_CASES[case]
+    dict(q=q, k=k, v=v)[name][index] = value
+    out, lse = any_backend.run("tree_attention_partial", q, k, v, lens, mask, 3)
+    ref_out, ref_lse = reference.tree_attention_partial(q, k, v, lens, mask, 3)
+    assert_same(out, ref_out)
+    assert_same(lse, ref_lse)
+    if expected_nan_rows(case).any():  # a value some row reads: some split's state carries it
+        assert (~out.isfinite()).any() or (~lse.isfinite()).any()
+
+
 @pytest.mark.parametrize("scale", [NAN, INF, -INF, 1e39])
 @pytest.mark.parametrize("op", ["tree_attention", "tree_attention_partial"])
 def test_tree_attention_rejects_a_scale_that_is_not_finite(any_backend, op, scale):
@@ -105,6 +123,7 @@ def test_tree_attention_rejects_a_scale_that_is_not_finite(any_backend, op, scal
 # ----------------------------------------------------------------------------- LM head, MoE, linear
 @pytest.mark.parametrize("vocab", [300, 5000])  # 5000: the GPU's split top-k
 @pytest.mark.parametrize("where", ["nan_feature", "inf_feature", "nan_lm_head_row", "contrastive_nan_h_b"])
+@pytest.mark.covers("contrastive_topk", "nonfinite")
 def test_contrastive_topk_row_without_distribution_gives_nan_and_no_token(any_backend, vocab, where):
     h_a, h_b, lm_head = randn(3, 32, seed=7), randn(3, 32, seed=8), randn(vocab, 32, seed=9)
     w = torch.tensor([[0.7, 0.3]] * 3)
@@ -128,6 +147,7 @@ def test_contrastive_topk_row_without_distribution_gives_nan_and_no_token(any_ba
 
 
 @pytest.mark.parametrize("value", [NAN, INF])
+@pytest.mark.covers("moe_top2", "nonfinite")
 def test_moe_top2_token_with_nonfinite_router_logits_has_no_experts(any_backend, value):
     x = randn(4, 16, seed=10)
     x[2, 3] = value
@@ -143,6 +163,8 @@ def test_moe_top2_token_with_nonfinite_router_logits_has_no_experts(any_backend,
         assert_same(got, want, atol=1e-4)
 
 
+@pytest.mark.covers("linear", "nonfinite")
+@pytest.mark.covers("compact_kv", "nonfinite")
 def test_linear_and_compact_kv_carry_nan(any_backend):
     x, w = randn(3, 24, seed=15), randn(10, 24, seed=16)
     x[1, 5] = NAN
@@ -160,6 +182,57 @@ def test_linear_and_compact_kv_carry_nan(any_backend):
     assert moved[0, 1, 0, 6, 2].isnan()
 
 
+@pytest.mark.parametrize("where", ["x_row", "w_in_head", "block_bias_head"])
+@pytest.mark.covers("mlp_heads", "nonfinite")
+def test_mlp_heads_nonfinite_stays_in_the_rows_and_heads_that_read_it(any_backend, where):
+    """A NaN in a row's input spoils that row (every head), an inf in head j's weights head j
+    (every row); nothing else, and the non-finite values are the reference's."""
+    from test_mlp_heads import make
+
+    x, w_in, b_in, w_blocks, b_blocks = make(((3,), 20, 3, 8, 2), torch.float32, seed=3)
+    if where == "x_row":
+        x[1, 4] = NAN
+    elif where == "w_in_head":
+        w_in[2, 5, 7] = INF
+    else:
+        b_blocks[0, 1, 3] = -INF
+    got = any_backend.run("mlp_heads", x, w_in, b_in, w_blocks, b_blocks)  # [3 rows, 3 heads, 8]
+    assert_same(got, reference.mlp_heads(x, w_in, b_in, w_blocks, b_blocks), atol=1e-4)
+    bad = torch.zeros(3, 3, dtype=torch.bool)
+    bad[{"x_row": (1, slice(None)), "w_in_head": (slice(None), 2), "block_bias_head": (slice(None), 0)}[where]] = True
+    assert (~got.isfinite()).any(-1).equal(bad)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v", "cos"])
+@pytest.mark.covers("rope_kv_write", "nonfinite")
+def test_rope_kv_write_nonfinite_goes_where_the_value_goes(any_backend, where):
+    """A NaN in one token's q, k, v or rotation reaches that token's q output or cache slot only;
+    every other slot of the cache is left as it was (bit for bit, as the reference writes)."""
+    from test_rope_kv_write import case
+
+    B, T, Hq, Hkv, D, S = 2, 3, 4, 2, 8, 12
+    qkv, cos, sin, cache, lengths = case(B, T, Hq, Hkv, D, S, torch.float32, seed=9)
+    column = {"q": 1, "k": Hq + 1, "v": Hq + Hkv + 1}
+    if where == "cos":
+        cos[1, 2, 3] = NAN
+    else:
+        qkv[1, 2, column[where], 3] = NAN
+    want_cache = cache.clone()
+    want_q = reference.rope_kv_write(qkv, cos, sin, want_cache, lengths)
+    got_cache = any_backend.to_device(cache.clone())
+    got_q = any_backend.ops.rope_kv_write(*(any_backend.to_device(t) for t in (qkv, cos, sin)), got_cache,
+                                          any_backend.to_device(lengths))
+    assert torch.equal(got_q.cpu().view(torch.int32), want_q.view(torch.int32))
+    assert torch.equal(got_cache.cpu().view(torch.int32), want_cache.view(torch.int32))
+    slot = int(lengths[1]) + 2
+    spoiled_q = got_q.cpu().isnan().any(-1)  # [B, T, Hq]
+    assert spoiled_q[1, 2].any() == (where in ("q", "cos")) and not spoiled_q[0].any() and not spoiled_q[1, :2].any()
+    spoiled_cache = got_cache.cpu().isnan().any(-1)  # [2, B, Hkv, S]
+    assert spoiled_cache.sum() == (0 if where == "q" else 1 if where in ("k", "v") else Hkv)
+    if where != "q":
+        assert spoiled_cache[:, 1, :, slot].any() and not spoiled_cache[:, 0].any()
+
+
 # ----------------------------------------------------------------------------- verification
 VERIFY_PARENTS = torch.tensor([[-1, 0, 0, 1, 1]])
 
@@ -175,6 +248,7 @@ def greedy_chain_logits(vocab=64, seed=18):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("poison", ["nan", "inf", "all_neg_inf"])
 @pytest.mark.parametrize("node", [0, 1, 3])  # the root, an inner and a leaf node of the accepted path
+@pytest.mark.covers("verify_tree", "nonfinite")
 def test_verify_tree_never_returns_a_token_from_logits_without_distribution(any_backend, temperature, poison, node):
     tokens, logits = greedy_chain_logits()
     if poison == "all_neg_inf":

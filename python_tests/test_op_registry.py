@@ -1,6 +1,7 @@
 """Every op of torch.ops.jakiro has a reference, a fake (meta) implementation, a Python entry
 point, and tests; this fails as soon as an op is added without them."""
 import importlib
+import inspect
 import pathlib
 
 import torch
@@ -33,6 +34,37 @@ def test_every_op_has_reference_fake_entry_point_and_tests():
         for kind in ("matches_reference", "opcheck", "bad_input_errors"):
             assert any(f.startswith(f"test_{name}_{kind}") for f in test_functions), \
                 f"jakiro::{name} has no test_{name}_{kind}* test"
+
+
+# What every op must have a test for, besides the names above; the tests say so with
+# @pytest.mark.covers(op, kind). Exempt: what has no such case, and why.
+COVERED_KINDS = ("nonfinite", "adversarial_shapes")
+EXEMPT = {"device_errors": "it reads and clears the device's error word: no values to poison, one shape"}
+
+
+def coverage() -> dict:
+    """(op, kind) -> the tests marked as checking it, each verified to be a test function whose
+    source (decorators included) names the op."""
+    found = {}
+    for path in TEST_DIR.glob("test_*.py"):
+        module = importlib.import_module(path.stem)
+        for name, fn in vars(module).items():
+            for mark in getattr(fn, "pytestmark", []) if name.startswith("test_") else []:
+                if mark.name != "covers":
+                    continue
+                op, kind = mark.args
+                assert kind in COVERED_KINDS, f"{path.name}::{name}: unknown kind {kind!r}"
+                assert op in inspect.getsource(fn), f"{path.name}::{name} is marked for {op} but never names it"
+                found.setdefault((op, kind), []).append(f"{path.name}::{name}")
+    return found
+
+
+def test_every_op_has_nonfinite_and_adversarial_shape_tests():
+    found = coverage()
+    missing = [f"{op}: {kind}" for op in registered_ops() if op not in EXEMPT for kind in COVERED_KINDS
+               if (op, kind) not in found]
+    assert not missing, f"ops without a test marked @pytest.mark.covers(op, kind): {missing}"
+    assert set(EXEMPT) <= set(registered_ops())
 
 
 def test_outputs_are_ordinary_tensors():

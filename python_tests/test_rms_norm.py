@@ -26,6 +26,7 @@ def check_matches_reference(backend, shape, dtype, with_residual):
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}")
+@pytest.mark.covers("rms_norm", "adversarial_shapes")
 def test_rms_norm_matches_reference(shape, dtype, with_residual):
     check_matches_reference(GpuBackend("cpu"), shape, dtype, with_residual)  # GPU: test_gpu_norm_rope.py
 
@@ -38,6 +39,7 @@ def test_rms_norm_matches_the_model_code_in_float32():
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5)[0], want, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.covers("rms_norm", "nonfinite")
 def test_rms_norm_rows_are_independent_and_non_finite_rows_stay_theirs(any_backend):
     x, w = randn(6, 100, seed=6), randn(100, seed=7)
     x[2, 5] = float("nan")

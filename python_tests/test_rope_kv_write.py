@@ -33,6 +33,7 @@ def check_matches_reference(backend, shape, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-Hq{}-Hkv{}-D{}-S{}".format(*s))
+@pytest.mark.covers("rope_kv_write", "adversarial_shapes")
 def test_rope_kv_write_matches_reference_exactly(shape, dtype):
     check_matches_reference(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_norm_rope.py
 

@@ -46,6 +46,9 @@ def test_two_processes_follow_one_and_resume_on_one(tmp_path):
     out = tmp_path / "two"
     out.mkdir()
     torchrun(2, out, tmp_path / "two.ckpt")
+    ran = sorted(p.name for p in out.glob("rank-*"))
+    assert ran == ["rank-0-of-2", "rank-1-of-2"], ran  # two processes of one group took every step
+    assert {(out / r).read_text() for r in ran} == {f"{worker.CONFIG.steps} steps\n"}
     together = json.loads((out / "history.json").read_text())
     close(together, alone)
     assert len(alone) == worker.CONFIG.steps and "eval_acc1" in alone[-1]

@@ -29,6 +29,7 @@ def make_inputs(B, T, Hq, Hkv, D, prefix, S, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
+@pytest.mark.covers("tree_attention", "adversarial_shapes")
 def test_tree_attention_matches_reference(shape, dtype):
     q, k, v, lens, mask = make_inputs(*shape, dtype=dtype, seed=10)
     out, lse = ops.tree_attention(q, k, v, lens, mask)
@@ -40,6 +41,7 @@ def test_tree_attention_matches_reference(shape, dtype):
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 13, 150])  # 150: more splits than some sequences have keys
 @pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], SHAPES[3]], ids=["9-3", "24-3", "8-8-long"])
+@pytest.mark.covers("tree_attention_partial", "adversarial_shapes")
 def test_tree_attention_partial_matches_reference_on_splits(shape, num_splits):
     q, k, v, lens, mask = make_inputs(*shape, dtype=torch.float32, seed=20)
     out_p, lse_p = ops.tree_attention_partial(q, k, v, lens, mask, num_splits)
@@ -141,6 +143,23 @@ def test_merge_attention_states_matches_reference(dtype):
     torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
     assert torch.all(out[0, 0, 0] == 0) and lse[0, 0, 0] == -math.inf
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1, 1, 1), (1, 3, 1, 2, 54), (3, 1, 9, 1, 7), (2, 5, 2, 6, 128)],
+                         ids=lambda s: "B{}-T{}-S{}-H{}-D{}".format(*s))
+@pytest.mark.covers("merge_attention_states", "adversarial_shapes")
+def test_merge_attention_states_adversarial_shapes(shape):
+    """One split, one head, one dimension, odd head dims, many splits of one row; empty splits."""
+    B, T, splits, H, D = shape
+    out_p = randn(B, T, H, splits, D, seed=sum(shape))  # [..., splits, D]
+    lse_p = randn(B, T, H, splits, seed=sum(shape) + 1, scale=4.0)
+    lse_p[0, 0, 0, 0] = -math.inf  # an empty split (the only one, when splits = 1)
+    for dtype in (torch.float32, torch.bfloat16):
+        out, lse = ops.merge_attention_states(out_p, lse_p, dtype)
+        ref_out, ref_lse = reference.merge_attention_states(out_p, lse_p, dtype)
+        assert out.shape == (B, T, H, D) and out.dtype == dtype and lse.shape == (B, T, H)
+        torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype], equal_nan=True)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
 
 
 def test_tree_attention_opcheck():

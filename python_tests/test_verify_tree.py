@@ -45,6 +45,7 @@ def assert_same(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T,V", [(1, 1, 5), (3, 60, 97), (2, 26, 1000), (1, 130, 49152)])
+@pytest.mark.covers("verify_tree", "adversarial_shapes")
 def test_verify_tree_matches_reference_greedy(B, T, V, dtype):
     parents, tokens, logits, _ = make_tree(B, T, V, seed=T + V, dtype=dtype)
     got = ops.verify_tree(parents, tokens, logits)

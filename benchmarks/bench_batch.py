@@ -17,14 +17,13 @@ per batch size and temperature, with its speedup over ``ar`` at that batch size)
 ``results/batch.png``.
 """
 import argparse
-import csv
 import os
 import time
 
 import torch
 
 from bench_end_to_end import load_questions
-from common import RESULTS
+from common import RESULTS, save_figure, write_csv
 
 METHODS = ("eagle2", "jakiro")
 
@@ -143,10 +142,7 @@ def main():
 
 
 def write_csv(path, rows):
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(path, rows)
 
 
 def chart(summary, path):
@@ -175,7 +171,7 @@ def chart(summary, path):
         ax.grid(alpha=0.3)
     fig.suptitle("SmolLM2-135M-Instruct, float32, CPU: batched speculative decoding")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Writes ``results/end_to_end.csv`` (one row per question and configuration),
 ``results/end_to_end_summary.csv`` (per category and overall) and ``results/end_to_end.png``.
 """
 import argparse
-import csv
 import importlib.util
 import json
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common import RESULTS
+from common import RESULTS, save_figure, write_csv
 
 SPEC_BENCH = Path(os.environ.get("SPEC_BENCH_QUESTIONS", Path(__file__).resolve().parents[2] / "shared" / "data" /
                                  "spec_bench_question.jsonl"))
@@ -163,15 +162,9 @@ def main():
     bar.close()
 
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{args.tag}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(RESULTS, f"{args.tag}.csv"), rows)
     summary = summarize(rows, trees, args)
-    with open(os.path.join(RESULTS, f"{args.tag}_summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(summary[0]))
-        w.writeheader()
-        w.writerows(summary)
+    write_csv(os.path.join(RESULTS, f"{args.tag}_summary.csv"), summary)
     chart(summary, os.path.join(RESULTS, f"{args.tag}.png"), args)
     for r in summary:
         if r["category"] == "overall":
@@ -243,7 +236,7 @@ def chart(summary, path, args):
         ax.set_title(f"SmolLM2-135M-Instruct {args.dtype}, temperature {t:g}, batch 1, {args.threads} CPU threads")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Variants (name: kind, phases of the budget with their extra train options):
 - ``jakiro_8x``: 8 experts of half the width (the same parameters).
 """
 import argparse
-import csv
 import json
 import os
 import shlex
@@ -22,7 +21,7 @@ import subprocess
 import sys
 import time
 
-from common import RESULTS
+from common import RESULTS, write_csv
 
 TTT = ["--ttt-steps", "3"]
 VARIANTS = {  # name: (kind, [(fraction of the budget, extra options, starts from the previous phase)])
@@ -91,10 +90,7 @@ def main():
         rows.append(row)
     os.makedirs(RESULTS, exist_ok=True)
     fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(os.path.join(RESULTS, "head_recipes.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(RESULTS, "head_recipes.csv"), rows, fields)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from common import RESULTS, Table, machine, parse_args, timeit
+from common import RESULTS, Table, machine, parse_args, save_figure, timeit
 
 PREFIX = 512
 TREE_SIZES = (1, 2, 4, 8, 16, 32, 60)
@@ -236,7 +236,7 @@ def chart(rows, path):
         ax.set_title(f"SmolLM2-135M-Instruct {dtype}, 2 CPU threads")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     print(f"wrote {path}")
 
 

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from common import RESULTS
+from common import RESULTS, write_csv
 
 
 def neighbours(n, d, k):
@@ -71,10 +71,7 @@ def main():
         rows.append(row)
         for suffix in (".csv", "_summary.csv", ".png"):
             os.remove(os.path.join(RESULTS, f"{tag}{suffix}"))
-    with open(os.path.join(RESULTS, f"tree_choice_{args.method}.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(RESULTS, f"tree_choice_{args.method}.csv"), rows)
 
 
 if __name__ == "__main__":

@@ -136,10 +136,26 @@ class Table:
         print("  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
 
     def save(self):
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        keys = list(dict.fromkeys(k for r in self.rows for k in r))
-        with open(self.path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=keys)
-            w.writeheader()
-            w.writerows(self.rows)
+        write_csv(self.path, self.rows, list(dict.fromkeys(k for r in self.rows for k in r)))
         print(f"wrote {self.path}")
+
+
+def write_csv(path: str, rows: List[Dict[str, object]], fieldnames=None, **options) -> None:
+    """A results table, written atomically (a kill leaves the previous one whole)."""
+    from jakiro_ext import atomic
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=fieldnames or list(rows[0]), **options)
+            w.writeheader()
+            w.writerows(rows)
+    atomic.write_file(path, write)
+
+
+def save_figure(fig, path: str, **options) -> None:
+    """A figure (PNG), written atomically."""
+    from jakiro_ext import atomic
+
+    atomic.write_file(path, lambda tmp: fig.savefig(tmp, format="png", **options))

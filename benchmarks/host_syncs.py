@@ -9,12 +9,11 @@ counted apart from those of a sequence's start (the checks of its prompt, its pr
 ``results/host_syncs.csv``.
 """
 import argparse
-import csv
 import os
 
 import torch
 from bench_end_to_end import load_questions
-from common import RESULTS
+from common import RESULTS, write_csv
 from jakiro_ext.host_reads import HostReads, counted_rounds
 
 
@@ -53,10 +52,7 @@ def main():
                 print(rows[-1], flush=True)
     os.makedirs(RESULTS, exist_ok=True)
     fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
-    with open(os.path.join(RESULTS, "host_syncs.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, restval=0)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(os.path.join(RESULTS, "host_syncs.csv"), rows, fields, restval=0)
 
 
 if __name__ == "__main__":

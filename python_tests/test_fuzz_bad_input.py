@@ -17,6 +17,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import subprocess
 import sys
@@ -92,8 +93,11 @@ def judge(r) -> list:
 
 
 def names_one_of(message: str, names) -> bool:
+    """Whether the message names one of ``names`` as a word of its own: "tree" is not named by
+    "jakiro::tree_attention", nor "top_k" by "top_k_draft"."""
     text = message.lower().replace("-", "_")
-    return any(n.lstrip("-").lower().replace("-", "_") in text for n in names)
+    return any(re.search(rf"(?<![a-z0-9]){re.escape(n.lstrip('-').lower().replace('-', '_'))}(?![a-z0-9_])", text)
+               for n in names)
 
 
 def same_tokens(r) -> bool:
@@ -131,7 +135,7 @@ def api_cases(rng: random.Random):
     vocab = target.config.vocab_size
     small = DraftConfig.for_target(target.config, "jakiro", num_experts=4)
     small.draft_vocab_size = 50
-    heads = {"eagle2": [copy_head(target, "eagle2")],
+    heads = {"eagle2": [copy_head(target, "eagle2")], "gumiho": [copy_head(target, "gumiho")],
              "jakiro": [copy_head(target, "jakiro"),
                         DraftHead(small).init_weights(1, std=0.2).set_draft_vocab(torch.arange(50) * 4).bind(target)]}
     ids = prompt()
@@ -155,8 +159,11 @@ def api_cases(rng: random.Random):
         "seed": [(0, True), (2**63 - 1, True), (np.uint32(5), True), (-1, False), (2**63, False), (2**70, False),
                  (1.5, False), ("0", False)],
         "max_cache_len": [(None, True), (200, True), (10**9, True), (0, False), (-1, False), (5.0, False), ("100", False)],
-        "method": [("ar", True), ("eagle2", True), ("jakiro", True), ("jakiro_star", True), (None, True),
-                   ("medusa", False), ("", False), (3, False), ("AR", False)],
+        "method": [("ar", True), ("eagle2", True), ("jakiro", True), ("jakiro_star", True), ("gumiho", True),
+                   (None, True), ("medusa", False), ("", False), (3, False), ("AR", False)],
+        # Only a padded [B, n] tensor takes lengths; none of the prompts above is one.
+        "lengths": [(None, True), ([len(ids)], False), ("x", False), (1.5, False)],
+        "graphs": [("eager", True), ("recorded", True), ("cuda", False), ("yes", False), (None, False)],
         "tree": [(None, True), (TreeConfig(2, 2, 1), True), (TreeConfig(6, 2, 2), True), (TreeConfig(60, 5, 10), True),
                  (TreeConfig(1024, 2, 2), True), (TreeConfig(4, 2, 8), True), (TreeConfig(6, 1, 2), True),
                  (TreeConfig(choices=[[0], [1], [0, 0]]), True), (TreeConfig(6, 2, 60), True),
@@ -168,14 +175,14 @@ def api_cases(rng: random.Random):
     for case in range(API_CASES):
         picks = {arg: pool[0] for arg, pool in pools.items()}  # valid defaults
         picks["max_new_tokens"] = (8, True)
-        picks["method"] = (rng.choice(["ar", "eagle2", "jakiro", "jakiro_star", None]), True)
+        picks["method"] = (rng.choice(["ar", "eagle2", "jakiro", "jakiro_star", "gumiho", None]), True)
         mutated = rng.sample(sorted(pools), rng.choice([0, 1, 1, 2, 2, 3]))
         for arg in mutated:
             picks[arg] = rng.choice(pools[arg])
         kwargs = {arg: value for arg, (value, _) in picks.items()}
         method = kwargs["method"]
-        kind = "eagle2" if method == "eagle2" else "jakiro" if method in ("jakiro", "jakiro_star") else rng.choice(
-            ["eagle2", "jakiro", None])
+        kind = ("eagle2" if method == "eagle2" else "jakiro" if method in ("jakiro", "jakiro_star") else
+                "gumiho" if method == "gumiho" else rng.choice(["eagle2", "jakiro", None]))
         head = rng.choice(heads[kind]) if kind else None
         bad = [arg for arg, (_, valid) in picks.items() if not valid]
         conflict = conflicting(kwargs, head, TreeConfig)
@@ -203,10 +210,12 @@ def conflicting(kwargs, head, TreeConfig) -> list:
         return []
     method = method if method is not None else ("jakiro" if head is not None and head.config.num_experts else
                                                 "eagle2" if head is not None else "ar")
-    if method == "ar" or method not in ("eagle2", "jakiro", "jakiro_star") or head is None:
+    if method == "ar" or method not in ("eagle2", "jakiro", "jakiro_star", "gumiho") or head is None:
         return []
     if method == "jakiro" and (tree.choices is not None or tree.depth < 2):
         return ["method", "tree"]
+    if method == "gumiho" and (tree.choices is not None or tree.depth < head.config.num_mlp_heads + 1):
+        return ["method", "tree"]  # the serial part's first step, then one layer per MLP head
     vocab = head.config.draft_vocab_size or head.config.vocab_size
     width = tree.top_k if tree.choices is None else max(p[-1] for p in tree.choices) + 1
     return ["tree"] if width > vocab else []

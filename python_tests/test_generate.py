@@ -62,6 +62,17 @@ def prompt(n=13, vocab=211, seed=2):
     return torch.randint(0, vocab, (n,), generator=gen(seed))
 
 
+def sharp_target() -> LlamaModel:
+    """The tiny target with sharper attention: its logits depend on the tokens' positions (the
+    plain tiny target's hardly do: shifting a tree's positions by one changes almost no argmax),
+    so an engine that gets a position wrong gives other tokens."""
+    model = tiny_target()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.qkv_proj.weight.mul_(6)
+    return model
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_target()
@@ -87,6 +98,38 @@ def test_greedy_tokens_equal_plain_decoding(target, kind, method, tree, head_typ
         assert sum(s.accept_lengths) + len(s.accept_lengths) + 1 >= 40  # every round emits accepted + 1
     if head_type == "copy":  # the copy head's drafts are accepted: multi-token paths were exercised
         assert spec.stats.tau > 2.0, spec.stats.as_dict()
+
+
+@pytest.fixture(scope="module")
+def sharp():
+    return sharp_target()
+
+
+@pytest.mark.parametrize("kind,method,tree", CASES, ids=[f"{k}-head-{m}-{t}" for k, m, t in CASES])
+def test_greedy_tokens_equal_plain_decoding_on_a_position_sensitive_target(sharp, kind, method, tree):
+    head = copy_head(sharp, kind)
+    accepted = 0
+    for seed in range(3):
+        ids = prompt(seed=seed)
+        spec = speculative_generate(sharp, head, ids, 30, method=method, tree=TREES[tree])
+        assert spec.token_ids == speculative_generate(sharp, None, ids, 30).token_ids
+        accepted += sum(spec.stats.accept_lengths)
+    assert accepted > 10  # drafts were accepted: tree positions were used
+
+
+def test_a_tree_position_off_by_one_fails_on_the_position_sensitive_target(sharp, monkeypatch):
+    """Negative control of the test above: the verification forward's positions one too far give
+    other tokens on the position-sensitive target (on the plain tiny target they may not)."""
+    forward = LlamaModel.forward
+
+    def off_by_one(self, tokens, cache, tree_mask=None, depths=None, *args, **kwargs):
+        return forward(self, tokens, cache, tree_mask, None if depths is None else depths + 1, *args, **kwargs)
+    head = copy_head(sharp, "eagle2")
+    plain = [speculative_generate(sharp, None, prompt(seed=seed), 30).token_ids for seed in range(3)]
+    monkeypatch.setattr(LlamaModel, "forward", off_by_one)
+    spec = [speculative_generate(sharp, head, prompt(seed=seed), 30, method="eagle2", tree=TREES["dynamic-small"])
+            .token_ids for seed in range(3)]
+    assert spec != plain
 
 
 def test_plain_decoding_equals_transformers_greedy(target):

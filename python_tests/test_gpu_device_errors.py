@@ -97,3 +97,37 @@ def test_gpu_device_errors_matches_reference(gpu_backend, case):
                                       if len(a) > 3 else []))}[op]
     getattr(gpu_backend.ops, op)(*good(args))
     assert gpu_backend.ops.device_errors(like).tolist() == [0]
+
+
+@pytest.mark.parametrize("bad", ["prefix beyond the cache", "negative prefix"])
+def test_gpu_tree_attention_bad_sequence_reads_nothing_and_its_neighbour_is_exact(gpu_backend, bad):
+    """A batch of a good and a bad sequence: the bad one attends to nothing (zeros, log-sum-exp
+    -inf: no key was read), the good one's output is its reference's alone."""
+    parents = torch.tensor([[-1, 0, 0, 1]] * 2)
+    mask = ops.build_tree_mask(parents)
+    q, k, v = randn(2, 4, 4, 16, seed=4), randn(2, 2, 12, 16, seed=5), randn(2, 2, 12, 16, seed=6)
+    lengths = torch.tensor([2, 9 if bad == "prefix beyond the cache" else -3])
+    out, lse = gpu_backend.run("tree_attention", q, k, v, lengths, mask)
+    assert gpu_backend.ops.device_errors(gpu_backend.to_device(q)).tolist() == [1]
+    want_out, want_lse = reference.tree_attention(q[:1], k[:1], v[:1], lengths[:1], mask[:1])
+    torch.testing.assert_close(out[:1], want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse[:1], want_lse, atol=2e-5, rtol=2e-5)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and bool(lse[1].isneginf().all())
+
+
+@pytest.mark.parametrize("bad", ["parent after its child", "token beyond the vocabulary"])
+def test_gpu_verify_tree_bad_sequence_stays_in_bounds_and_its_neighbour_is_exact(gpu_backend, bad):
+    """A batch of a good and a bad tree: the good one's path, accepted length and bonus are its
+    reference's alone; the bad one's outputs stay in range (nodes of its tree, a token of the
+    vocabulary), whatever the bad value, and the round that reads the bit emits none of them."""
+    logits = randn(2, 4, 10, seed=7)
+    logits[:, 0, 1] = logits[:, 1, 4] = 50.0  # both trees would accept 1 then 4 (nodes 1, 3)
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 3, 1] if bad == "parent after its child" else [-1, 0, 0, 1]])
+    tokens = torch.tensor([[3, 1, 2, 4], [3, 1, 2, 4] if bad == "parent after its child" else [3, 1, 10, 4]])
+    path, accepted, bonus = gpu_backend.run("verify_tree", parents, tokens, logits)
+    assert gpu_backend.ops.device_errors(gpu_backend.to_device(logits)).tolist() == [8 if "parent" in bad else 16]
+    want = reference.verify_tree(parents[:1], tokens[:1], logits[:1])
+    assert torch.equal(path[:1], want[0]) and torch.equal(accepted[:1], want[1]) and torch.equal(bonus[:1], want[2])
+    assert int(want[1][0]) == 2  # (the good tree accepts a path, so "exact" says something)
+    T = parents.shape[1]
+    assert bool(((path[1] >= -1) & (path[1] < T)).all()) and 0 <= int(accepted[1]) < T and 0 <= int(bonus[1]) < 10

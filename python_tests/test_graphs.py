@@ -13,19 +13,9 @@ from jakiro_ext import graphs
 from jakiro_ext.engine import generate_many, speculative_generate
 from jakiro_ext.models import llama
 from test_batch import PROMPTS
-from test_generate import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, tiny_target
+from test_generate import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, sharp_target, tiny_target
 
 MODES = ["recorded"] + (["cuda"] if torch.cuda.is_available() else [])
-
-
-def sharp_target() -> llama.LlamaModel:
-    """The tiny target with sharper attention: its logits depend on the tokens' positions (the
-    plain tiny target's hardly do), so a stale position or cache length changes the tokens."""
-    model = tiny_target()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.qkv_proj.weight.mul_(6)
-    return model
 
 
 @pytest.fixture(scope="module")

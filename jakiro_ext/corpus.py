@@ -19,6 +19,7 @@ fits, else int32) of all sequences concatenated, prompt then answer; ``offsets``
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import platform
 import sys
@@ -133,12 +134,11 @@ class CorpusWriter:
             save_feature_shard(self.feature_dir / name.replace(".npz", ".safetensors"), self.pending,
                                self.pending_features)
 
-        def write(tmp: Path) -> None:
-            with open(tmp, "wb") as f:
-                np.savez_compressed(f, **arrays)
-
-        atomic.write_file(self.path / name, write)
-        digest = hashlib.sha256((self.path / name).read_bytes()).hexdigest()
+        buffer = io.BytesIO()  # (in memory: its digest is taken from the bytes written)
+        np.savez_compressed(buffer, **arrays)
+        data = buffer.getvalue()
+        atomic.write_file(self.path / name, lambda tmp: tmp.write_bytes(data))
+        digest = hashlib.sha256(data).hexdigest()
         now = time.perf_counter()
         self.meta["shards"].append(dict(
             name=name, sha256=digest, sequences=len(self.pending), tokens=int(lengths.sum()),
@@ -178,9 +178,10 @@ def read_shard(path, sha256: Optional[str] = None) -> List[CorpusSequence]:
         raise FileNotFoundError(f"corpus shard {path} is missing: run the corpus command on {path.parent} again to "
                                 "generate its sequences anew")
     try:
-        if sha256 is not None and hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+        data = path.read_bytes()  # read once: checked, then parsed
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
             raise ValueError("its sha256 differs from the one corpus.json records")
-        with np.load(path) as z:
+        with np.load(io.BytesIO(data)) as z:
             tokens = torch.from_numpy(z["tokens"].astype(np.int64))
             offsets, plen = z["offsets"].tolist(), z["prompt_lengths"].tolist()
             conv, turn = z["conversation"].tolist(), z["turn"].tolist()

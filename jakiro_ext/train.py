@@ -447,8 +447,8 @@ def read_checkpoint(path: Path) -> dict:
         previous = previous_checkpoint(path)
         way = (f"resume from the previous checkpoint (mv {previous} {path}) or delete it to start over"
                if previous.exists() else "delete it to start over")
-        raise ValueError(f"checkpoint {path} is damaged ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}): "
-                         f"{way}") from None
+        reason = (str(exc).splitlines() or [""])[0]
+        raise ValueError(f"checkpoint {path} is damaged ({type(exc).__name__}: {reason}): {way}") from None
     return state
 
 

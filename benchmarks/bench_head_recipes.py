@@ -1,17 +1,15 @@
-"""Draft-head recipes at equal data, parameters and wall-clock budget: each variant trains with
-``python -m jakiro_ext train --minutes M --threads 1`` on the same token corpus (two at a time,
-one thread each, side by side, so that both see the same machine), and the held-out evaluation
-(acc1..acc4 drafting from the head's own features, and the contrastive branch's) is collected
-into ``results/head_recipes.csv``. The heads stay in ``--out`` (one directory per variant) for
-the end-to-end benchmark (``bench_end_to_end.py --jakiro-head DIR --eagle2-head DIR``).
+"""Draft-head recipes at equal data and CPU time: each variant trains with ``python -m jakiro_ext
+train --minutes M --threads 1`` on the same shards of the token corpus (two at a time, one
+thread each, side by side, so that both see the same machine), evaluated on the same held-out
+answers (acc1..acc4 drafting from the head's own features, as the engine drafts) every
+``--eval-every`` steps: the slope, not only the end point.
 
-Variants (name: kind, phases of the budget with their extra train options):
-- ``eagle2``, ``jakiro``: today's recipe (the next feature and its tokens, teacher-forced);
-- ``eagle2_ttt``, ``jakiro_ttt``: the training-time test from the start, 3 steps unrolled on the
-  head's own features (EAGLE-3), for Jakiro with the contrastive branch at every step;
-- ``eagle2_then_ttt``, ``jakiro_then_ttt``: the recipe for 2/3 of the budget, then the
-  training-time test for 1/3 from that head (a step of the test costs ~5.6x one of the recipe);
-- ``jakiro_8x``: 8 experts of half the width (the same parameters).
+Each head is then judged by what it buys, not by acc1 alone: the tree cost model
+(:mod:`jakiro_ext.tree_cost`, this machine's measured costs of a round at 2 threads, and the
+head's acceptance profile measured on the held-out answers) gives the best dynamic tree's
+expected tokens/s and its ratio to plain decoding. Results: ``results/head_recipes.csv`` (one
+row per variant) and ``results/head_recipes_curves.csv`` (held-out accuracy against tokens seen).
+The heads stay in ``--out`` (one directory per variant).
 """
 import argparse
 import json
@@ -23,30 +21,68 @@ import time
 
 from common import RESULTS, write_csv
 
-TTT = ["--ttt-steps", "3"]
-VARIANTS = {  # name: (kind, [(fraction of the budget, extra options, starts from the previous phase)])
+TTT = ["--ttt-steps", "1"]
+# name: (kind, [(fraction of the budget, extra train options, starts from the previous phase)])
+VARIANTS = {
     "eagle2": ("eagle2", [(1.0, [], False)]),
     "jakiro": ("jakiro", [(1.0, [], False)]),
-    "eagle2_ttt": ("eagle2", [(1.0, TTT, False)]),
-    "jakiro_ttt": ("jakiro", [(1.0, TTT, False)]),
+    # the loss
+    "eagle2_token_only": ("eagle2", [(1.0, ["--w-feature", "0", "--w-token", "1"], False)]),
+    "eagle2_token_1": ("eagle2", [(1.0, ["--w-token", "1"], False)]),
+    "jakiro_token_1": ("jakiro", [(1.0, ["--w-token", "1", "--w-token2", "0.5"], False)]),
+    # the initialisation
+    "eagle2_init_target": ("eagle2", [(1.0, ["--init-from-target"], False)]),
+    "jakiro_init_target": ("jakiro", [(1.0, ["--init-from-target"], False)]),
+    # depth, learning rate, tokens per step
+    "eagle2_2layers": ("eagle2", [(1.0, ["--layers", "2"], False)]),
+    "eagle2_lr5e-3": ("eagle2", [(1.0, ["--lr", "5e-3"], False)]),
+    "eagle2_batch16": ("eagle2", [(1.0, ["--batch", "16"], False)]),
+    # the training-time test in the last third of the budget
     "eagle2_then_ttt": ("eagle2", [(2 / 3, [], False), (1 / 3, TTT + ["--lr", "5e-4", "--warmup-steps", "10"], True)]),
-    "jakiro_then_ttt": ("jakiro", [(2 / 3, [], False), (1 / 3, TTT + ["--lr", "5e-4", "--warmup-steps", "10"], True)]),
+    # Jakiro: 8 experts of half the width (the same parameters), the contrastive branch's weight
     "jakiro_8x": ("jakiro", [(1.0, ["--experts", "8"], False)]),
+    "jakiro_contrastive_1": ("jakiro", [(1.0, ["--w-feature2", "1", "--w-token2", "0.1"], False)]),
 }
+
+
+def expected_rates(names, out_dir):
+    """Per variant: the cost model's best tree for its head on this machine (2 threads, fp32,
+    batch 1), its expected tokens/s and the ratio to plain decoding's (one target forward a token)."""
+    import torch
+
+    from jakiro_ext.cli import load_target
+    from jakiro_ext.models.draft_head import DraftHead
+    from jakiro_ext.tree_cost import choose_tree, load_costs
+
+    torch.set_num_threads(2)
+    target, _, _ = load_target("float32", "cpu", None)
+    rates = {}
+    for name in names:
+        head = DraftHead.load(os.path.join(out_dir, name), target)
+        method = head.config.kind
+        costs = load_costs(target, head, method)
+        tree, rows = choose_tree(costs, head.acceptance, method)
+        plain = 1.0 / costs["verify"]["1"]
+        rates[name] = dict(expected_tokens_s=round(rows[0][0], 1), expected_speedup=round(rows[0][0] / plain, 3),
+                           expected_tau=round(1 + rows[0][1], 3), tree=f"{tree.total_tokens},{tree.depth},{tree.top_k}")
+    return rates
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="the token corpus")
+    ap.add_argument("--shards", type=int, help="its first N shards (default: all)")
     ap.add_argument("--out", required=True, help="a directory for the heads (one sub-directory per variant)")
-    ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--variants", nargs="+", default=["jakiro", "eagle2", "jakiro_then_ttt", "eagle2_then_ttt"],
-                    choices=list(VARIANTS))
+    ap.add_argument("--minutes", type=float, default=10.0, help="CPU minutes (one thread) of each variant")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--lr", default="2e-3")
+    ap.add_argument("--eval-every", type=int, default=150, help="steps between held-out evaluations")
+    ap.add_argument("--tag", default="", help="appended to the CSV names")
+    ap.add_argument("--report-only", action="store_true", help="only collect the finished variants' results")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    pending = list(args.variants)
+    pending = [] if args.report_only else list(args.variants)
     running = {}
     while pending or running:
         while pending and len(running) < args.parallel:
@@ -58,7 +94,8 @@ def main():
                 out = os.path.join(args.out, name if i == len(phases) - 1 else f"{name}.phase{i}")
                 cmd = [sys.executable, "-m", "jakiro_ext", "train", "--kind", kind, "--out", out, "--data", args.data,
                        "--minutes", f"{args.minutes * fraction:.2f}", "--threads", "1", "--lr", args.lr,
-                       "--warmup-steps", "50", "--eval-every", "1000000", "--checkpoint-every", "100", *extra]
+                       "--warmup-steps", "50", "--eval-every", str(args.eval_every), "--checkpoint-every", "0",
+                       *(["--shards", str(args.shards)] if args.shards else []), *extra]
                 if from_previous:
                     cmd += ["--init-from", previous]
                 commands.append(" ".join(shlex.quote(c) for c in cmd))
@@ -75,22 +112,35 @@ def main():
                 if proc.returncode:
                     sys.exit(f"{name} failed (exit {proc.returncode}): see {os.path.join(args.out, name + '.log')}")
                 print(f"finished {name}", flush=True)
-    rows = []
-    for name in args.variants:
+    names = [n for n in args.variants if os.path.exists(os.path.join(args.out, n, "training.json"))]
+    rates = expected_rates(names, args.out)
+    rows, curves = [], []
+    for name in names:
         summary = json.loads(open(os.path.join(args.out, name, "training.json")).read())
         phases = [json.loads(open(os.path.join(args.out, f"{name}.phase{i}", "training.json")).read())
                   for i in range(len(VARIANTS[name][1]) - 1)] + [summary]
+        seen_before = 0
+        for p in phases:  # held-out accuracy against the tokens seen (from the first phase's start)
+            t = p["train"]
+            per_step = t["tokens_seen"] / max(t["total_steps"], 1)
+            for e in p["eval_history"]:
+                curves.append(dict(variant=name, tokens_seen=round(seen_before + e["step"] * per_step),
+                                   **{k.replace("eval_", ""): round(v, 4) for k, v in e.items() if k.startswith("eval_acc")
+                                      and "_" not in k.replace("eval_", "")}))
+            seen_before += t["tokens_seen"]
         t = summary["train"]
-        row = dict(variant=name, kind=summary["kind"], ttt_steps=t["ttt_steps"], minutes=args.minutes,
-                   steps="+".join(str(p["train"]["total_steps"]) for p in phases),
-                   tokens_seen=sum(p["train"]["tokens_seen"] for p in phases),
-                   seconds=round(sum(p["train"]["seconds"] for p in phases), 1),
-                   **{k.replace("eval_", ""): round(v, 4) for k, v in sorted(summary["final_eval"].items())})
-        print(row)
-        rows.append(row)
+        final = {k.replace("eval_", ""): round(v, 4) for k, v in sorted(summary["final_eval"].items())}
+        rows.append(dict(variant=name, kind=summary["kind"], minutes=args.minutes,
+                         steps="+".join(str(p["train"]["total_steps"]) for p in phases),
+                         tokens_seen=sum(p["train"]["tokens_seen"] for p in phases),
+                         seconds=round(sum(p["train"]["seconds"] for p in phases), 1),
+                         products=t.get("products", ""), **{k: final.get(k) for k in ("acc1", "acc2", "acc3", "acc4")},
+                         acc2_contrastive=final.get("acc2_contrastive"), **rates[name]))
+        print(rows[-1])
     os.makedirs(RESULTS, exist_ok=True)
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    write_csv(os.path.join(RESULTS, "head_recipes.csv"), rows, fields)
+    write_csv(os.path.join(RESULTS, f"head_recipes{args.tag}.csv"), rows, list(dict.fromkeys(k for r in rows for k in r)))
+    write_csv(os.path.join(RESULTS, f"head_recipes_curves{args.tag}.csv"), curves,
+              list(dict.fromkeys(k for r in curves for k in r)))
 
 
 if __name__ == "__main__":

@@ -449,7 +449,7 @@ def cmd_train(args) -> int:
 
     from jakiro_ext.models.default import cache_root
     from jakiro_ext.models.draft_head import TRAINING_FILE, DraftConfig, DraftHead
-    from jakiro_ext.train import TrainConfig, init_distributed, train_head
+    from jakiro_ext.train import TrainConfig, compute_dtype, init_distributed, train_head
     from jakiro_ext.trainset import build_trainset, load_trainset, select_draft_vocab
 
     set_threads(args.threads)
@@ -468,14 +468,15 @@ def cmd_train(args) -> int:
     from jakiro_ext.trainset import corpus_examples, feature_cache_dir, uncached_feature_tokens
 
     t0 = time.perf_counter()
-    if args.data and (Path(args.data) / CORPUS_META).exists():  # a token corpus: features cached or recomputed
+    corpus = bool(args.data and (Path(args.data) / CORPUS_META).exists())
+    if corpus:  # a token corpus: features cached or recomputed
         data_dir = Path(args.data)
-        missing = uncached_feature_tokens(data_dir)
+        missing = uncached_feature_tokens(data_dir, shards=args.shards)
         if missing and main:
             atomic.check_output_dir(feature_cache_dir(data_dir), 2 * target.config.hidden_size * missing,
                                     f"the bf16 features of {missing} corpus tokens not yet in the cache")
         activity.now = "reading the corpus and computing its missing features"
-        examples, corpus_meta = corpus_examples(data_dir, target, progress=main, ranks=ranks)
+        examples, corpus_meta = corpus_examples(data_dir, target, progress=main, ranks=ranks, shards=args.shards)
         meta = dict(settings=dict(corpus_meta["settings"], corpus=str(data_dir)), shards=len(corpus_meta["shards"]),
                     sequences=len(examples), tokens=sum(int(ex.tokens.numel()) for ex in examples),
                     learned_tokens=sum(int(ex.loss_mask.sum()) for ex in examples))
@@ -510,6 +511,8 @@ def cmd_train(args) -> int:
         ids, coverage = select_draft_vocab(train, args.draft_vocab, eos)
         head.set_draft_vocab(ids)
         say(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens")
+    if args.init_from_target:
+        head.init_from_target(target)
     if args.init_from:  # continue from a trained head (e.g. a training-time-test phase after the recipe)
         start = DraftHead.load(args.init_from)
         if start.config != head.config or not torch.equal(start.state_dict().get("draft_to_target", torch.zeros(0)),
@@ -526,7 +529,14 @@ def cmd_train(args) -> int:
                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
                       ttt_steps=args.ttt_steps, minutes=args.minutes, mlp_input=args.mlp_input,
+                      compute_dtype=args.compute_dtype,
                       seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+    if cfg.w_token or cfg.w_token2:  # the token loss's labels, computed once (and cached for a corpus)
+        from jakiro_ext.trainset import attach_target_probs
+
+        activity.now = "computing the target's distributions the token loss learns from"
+        attach_target_probs(examples, head, cfg.token_loss_top, feature_cache_dir(data_dir) if corpus else None,
+                            progress=main, ranks=ranks)
     bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step", disable=not main)
 
     def on_step(step: int, record: dict) -> None:
@@ -560,12 +570,14 @@ def cmd_train(args) -> int:
     final = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
     mean_len = meta["tokens"] / max(meta["sequences"], 1)
     summary = dict(kind=args.kind, target=name, data=dict(meta["settings"], sequences=meta["sequences"],
-                   tokens=meta["tokens"], learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out)),
+                   tokens=meta["tokens"], learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out),
+                   **({"shards": meta["shards"]} if "shards" in meta else {})),
                    train=dict(asdict(cfg), total_steps=total, epochs_seen=round(total * cfg.batch_sequences / len(train), 2),
                               tokens_seen=round(total * cfg.batch_sequences * mean_len), seconds=round(train_s, 1),
-                              threads=torch.get_num_threads(), processes=ranks.world),
+                              threads=torch.get_num_threads(), processes=ranks.world,
+                              products=str(compute_dtype(cfg.compute_dtype, ranks.device)).replace("torch.", "")),
                    draft_vocab=dict(size=args.draft_vocab, coverage=round(coverage, 4)), final_eval=final,
-                   init_from=args.init_from,
+                   init_from=args.init_from, init_from_target=args.init_from_target,
                    eval_history=[{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
                                  for r in history if any(k.startswith("eval_") for k in r)])
     if held_out:  # how often its drafts are accepted, by depth and rank: what the tree choice needs
@@ -688,6 +700,10 @@ def main(argv=None) -> int:
     p.add_argument("--noise", type=float, default=0.2)
     p.add_argument("--init-from", help="start from this trained head (same kind, widths and data) instead of random "
                                        "weights")
+    p.add_argument("--init-from-target", action="store_true",
+                   help="start the serial layers from the target's last layers (the MLP cut into the experts of a "
+                        "MoE head) and fc passing the feature through, instead of random weights")
+    p.add_argument("--shards", type=int, help="with a token corpus: train on its first N shards (default: all)")
     p.add_argument("--ttt-steps", type=int, default=0, help="training-time test: also train the head on its own "
                                                             "features this many steps deeper (EAGLE-3; 0: off)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
@@ -695,6 +711,9 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints; a run resumes "
                                                                       "from --out/checkpoint.pt (0: none)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="the training step's products (master weights, optimizer and losses stay fp32); auto: bf16 "
+                        "on a GPU and on a CPU with native bf16 dot products, else fp32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p = sub.add_parser("corpus", help="generate a self-distilled token corpus (the target's greedy answers to "

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from jakiro_ext import atomic
 from jakiro_ext.models.draft_head import DraftHead, DraftStep
 from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.profiling import scope
 
 
 BUDGET_PROBE_STEPS = 10  # with a budget in minutes, the steps are set from these first steps' time
@@ -121,11 +122,30 @@ class TrainConfig:
     # features: the released recipe) or "drafted" ones (the leaf's half from the serial part's
     # own second step, as drafting computes it: the training-time test's idea).
     mlp_input: str = "teacher"
+    # "bfloat16": the products in bf16 under autocast (fp32 master weights, optimizer, residual
+    # stream, routing and losses); "auto": bf16 on a GPU and on a CPU with native bf16 dot products
+    # (AVX512-BF16, AMX), where they run ~2x fp32's rate; fp32 elsewhere, where bf16 only converts.
+    compute_dtype: str = "auto"
 
     def total_steps(self, num_examples: int) -> int:
         if self.minutes:
             return 0  # known after the warm-up steps (train_head)
         return self.steps or max(1, math.ceil(self.epochs * num_examples / self.batch_sequences))
+
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+def compute_dtype(name: str, device) -> torch.dtype:
+    """The dtype of a training step's products (``TrainConfig.compute_dtype``) on ``device``."""
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {name!r}")
+    if name == "auto":
+        from jakiro_ext import ops
+
+        native = torch.device(device).type == "cuda" or ops.cpu_bf16_dot()
+        return torch.bfloat16 if native else torch.float32
+    return getattr(torch, name)
 
 
 @dataclass
@@ -134,6 +154,8 @@ class Example:
     features: torch.Tensor  # [n, H] the target's final hidden states (the last row is never used)
     loss_mask: torch.Tensor  # [n] bool: the tokens that are learned (the assistant turns')
     conversation: int = -1  # the source conversation (its turns share prefixes: held out together)
+    shard: str = ""  # the corpus shard it came from (where its cached target probabilities go)
+    top_probs: Optional["TopProbs"] = None  # [n, k] the target's distributions at its features (cached)
 
 
 @torch.no_grad()
@@ -160,9 +182,11 @@ class Batch:
     tokens: torch.Tensor  # [B, L], padded with 0
     features: torch.Tensor  # [B, L, H], padded with 0
     loss_mask: torch.Tensor  # [B, L], False on padding
+    probs: Optional["TopProbs"] = None  # [B, L, k] the examples' cached target distributions, if all have them
 
     def to(self, device) -> "Batch":
-        return Batch(self.tokens.to(device), self.features.to(device), self.loss_mask.to(device))
+        probs = None if self.probs is None else TopProbs(self.probs.probs.to(device), self.probs.ids.to(device))
+        return Batch(self.tokens.to(device), self.features.to(device), self.loss_mask.to(device), probs)
 
 
 def collate(examples: Sequence[Example], max_len: int, length: Optional[int] = None) -> Batch:
@@ -175,31 +199,42 @@ def collate(examples: Sequence[Example], max_len: int, length: Optional[int] = N
     tokens = torch.zeros(B, L, dtype=torch.int64)
     features = torch.zeros(B, L, H)
     mask = torch.zeros(B, L, dtype=torch.bool)
+    cached = all(ex.top_probs is not None for ex in examples)
+    if cached:  # (padding: probability 0 on token 0; padded rows are never scored)
+        k = examples[0].top_probs.probs.shape[-1]
+        probs = TopProbs(torch.zeros(B, L, k), torch.zeros(B, L, k, dtype=torch.int64))
     for b, ex in enumerate(examples):
         n = min(L, ex.tokens.numel())
         tokens[b, :n] = ex.tokens[:n]
         features[b, :n] = ex.features[:n].float()
         mask[b, :n] = ex.loss_mask[:n]
-    return Batch(tokens, features, mask)
+        if cached:
+            probs.probs[b, :n] = ex.top_probs.probs[:n].float()
+            probs.ids[b, :n] = ex.top_probs.ids[:n]
+    return Batch(tokens, features, mask, probs if cached else None)
 
 
-def _branch_loss(head: DraftHead, rows: "Scored", w_feature: float, w_token: float, total: int):
+def _branch_loss(head: DraftHead, rows: "Scored", w_feature: float, w_token: float, total: int,
+                 lm_head: torch.Tensor):
     """One branch's feature + token loss over the masked rows, and its top-1 hits and count
     (the head's best draft token against the sequence's token). The token loss is the cross
     entropy against the target's distribution of the wanted feature (``rows.want_probs``). The
     losses are sums over these rows divided by ``total``, the rows of the whole (global) batch:
-    the per-row means of one process, and their shares when several split a batch."""
+    the per-row means of one process, and their shares when several split a batch. ``lm_head``:
+    the LM head's weight in the step's compute dtype; the losses are taken in fp32."""
     mask = rows.mask
     pred, want, next_tokens = rows.pred[mask], rows.want[mask], rows.tokens[mask]
     if pred.shape[0] == 0:
         return pred.sum() * 0.0, 0, 0
-    loss = w_feature * F.smooth_l1_loss(pred, want, reduction="sum") / (total * pred.shape[-1])
-    logits = pred @ head.lm_head_weight.T
-    if w_token:  # soft cross entropy against the target's top tokens: -sum p_j log q_j
-        probs, ids = rows.want_probs.probs[mask], rows.want_probs.ids[mask]
-        ce = -(probs * torch.log_softmax(logits, -1).gather(-1, ids)).sum(-1)  # log_softmax: one fused pass
-        loss = loss + w_token * ce.sum() / total
-    hits = int((head.target_ids(logits.detach().argmax(-1)) == next_tokens).sum())
+    with scope("feature loss"):
+        loss = w_feature * F.smooth_l1_loss(pred.float(), want, reduction="sum") / (total * pred.shape[-1])
+    with scope("lm head+token loss"):
+        logits = pred.to(lm_head.dtype) @ lm_head.T
+        if w_token:  # soft cross entropy against the target's top tokens: -sum p_j log q_j
+            probs, ids = rows.want_probs.probs[mask], rows.want_probs.ids[mask]
+            ce = -(probs * torch.log_softmax(logits.float(), -1).gather(-1, ids)).sum(-1)  # one fused pass
+            loss = loss + w_token * ce.sum() / total
+        hits = int((head.target_ids(logits.detach().argmax(-1)) == next_tokens).sum())
     return loss, hits, int(mask.sum())
 
 
@@ -235,8 +270,10 @@ class TopProbs(NamedTuple):
 def target_top_probs(head: DraftHead, features: torch.Tensor, k: int) -> TopProbs:
     """The target's distribution over the draft vocabulary at each feature, kept to its k most
     probable tokens (renormalised): the token loss's soft labels without [rows, vocabulary]
-    tensors in the loss (a peaked distribution loses little mass: 32 tokens keep ~all of it)."""
-    top, ids = (features @ head.lm_head_weight.T).topk(k, -1)
+    tensors in the loss (a peaked distribution loses little mass: 32 tokens keep ~all of it).
+    Always in fp32 (they are the labels), also under autocast."""
+    with torch.autocast(features.device.type, enabled=False):
+        top, ids = (features.float() @ head.lm_head_weight.float().T).topk(k, -1)
     return TopProbs(torch.softmax(top, -1), ids)
 
 
@@ -316,13 +353,21 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
     totals = totals or scored_rows(batch, cfg, head.config.num_experts > 0, mlp_heads)
     loss = batch.features.new_zeros(())
     metrics = {}
-    probs = None
-    if cfg.w_token or cfg.w_token2:  # the target's distributions, once for every step and branch
-        probs = target_top_probs(head, batch.features, cfg.token_loss_top)
+    probs = batch.probs
+    if probs is not None and probs.probs.shape[-1] != cfg.token_loss_top:
+        raise ValueError(f"the batch's cached target probabilities keep {probs.probs.shape[-1]} tokens, the recipe "
+                         f"{cfg.token_loss_top} (token_loss_top)")
+    if probs is None and (cfg.w_token or cfg.w_token2):  # the target's distributions, once for every step and branch
+        with scope("target probs"):
+            probs = target_top_probs(head, batch.features, cfg.token_loss_top)
+    device = batch.features.device.type
+    lm_head = head.lm_head_weight  # cast once for every branch and step
+    if torch.is_autocast_enabled(device):
+        lm_head = lm_head.to(torch.get_autocast_dtype(device))
 
     def add(name: str, rows: Scored, weight: float, w_feature: float, w_token: float) -> None:
         nonlocal loss
-        part, hits, _ = _branch_loss(head, rows, w_feature, w_token, max(totals[name], 1))
+        part, hits, _ = _branch_loss(head, rows, w_feature, w_token, max(totals[name], 1), lm_head)
         loss = loss + weight * part
         metrics[f"hits_{name}"] = hits
     serial = 1 + cfg.ttt_steps
@@ -335,7 +380,8 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
             if step.expert_out is not None and (cfg.w_feature2 or cfg.w_token2):
                 add(f"acc{s + 2}_contrastive", _scored(batch, step, s, 2, probs), weight, cfg.w_feature2, cfg.w_token2)
     if mlp_heads:
-        features = mlp_features(head, batch, steps, cfg.mlp_input)
+        with scope("mlp heads"):
+            features = mlp_features(head, batch, steps, cfg.mlp_input)
         for j in range(mlp_heads):
             add(f"acc{MLP_FIRST_DEPTH + j}_mlp", _rows(batch, features[:, :, j], MLP_FIRST_DEPTH + j, probs), 1.0,
                 cfg.w_feature, cfg.w_token)
@@ -469,6 +515,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     DistributedDataParallel sums the gradients, so the steps are those of one process running the
     same batches (to float rounding), on any number of processes, resumed on any other number.
     Rank 0 writes the checkpoint and calls ``on_step``; every process returns the same history."""
+    device = head.fc.weight.device
+    dtype = compute_dtype(cfg.compute_dtype, device)
     if cfg.batch_sequences < ranks.world:
         raise ValueError(f"a batch of {cfg.batch_sequences} sequences cannot be shared by {ranks.world} processes "
                          "(batch_sequences >= processes)")
@@ -546,21 +594,26 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
             share = list(range(len(chosen)))[ranks.rank::ranks.world]
             idle = not share
             share = share or [0]
-            batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(head.fc.weight.device)
-            noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
+            with scope("data"):
+                batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(head.fc.weight.device)
+                noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
             rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
                                                                 head.config.num_mlp_heads).items()}
             names = sorted(rows)
             totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
-            loss, metrics = model(batch, cfg, None if noise is None else noise[share].to(batch.features.device), totals)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss, metrics = model(batch, cfg, None if noise is None else noise[share].to(batch.features.device),
+                                      totals)
             if idle:
                 loss, metrics = loss * 0.0, {k: 0 for k in metrics}
             with atomic.signals_held():  # a step is taken whole: an interrupt comes before or after it
                 opt.zero_grad()
-                (loss * ranks.world).backward()  # DDP averages the processes' gradients; the batch's are their sum
-                torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                opt.step()
-                sched.step()
+                with scope("backward"):
+                    (loss * ranks.world).backward()  # DDP averages the processes' gradients; the batch's are their sum
+                with scope("optimizer"):
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                    opt.step()
+                    sched.step()
                 summed = ranks.sum([float(loss.detach())] + [metrics[f"hits_{k}"] for k in names])
                 record = {"step": step + 1, "loss": summed[0], "lr": opt.param_groups[0]["lr"],
                           **{k: summed[1 + i] / max(totals[k], 1) for i, k in enumerate(names)}}

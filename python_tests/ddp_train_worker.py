@@ -14,8 +14,9 @@ from jakiro_ext.train import TrainConfig, init_distributed, make_example, train_
 from test_generate import prompt, tiny_target
 
 SNAPSHOT_STEP = 3
+# fp32 products: the test compares one process with two to float rounding, which bf16 would swamp
 CONFIG = TrainConfig(steps=6, lr=3e-3, warmup_steps=2, batch_sequences=4, checkpoint_every=1, eval_every=3,
-                     ttt_steps=1)
+                     ttt_steps=1, compute_dtype="float32")
 
 
 def setup(kind: str = "jakiro"):

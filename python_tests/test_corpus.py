@@ -97,6 +97,21 @@ def test_corpus_features_cached_or_recomputed_are_the_targets(tmp_path, default)
         s["name"].replace(".npz", ".safetensors") for s in read_corpus_meta(tmp_path / "c")["shards"])
 
 
+def test_training_on_the_first_shards_of_a_corpus(tmp_path, default):
+    target, _ = default
+    meta = generate(default, tmp_path / "c", 10_000, feature_dir=tmp_path / "f")
+    shards = meta["shards"]
+    assert len(shards) >= 2
+    first, sub = corpus_examples(tmp_path / "c", target, tmp_path / "f", progress=False, shards=1)
+    assert [s["name"] for s in sub["shards"]] == [shards[0]["name"]]
+    assert len(first) == shards[0]["sequences"] and {ex.shard for ex in first} == {shards[0]["name"]}
+    every, _ = corpus_examples(tmp_path / "c", target, tmp_path / "f", progress=False)
+    assert len(every) == sum(s["sequences"] for s in shards)
+    for bad in (0, len(shards) + 1):
+        with pytest.raises(ValueError, match=rf"shards must be in \[1, {len(shards)}\]"):
+            corpus_examples(tmp_path / "c", target, tmp_path / "f", progress=False, shards=bad)
+
+
 def test_batched_prefill_matches_one_sequence_at_a_time(default):
     target, _ = default
     g = torch.Generator().manual_seed(0)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
+from jakiro_ext.profiling import scope
 from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, memory_errors, project,
                                      rope_cos_sin, rotary)
 
@@ -292,6 +293,53 @@ class DraftHead(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
 
+    @torch.no_grad()
+    def init_from_target(self, target: LlamaModel) -> "DraftHead":
+        """Start from the target's own last layers instead of random weights: serial layer i is a
+        copy of target layer ``L - num_layers + i`` (attention, post-attention norm, and the MLP:
+        whole for a dense head of the target's width, or cut into the experts, expert j the j-th
+        slice of its rows, for a MoE head); ``fc`` passes the feature through (``[0 | I]``, the
+        embedding's half zero), so the head starts as the target's last layer applied to f_t.
+        The router and the MLP heads keep their (random) weights."""
+        target = as_target(target)
+        c, t = self.config, target.config
+        if c.hidden_size != t.hidden_size or c.num_heads != t.num_heads or c.num_kv_heads != t.num_kv_heads \
+                or c.head_dim != t.head_dim:
+            raise ValueError("init_from_target: the head's attention geometry differs from the target's")
+        width = c.intermediate_size * (c.num_experts or 1)
+        if width != t.intermediate_size:
+            raise ValueError(f"init_from_target: the head's MLP ({c.num_experts or 1} x {c.intermediate_size}) is not "
+                             f"the target's ({t.intermediate_size}) wide")
+        if c.num_layers > len(target.layers):
+            raise ValueError(f"init_from_target: {c.num_layers} serial layers, the target has {len(target.layers)}")
+        H, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.fc.weight.zero_()
+        self.fc.weight[:, H:].copy_(torch.eye(H))
+        self.fc.bias.zero_()
+        mine = [self] + list(self.layers if c.num_layers > 1 else [])
+        for w, block in zip(mine, target.layers[len(target.layers) - c.num_layers:]):
+            qkv = block.self_attn.qkv_proj.weight
+            w.q_proj.weight.copy_(qkv[:q])
+            w.k_proj.weight.copy_(qkv[q: q + kv])
+            w.v_proj.weight.copy_(qkv[q + kv: q + 2 * kv])
+            w.o_proj.weight.copy_(block.self_attn.o_proj.weight)
+            w.post_attention_layernorm.weight.copy_(block.post_attention_layernorm.weight)
+            if w is not self and hasattr(w, "input_layernorm"):
+                w.input_layernorm.weight.copy_(block.input_layernorm.weight)
+            gate, up = block.gate_up_proj.weight.split(t.intermediate_size)
+            down = block.down_proj.weight
+            if c.num_experts:
+                n = c.intermediate_size
+                for j in range(c.num_experts):
+                    self.w_gate[j].copy_(gate[j * n: (j + 1) * n])
+                    self.w_up[j].copy_(up[j * n: (j + 1) * n])
+                    self.w_down[j].copy_(down[:, j * n: (j + 1) * n])
+            else:
+                w.gate_proj.weight.copy_(gate)
+                w.up_proj.weight.copy_(up)
+                w.down_proj.weight.copy_(down)
+        return self
+
     def set_draft_vocab(self, target_ids: torch.Tensor) -> "DraftHead":
         """Draft over these target token ids only (a reduced vocabulary: a cheaper LM-head pass).
         Call before :meth:`bind`. The drafted tokens are always target ids, so verification, and
@@ -495,8 +543,8 @@ class DraftHead(nn.Module):
         if not train:
             return ops.mlp_heads(x, self.mlp_in_weight, self.mlp_in_bias, self.mlp_block_weight, self.mlp_block_bias)
         outs = []
-        for j in range(c.num_mlp_heads):
-            h = F.silu(F.linear(x, self.mlp_in_weight[j], self.mlp_in_bias[j]))
+        for j in range(c.num_mlp_heads):  # (under autocast the products in bf16, the residual stream not)
+            h = F.silu(F.linear(x, self.mlp_in_weight[j], self.mlp_in_bias[j])).to(x.dtype)
             for b in range(c.mlp_blocks):
                 h = h + F.silu(F.linear(h, self.mlp_block_weight[j, b], self.mlp_block_bias[j, b]))
             outs.append(h)
@@ -540,7 +588,8 @@ class DraftHead(nn.Module):
         c = self.config
         B, T = tokens.shape
         step = len(unrolled) if unrolled is not None else 0
-        x = projected = self.project_input(tokens, features, train=True)
+        with scope("embed+fc"):  # (the residual stream stays in the weights' dtype under autocast)
+            x = projected = self.project_input(tokens, features, train=True).to(self.fc.weight.dtype)
         positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
         kv: list = []
@@ -561,35 +610,43 @@ class DraftHead(nn.Module):
         def mlp(w: nn.Module, x: torch.Tensor) -> torch.Tensor:
             return w.down_proj(F.silu(w.gate_proj(x)) * w.up_proj(x))
 
-        u = x + attention(self, x, 0)
-        normed = self.post_attention_layernorm(u)
+        with scope("attention"):
+            u = x + attention(self, x, 0)
+            normed = self.post_attention_layernorm(u)
         if not c.num_experts:
-            h = u + mlp(self, normed)
+            with scope("mlp"):
+                h = u + mlp(self, normed)
             for i, layer in enumerate(self.layers if c.num_layers > 1 else (), 1):
-                u = h + attention(layer, layer.input_layernorm(h), i)
-                h = u + mlp(layer, layer.post_attention_layernorm(u))
+                with scope("attention"):
+                    u = h + attention(layer, layer.input_layernorm(h), i)
+                with scope("mlp"):
+                    h = u + mlp(layer, layer.post_attention_layernorm(u))
             return DraftStep(h, u, projected=x if c.num_mlp_heads else None)
-        N = c.num_experts
-        logits = normed.float() @ self.router.float().T  # [B, T, N + 2]
-        score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
-        if c.renormalize:
-            score = score / score.sum(-1, keepdim=True)
-        contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
-        # Each expert runs on the rows routed to it (row, slot pairs), written back in one scatter.
-        flat, flat_idx = normed.reshape(B * T, -1), idx.reshape(B * T, 2)
-        rows, slots, outs = [], [], []
-        for j in range(N):
-            r, s = (flat_idx == j).nonzero(as_tuple=True)
-            if r.numel():
-                x = flat[r]
-                outs.append(F.linear(F.silu(F.linear(x, self.w_gate[j])) * F.linear(x, self.w_up[j]), self.w_down[j]))
-                rows.append(r)
-                slots.append(s)
-        expert_out = flat.new_zeros(B * T, 2, c.hidden_size).index_put((torch.cat(rows), torch.cat(slots)),
-                                                                       torch.cat(outs))
-        expert_out = expert_out.view(B, T, 2, c.hidden_size)
-        feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
+        with scope("moe"):
+            N = c.num_experts
+            with torch.autocast(normed.device.type, enabled=False):  # routing in fp32, as drafting routes
+                logits = normed.float() @ self.router.float().T  # [B, T, N + 2]
+            score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
+            if c.renormalize:
+                score = score / score.sum(-1, keepdim=True)
+            contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
+            expert_out = self._train_experts(normed.reshape(B * T, -1), idx.reshape(B * T, 2)).view(B, T, 2, -1)
+            feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
         return DraftStep(feature, u, expert_out, score, contrast, projected=projected if c.num_mlp_heads else None)
+
+
+    def _train_experts(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The two routed experts' outputs [R, 2, H] for rows x [R, H] and their experts idx
+        [R, 2], differentiable: the (row, slot) pairs sorted by expert once, each expert one
+        product chain over its contiguous rows, the outputs put back by the inverse permutation."""
+        pairs = idx.reshape(-1)  # pair 2r + s: row r's slot s
+        order = torch.argsort(pairs, stable=True)
+        counts = torch.bincount(pairs, minlength=self.config.num_experts).tolist()  # (one host read)
+        outs = [F.linear(F.silu(F.linear(rows, self.w_gate[j])) * F.linear(rows, self.w_up[j]), self.w_down[j])
+                for j, rows in enumerate(x[order // 2].split(counts))]
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return torch.cat(outs)[inverse].view(x.shape[0], 2, -1)
 
 
 def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:

@@ -199,6 +199,8 @@ def main():
                 continue
             table, profiled_ms = profiled_run(target, kind, examples, cfg, args.warmup, recipe)
             for name, (f, b) in sorted(table.items(), key=lambda kv: -sum(kv[1])):
+                if f + b < 0.05:
+                    continue
                 parts.append(dict(kind=kind, recipe=recipe, part=name, forward_ms=round(f, 1), backward_ms=round(b, 1),
                                   share=round((f + b) / profiled_ms, 3)))
                 print(f"  {name:28s} fwd {f:8.1f} ms  bwd {b:8.1f} ms  {100 * (f + b) / profiled_ms:5.1f}%", file=sys.stderr)

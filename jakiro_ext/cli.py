@@ -303,12 +303,17 @@ def cmd_bench(args) -> int:
                     row["methods"][m] = stats
                 if m == "ar":
                     reference = [row["methods"]["ar"].pop("token_ids") for row in rows]
+                tau = sum(o.stats.new_tokens for o in outs) / max(1, sum(o.stats.target_forwards for o in outs))
+                if m != methods[-1]:
+                    bar.update(len(group))
+                    bar.set_postfix_str(f"{m} tau {tau:.2f}")
+            with atomic.signals_held():  # recorded whole before the bar counts it: a SIGINT comes before or after
+                per_prompt += rows  # a batch counts once every method has run it
+                for m in methods:
+                    runs[m] += [row["methods"][m] for row in rows]
+                    batch_seconds[m] += seconds[m]
                 bar.update(len(group))
-                bar.set_postfix_str(f"{m} tau {sum(o.stats.new_tokens for o in outs) / max(1, sum(o.stats.target_forwards for o in outs)):.2f}")
-            per_prompt += rows  # a batch counts once every method has run it
-            for m in methods:
-                runs[m] += [row["methods"][m] for row in rows]
-                batch_seconds[m] += seconds[m]
+                bar.set_postfix_str(f"{methods[-1]} tau {tau:.2f}")
     except KeyboardInterrupt:
         bar.close()
         if per_prompt:

@@ -229,10 +229,10 @@ def _branch_loss(head: DraftHead, rows: "Scored", w_feature: float, w_token: flo
     with scope("feature loss"):
         loss = w_feature * F.smooth_l1_loss(pred.float(), want, reduction="sum") / (total * pred.shape[-1])
     with scope("lm head+token loss"):
-        logits = pred.to(lm_head.dtype) @ lm_head.T
+        logits = (pred.to(lm_head.dtype) @ lm_head.T).float()  # (a bf16 argmax is ~10x slower than fp32's)
         if w_token:  # soft cross entropy against the target's top tokens: -sum p_j log q_j
             probs, ids = rows.want_probs.probs[mask], rows.want_probs.ids[mask]
-            ce = -(probs * torch.log_softmax(logits.float(), -1).gather(-1, ids)).sum(-1)  # one fused pass
+            ce = -(probs * torch.log_softmax(logits, -1).gather(-1, ids)).sum(-1)  # one fused pass
             loss = loss + w_token * ce.sum() / total
         hits = int((head.target_ids(logits.detach().argmax(-1)) == next_tokens).sum())
     return loss, hits, int(mask.sum())

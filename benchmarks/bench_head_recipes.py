@@ -124,7 +124,7 @@ def main():
             t = p["train"]
             per_step = t["tokens_seen"] / max(t["total_steps"], 1)
             for e in p["eval_history"]:
-                curves.append(dict(variant=name, tokens_seen=round(seen_before + e["step"] * per_step),
+                curves.append(dict(variant=name, tokens_seen=seen_before + e.get("tokens_seen", round(e["step"] * per_step)),
                                    **{k.replace("eval_", ""): round(v, 4) for k, v in e.items() if k.startswith("eval_acc")
                                       and "_" not in k.replace("eval_", "")}))
             seen_before += t["tokens_seen"]

@@ -535,7 +535,8 @@ def cmd_train(args) -> int:
                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
                       ttt_steps=args.ttt_steps, minutes=args.minutes, mlp_input=args.mlp_input,
                       compute_dtype=args.compute_dtype,
-                      seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every)
+                      seed=args.seed, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
+                      eval_doublings=args.eval_doublings)
     if cfg.w_token or cfg.w_token2:  # the token loss's labels, computed once (and cached for a corpus)
         from jakiro_ext.trainset import attach_target_probs
 
@@ -573,17 +574,16 @@ def cmd_train(args) -> int:
     train_s = time.perf_counter() - t_train
     total = len(history)
     final = {k: v for k, v in history[-1].items() if k.startswith("eval_")}
-    mean_len = meta["tokens"] / max(meta["sequences"], 1)
     summary = dict(kind=args.kind, target=name, data=dict(meta["settings"], sequences=meta["sequences"],
                    tokens=meta["tokens"], learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out),
                    **({"shards": meta["shards"]} if "shards" in meta else {})),
                    train=dict(asdict(cfg), total_steps=total, epochs_seen=round(total * cfg.batch_sequences / len(train), 2),
-                              tokens_seen=round(total * cfg.batch_sequences * mean_len), seconds=round(train_s, 1),
+                              tokens_seen=history[-1]["tokens_seen"], seconds=round(train_s, 1),
                               threads=torch.get_num_threads(), processes=ranks.world,
                               products=str(compute_dtype(cfg.compute_dtype, ranks.device)).replace("torch.", "")),
                    draft_vocab=dict(size=args.draft_vocab, coverage=round(coverage, 4)), final_eval=final,
                    init_from=args.init_from, init_from_target=args.init_from_target,
-                   eval_history=[{k: v for k, v in r.items() if k == "step" or k.startswith("eval_")}
+                   eval_history=[{k: v for k, v in r.items() if k in ("step", "tokens_seen") or k.startswith("eval_")}
                                  for r in history if any(k.startswith("eval_") for k in r)])
     if held_out:  # how often its drafts are accepted, by depth and rank: what the tree choice needs
         from jakiro_ext.tree_cost import acceptance_profile
@@ -712,6 +712,8 @@ def main(argv=None) -> int:
     p.add_argument("--ttt-steps", type=int, default=0, help="training-time test: also train the head on its own "
                                                             "features this many steps deeper (EAGLE-3; 0: off)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
+    p.add_argument("--eval-doublings", type=int, default=0, help="also evaluate when the tokens seen reach N, 2N, "
+                                                                 "4N, ... (a scaling curve; 0: off)")
     p.add_argument("--eval-every-nth", type=int, default=50, help="hold out every n-th sequence (0: none)")
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints; a run resumes "
                                                                       "from --out/checkpoint.pt (0: none)")

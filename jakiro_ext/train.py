@@ -113,6 +113,7 @@ class TrainConfig:
     noise: float = 0.2  # uniform noise of width noise * 512 / seq_len on the input features
     seed: int = 0
     eval_every: int = 0  # steps between evaluations (0: only at the end)
+    eval_doublings: int = 0  # > 0: also evaluate when the tokens seen reach this many, twice as many, ... (a scaling curve)
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     ttt_steps: int = 0  # training-time test: extra steps unrolled on the head's own features (0: off)
     ttt_decay: float = 0.8  # step s's loss weight is ttt_decay ** s
@@ -466,6 +467,11 @@ class _HeadLoss(torch.nn.Module):
         return batch_loss(self.head, batch, cfg, noise, totals)
 
 
+def doubling(first: int, tokens: int) -> int:
+    """How many times ``first`` has doubled by ``tokens`` (-1 before ``first``; -1 with ``first`` 0)."""
+    return int(math.log2(tokens / first)) if first and tokens >= first else -1
+
+
 def previous_checkpoint(path: Path) -> Path:
     """Where the checkpoint before the last one is kept (``checkpoint.prev.pt``)."""
     return path.with_name(path.stem + ".prev" + path.suffix)
@@ -589,6 +595,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                 epoch_batches, epoch_of = _batches(examples, cfg, epoch), epoch
             chosen = [examples[i] for i in epoch_batches[(step % per_epoch) % len(epoch_batches)]]
             length = batch_length(chosen, cfg.max_seq_len)
+            seen_before = history[-1].get("tokens_seen", 0) if history else 0
+            seen = seen_before + sum(min(ex.tokens.numel(), cfg.max_seq_len) for ex in chosen)  # the whole batch's
             # An epoch's last batch may leave a process without a sequence: it runs the first one
             # with a zero weight, as every process must take part in the gradients' reduction.
             share = list(range(len(chosen)))[ranks.rank::ranks.world]
@@ -615,12 +623,13 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                     opt.step()
                     sched.step()
                 summed = ranks.sum([float(loss.detach())] + [metrics[f"hits_{k}"] for k in names])
-                record = {"step": step + 1, "loss": summed[0], "lr": opt.param_groups[0]["lr"],
+                record = {"step": step + 1, "tokens_seen": seen, "loss": summed[0], "lr": opt.param_groups[0]["lr"],
                           **{k: summed[1 + i] / max(totals[k], 1) for i, k in enumerate(names)}}
                 history.append(record)
                 step += 1
             last = step == total
-            if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or last):
+            if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or last
+                                  or doubling(cfg.eval_doublings, seen) > doubling(cfg.eval_doublings, seen_before)):
                 record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg, ranks=ranks).items()})
             if on_step and ranks.rank == 0:
                 on_step(step - 1, record)

@@ -177,3 +177,19 @@ def test_init_from_target_copies_its_last_layers(target, kind, layers):
     narrow = DraftHead(DraftConfig.for_target(t, "eagle2", intermediate_size=8))
     with pytest.raises(ValueError, match=rf"MLP \(1 x 8\) is not the target's \({t.intermediate_size}\) wide"):
         narrow.init_from_target(target)
+
+
+def test_evaluations_at_every_doubling_of_the_tokens_seen(target, examples):
+    """``eval_doublings``: the held-out evaluation runs when the tokens seen first reach N, 2N,
+    4N, ... (and at the end); every record counts the tokens seen so far."""
+    cfg = TrainConfig(steps=10, lr=3e-3, warmup_steps=2, batch_sequences=2, eval_doublings=50)
+    history = train_head(head_of(target, "eagle2"), examples, cfg, examples[:2])
+    seen = [r["tokens_seen"] for r in history]
+    from jakiro_ext.train import _batches
+    first = _batches(examples, cfg, 0)[0]
+    assert seen[0] == sum(examples[i].tokens.numel() for i in first)
+    assert all(b > a for a, b in zip(seen, seen[1:]))
+    evaluated = [r["tokens_seen"] for r in history if "eval_acc1" in r]
+    marks = [50 * 2 ** k for k in range(8) if 50 * 2 ** k <= seen[-1]]
+    want = sorted({next(s for s in seen if s >= m) for m in marks} | {seen[-1]})
+    assert evaluated == want and len(want) >= 3

@@ -26,6 +26,13 @@ TTT = ["--ttt-steps", "1"]
 VARIANTS = {
     "eagle2": ("eagle2", [(1.0, [], False)]),
     "jakiro": ("jakiro", [(1.0, [], False)]),
+    # the step: fp32 products (compared with bf16's at the same tokens seen)
+    "eagle2_fp32": ("eagle2", [(1.0, ["--compute-dtype", "float32"], False)]),
+    # the same steps (and so the same schedule and tokens) with bf16 and fp32 products
+    "eagle2_441_steps_bf16": ("eagle2", [(1.0, ["--minutes", "0", "--steps", "441", "--compute-dtype", "bfloat16"],
+                                          False)]),
+    "eagle2_441_steps_fp32": ("eagle2", [(1.0, ["--minutes", "0", "--steps", "441", "--compute-dtype", "float32"],
+                                          False)]),
     # the loss
     "eagle2_token_only": ("eagle2", [(1.0, ["--w-feature", "0", "--w-token", "1"], False)]),
     "eagle2_token_1": ("eagle2", [(1.0, ["--w-token", "1"], False)]),
@@ -80,6 +87,7 @@ def main():
     ap.add_argument("--eval-every", type=int, default=150, help="steps between held-out evaluations")
     ap.add_argument("--tag", default="", help="appended to the CSV names")
     ap.add_argument("--report-only", action="store_true", help="only collect the finished variants' results")
+    ap.add_argument("--no-report", action="store_true", help="only train (collect later with --report-only)")
     args = ap.parse_args()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     pending = [] if args.report_only else list(args.variants)
@@ -112,6 +120,8 @@ def main():
                 if proc.returncode:
                     sys.exit(f"{name} failed (exit {proc.returncode}): see {os.path.join(args.out, name + '.log')}")
                 print(f"finished {name}", flush=True)
+    if args.no_report:
+        return
     names = [n for n in args.variants if os.path.exists(os.path.join(args.out, n, "training.json"))]
     rates = expected_rates(names, args.out)
     rows, curves = [], []

@@ -10,8 +10,11 @@ contrastive feature at row i must predict f_{i+2}. Loss (ALGORITHM.md section 2)
 over the positions of a loss mask, with uniform noise on the input features. ``head(.)`` is the
 LM head over the draft vocabulary (the target's distribution is renormalised over it).
 
-Training runs in fp32: this CPU has no bf16 arithmetic (no AVX-512 BF16 / AMX), so bf16 tensors
-would only add conversions.
+The step's products run in bf16 under autocast where the CPU multiplies bf16 natively (and on
+GPUs), with fp32 master weights, optimizer, residual stream, routing and losses; in fp32
+elsewhere (``TrainConfig.compute_dtype``). The soft labels are computed once per example
+(:func:`jakiro_ext.trainset.attach_target_probs`) when the examples carry them. Where a step's
+time goes: ``benchmarks/bench_train_step.py`` and docs/training.md.
 """
 from __future__ import annotations
 
@@ -603,7 +606,7 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
             idle = not share
             share = share or [0]
             with scope("data"):
-                batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(head.fc.weight.device)
+                batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(device)
                 noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
             rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
                                                                 head.config.num_mlp_heads).items()}

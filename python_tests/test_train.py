@@ -257,7 +257,7 @@ def test_train_command_builds_data_trains_saves_and_resumes(tmp_path, monkeypatc
                                           | {f"eval_acc{s}_contrastive" for s in range(2, 6)})
     target, tokenizer = load_default_target()
     head = DraftHead.load(out, target)
-    assert head.config.num_experts == 4 and head.config.intermediate_size == target.config.intermediate_size // 4
+    assert head.config.num_experts == 8 and head.config.intermediate_size == target.config.intermediate_size // 8
     x = prompt(9, vocab=1000, seed=5)
     assert speculative_generate(target, head, x, 12).token_ids == speculative_generate(target, None, x, 12).token_ids
     # Running it again resumes at the last step: no step is trained (a training step would raise).

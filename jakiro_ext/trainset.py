@@ -172,23 +172,31 @@ def save_feature_shard(path, sequences, features: Sequence[torch.Tensor]) -> Non
     atomic.write_file(path, lambda tmp: save_file(tensors, str(tmp)))
 
 
-def read_feature_shard(path: Path, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-    """The cached features of a shard's ``tokens``; None when the cache has none, holds those of
-    other tokens, or is damaged (said on stderr: the cache is recomputable, and is recomputed)."""
+def read_token_cache(path: Path, tokens: torch.Tensor, names: Sequence[str], what: str) -> Optional[dict]:
+    """The tensors ``names`` of a cache file computed for ``tokens`` (stored with them as
+    ``tokens``; each has a row per token); None when the file is missing, holds other tokens' rows,
+    or is damaged (said on stderr: a cache is recomputable, and is recomputed)."""
     from safetensors.torch import load_file
 
     if not path.exists():
         return None
     try:
         stored = load_file(str(path))
-        features, cached_tokens = stored["features"], stored["tokens"].long()
-        if features.dim() != 2 or features.shape[0] != cached_tokens.numel():
-            raise ValueError(f"{features.shape[0]} feature rows for {cached_tokens.numel()} tokens")
+        cached_tokens = stored["tokens"].long()
+        for name in names:
+            if stored[name].dim() != 2 or stored[name].shape[0] != cached_tokens.numel():
+                raise ValueError(f"{name}: {stored[name].shape[0]} rows for {cached_tokens.numel()} tokens")
     except Exception as exc:  # noqa: BLE001 - any unreadable cache file is recomputed
-        print(f"warning: the feature cache file {path} is damaged ({type(exc).__name__}: {exc}); recomputing it",
+        print(f"warning: the {what} file {path} is damaged ({type(exc).__name__}: {exc}); recomputing it",
               file=sys.stderr)
         return None
-    return features if torch.equal(cached_tokens, tokens) else None
+    return {name: stored[name] for name in names} if torch.equal(cached_tokens, tokens.long()) else None
+
+
+def read_feature_shard(path: Path, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+    """The cached features of a shard's ``tokens`` (:func:`read_token_cache`)."""
+    stored = read_token_cache(path, tokens, ["features"], "feature cache")
+    return None if stored is None else stored["features"]
 
 
 @torch.no_grad()
@@ -297,7 +305,7 @@ def attach_target_probs(examples: Sequence[Example], head, k: int, feature_dir=N
     and cached; for examples without a shard (or without ``feature_dir``), computed in memory.
     Probabilities are kept in fp16, ids in int16 when the draft vocabulary fits. ``ranks``:
     several processes first compute their share of the shards, then all read them all."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from tqdm import tqdm
 
     from jakiro_ext.train import TopProbs, target_top_probs
@@ -319,14 +327,9 @@ def attach_target_probs(examples: Sequence[Example], head, k: int, feature_dir=N
         if not shard:
             return compute(group)
         path = target_probs_file(Path(feature_dir), shard, head, k)
-        if path.exists():
-            try:
-                stored = load_file(str(path))
-                if torch.equal(stored["tokens"], tokens) and stored["probs"].shape == (tokens.numel(), k):
-                    return TopProbs(stored["probs"], stored["ids"])
-            except Exception as exc:  # noqa: BLE001 - a damaged cache file is recomputed
-                print(f"warning: the cache file {path} is damaged ({type(exc).__name__}: {exc}); recomputing it",
-                      file=sys.stderr)
+        stored = read_token_cache(path, tokens, ["probs", "ids"], "target-distribution cache")
+        if stored is not None and stored["probs"].shape[1] == k:
+            return TopProbs(stored["probs"], stored["ids"])
         probs = compute(group)
         tensors = {"probs": probs.probs, "ids": probs.ids, "tokens": tokens}
         atomic.write_file(path, lambda tmp: save_file(tensors, str(tmp)))

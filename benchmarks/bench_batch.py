@@ -119,9 +119,9 @@ def main():
     bar.close()
 
     os.makedirs(RESULTS, exist_ok=True)
-    from jakiro_ext.corpus import _cpu_name
+    from jakiro_ext.corpus import cpu_name
 
-    machine = f"{_cpu_name()}, {args.threads} threads"
+    machine = f"{cpu_name()}, {args.threads} threads"
     for r in rows:
         r["machine"] = machine
     write_csv(os.path.join(RESULTS, f"{args.tag}.csv"), rows)

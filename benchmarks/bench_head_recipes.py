@@ -85,6 +85,10 @@ def main():
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--lr", default="2e-3")
     ap.add_argument("--eval-every", type=int, default=150, help="steps between held-out evaluations")
+    ap.add_argument("--eval-doublings", type=int, default=0, help="also evaluate at N, 2N, 4N, ... tokens seen "
+                                                                  "(a scaling curve)")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (a rerun of the same "
+                                                                    "command resumes; 0: none)")
     ap.add_argument("--tag", default="", help="appended to the CSV names")
     ap.add_argument("--report-only", action="store_true", help="only collect the finished variants' results")
     ap.add_argument("--no-report", action="store_true", help="only train (collect later with --report-only)")
@@ -102,7 +106,8 @@ def main():
                 out = os.path.join(args.out, name if i == len(phases) - 1 else f"{name}.phase{i}")
                 cmd = [sys.executable, "-m", "jakiro_ext", "train", "--kind", kind, "--out", out, "--data", args.data,
                        "--minutes", f"{args.minutes * fraction:.2f}", "--threads", "1", "--lr", args.lr,
-                       "--warmup-steps", "50", "--eval-every", str(args.eval_every), "--checkpoint-every", "0",
+                       "--warmup-steps", "50", "--eval-every", str(args.eval_every),
+                       "--eval-doublings", str(args.eval_doublings), "--checkpoint-every", str(args.checkpoint_every),
                        *(["--shards", str(args.shards)] if args.shards else []), *extra]
                 if from_previous:
                     cmd += ["--init-from", previous]

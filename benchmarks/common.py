@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import platform
 import statistics
 import time
 from typing import Callable, Dict, List
@@ -114,7 +113,9 @@ def max_abs_diff(a, b) -> float:
 def machine() -> str:
     if DEVICE.type == "cuda":
         return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}"
+    from jakiro_ext.corpus import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} cpus, torch {torch.__version__}"
 
 
 class Table:

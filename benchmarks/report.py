@@ -51,10 +51,11 @@ def end_to_end():
     if rows is None:
         return
     print("\n**end_to_end** (`benchmarks/results/end_to_end_summary.csv`; overall speedups are means over categories)\n")
-    cols = ["temperature", "method", "tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_hf_greedy",
+    cols = ["temperature", "method", "tree", "tokens_per_s", "tau", "speedup_vs_ar", "speedup_vs_hf_greedy",
             "speedup_vs_hf_prompt_lookup", "all_same_tokens_as_ar"]
     print_table(cols, [r for r in rows if r["category"] == "overall"])
-    methods = ["eagle2", "jakiro", "jakiro_star"]
+    present = {r["method"] for r in rows}
+    methods = [m for m in ("eagle2", "jakiro", "jakiro_star", "gumiho", "jakiro_gumiho") if m in present]
     for t in sorted({r["temperature"] for r in rows}):
         cats = [c for c in dict.fromkeys(r["category"] for r in rows) if c != "overall"] + ["overall"]
         print(f"\nTemperature {t}: speedup vs the engine's AR (tau)\n")

@@ -11,7 +11,7 @@ from jakiro_ext.models.draft_head import DraftHead
 from jakiro_ext.train import TrainConfig, evaluate
 from jakiro_ext.tree_cost import (SIZES, acceptance_profile, auto_tree, choose_tree, expected_accepted, load_costs,
                                   measure_costs, rate)
-from test_generate import copy_head, prompt, tiny_target
+from helpers import copy_head, prompt, tiny_target
 from test_train import make_examples
 
 

@@ -11,8 +11,7 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.drafting import DraftTree, VerifyTree
 from jakiro_ext.engine import MAX_BATCH, TreeConfig, generate_many, speculative_generate
-from test_generate import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head,
-                           exact_distribution, power_at_shift, prompt, random_head, tiny_target, verified_token_p)
+from helpers import DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head, exact_distribution, power_at_shift, prompt, random_head, tiny_target, verified_token_p
 
 # Ragged prompts (1 to 20 tokens).
 PROMPTS = [prompt(n, seed=s) for n, s in [(13, 2), (5, 3), (20, 4), (1, 5), (9, 6)]]

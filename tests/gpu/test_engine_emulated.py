@@ -12,8 +12,7 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.engine import TreeConfig, speculative_generate
 from test_batch import PROMPTS, same
-from test_generate import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution,
-                           power_at_shift, random_head, tiny_target, verified_token_p)
+from helpers import DYNAMIC_ONLY, HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution, power_at_shift, random_head, tiny_target, verified_token_p
 
 BACKENDS = ["simt32", "simt64"]
 NEW_TOKENS = 16

@@ -25,7 +25,7 @@ from jakiro_ext.drafting import Drafter
 from jakiro_ext.engine import TreeConfig, speculative_generate
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 from jakiro_ext.models.llama import KVCache, LlamaModel, causal_tree_mask
-from test_generate import copy_head, prompt, random_head, tiny_target
+from helpers import copy_head, prompt, random_head, tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
 SHORT_ANSWER = "What is 2 + 2? Answer with a number only."  # SmolLM2: "2 + 2 = 4" and EOS

@@ -2,75 +2,16 @@
 every method and tree shape, the exact target distribution when sampling (chi-square, with a
 negative control), stopping rules, statistics and errors."""
 
-import functools
-
-import numpy as np
 import pytest
-import scipy.stats
 import torch
 import transformers
 
-from conftest import gen
-from jakiro_ext import reference
+from helpers import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head,
+                     exact_distribution, lossy_verifier, power_at_shift, prompt, random_head, sharp_target, tiny_target,
+                     verified_token_p)
 from jakiro_ext.engine import TreeConfig, speculative_generate
 from jakiro_ext.models import LlamaModel
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-
-TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
-         "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}
-HEAD_METHODS = [("eagle2", "eagle2"), ("jakiro", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star"),
-                ("gumiho", "eagle2"), ("gumiho", "gumiho"), ("jakiro_gumiho", "gumiho")]
-DYNAMIC_ONLY = ("jakiro", "gumiho")  # methods refused on a static tree (tested below)
-
-
-def tiny_target(vocab: int = 211, embed_std: float = 0.02, seed: int = 0) -> LlamaModel:
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                                   rms_norm_eps=1e-5)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.model.embed_tokens.weight.data.normal_(0, embed_std, generator=gen(seed + 1))
-    return LlamaModel.from_hf(hf)
-
-
-def random_head(target, kind, seed=1, std=0.2):
-    config = DraftConfig.for_target(target.config, kind, num_experts=4)
-    return DraftHead(config).init_weights(seed, std=std).bind(target)
-
-
-def copy_head(target, kind, scale=300.0):
-    """A head whose feature is scale * embed(its input token): with tied embeddings it proposes
-    the token it was given, which tiny random models tend to repeat, so drafts get accepted. A
-    Gumiho head's later layers run the same: its serial layers add nothing, and its MLP heads
-    give SiLU of their leaf's ``fc`` output, close to it where the embedding is positive."""
-    head = random_head(target, kind)
-    H = target.config.hidden_size
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, :H] = torch.eye(H) * scale
-        for layer in [head, *(head.layers if head.config.num_layers > 1 else ())]:
-            layer.o_proj.weight.zero_()
-            (layer.w_down if head.config.num_experts else layer.down_proj.weight).zero_()
-        if head.config.num_mlp_heads:
-            head.mlp_in_weight.zero_()
-            head.mlp_in_weight[:, :, H:] = torch.eye(H)
-            head.mlp_block_weight.zero_()
-    return head
-
-
-def prompt(n=13, vocab=211, seed=2):
-    return torch.randint(0, vocab, (n,), generator=gen(seed))
-
-
-def sharp_target() -> LlamaModel:
-    """The tiny target with sharper attention: its logits depend on the tokens' positions (the
-    plain tiny target's hardly do: shifting a tree's positions by one changes almost no argmax),
-    so an engine that gets a position wrong gives other tokens."""
-    model = tiny_target()
-    with torch.no_grad():
-        for layer in model.layers:
-            layer.self_attn.qkv_proj.weight.mul_(6)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -231,138 +172,6 @@ def test_bad_arguments_are_clear_errors(target):
         speculative_generate(target, unbound, ids, 5)
 
 
-# ----------------------------------------------------------------------------- sampling
-SAMPLED = 3  # tokens per generation: the prompt's bonus, then a round's depth-1 and depth-2 tokens
-# (kind, method, tokens per generation, tree): gumiho's first MLP layer is depth 3 (after a
-# serial step), so its generations run a token longer to reach it.
-SAMPLING_CASES = [("eagle2", "eagle2", SAMPLED, TreeConfig(8, 2, 3)), ("jakiro", "jakiro", SAMPLED, TreeConfig(8, 2, 3)),
-                  ("jakiro", "jakiro_star", SAMPLED, TreeConfig(8, 2, 3)),
-                  ("gumiho", "gumiho", SAMPLED + 1, TreeConfig(24, 3, 3))]
-
-
-def exact_distribution(target, ids, temperature, top_p, top_k, tokens=SAMPLED):
-    """P(t1, .., t_tokens) of the target's filtered distribution, by enumeration: {tuple: prob}."""
-    probs = {(): 1.0}
-    for _ in range(tokens):
-        nxt = {}
-        for prefix, p in probs.items():
-            if p < 1e-12:
-                continue
-            seq = torch.cat([ids, torch.tensor(prefix, dtype=torch.int64)]).unsqueeze(0)
-            cache = target.new_cache(1, seq.shape[1])
-            logits, _ = target(seq, cache, last_logits_only=True)
-            dist = reference.filtered_distribution(logits[0, -1], temperature, top_p, top_k)
-            dist = dist / dist.sum()  # top-p leaves the kept mass unnormalised
-            for t in torch.nonzero(dist > 0).flatten().tolist():
-                nxt[prefix + (t,)] = p * float(dist[t])
-        probs = nxt
-    return probs
-
-
-def chi_square_p(counts, expected_probs, n):
-    """p-value of observed counts against expected probabilities (bins with an expected count
-    below 5 pooled; an outcome of probability 0 that was observed makes p = 0)."""
-    if any(k not in expected_probs for k in counts):
-        return 0.0
-    stat, bins, pooled_obs, pooled_exp = 0.0, 0, 0, 0.0
-    for k, p in expected_probs.items():
-        e, o = n * p, counts.get(k, 0)
-        if e < 5:
-            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
-        else:
-            stat += (o - e) ** 2 / e
-            bins += 1
-    if pooled_exp > 0:
-        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
-        bins += 1
-    return float(scipy.stats.chi2.sf(stat, bins - 1))
-
-
-def marginal(probs_or_counts: dict, k: int) -> dict:
-    """The first ``k`` tokens' distribution (or counts) of a distribution over token tuples."""
-    out = {}
-    for key, v in probs_or_counts.items():
-        out[key[:k]] = out.get(key[:k], 0) + v
-    return out
-
-
-def _rank_pooled(counts: dict, pair_probs: dict):
-    """Counts and probabilities of the second token's rank under p(. | first token), all first
-    tokens pooled: a share that moves the same way in every context adds up in one bin."""
-    by_context = {}
-    for key, p in pair_probs.items():
-        by_context.setdefault(key[:1], []).append((p, key))
-    rank = {key: r for group in by_context.values() for r, (_, key) in enumerate(sorted(group, reverse=True))}
-    pooled_counts, pooled_probs = {}, {}
-    for key, c in counts.items():
-        r = (rank.get(key, -1),)  # an impossible pair: a bin of probability 0, so p = 0
-        pooled_counts[r] = pooled_counts.get(r, 0) + c
-    for key, p in pair_probs.items():
-        pooled_probs[(rank[key],)] = pooled_probs.get((rank[key],), 0) + p
-    return pooled_counts, pooled_probs
-
-
-def verified_token_p(counts: dict, expected: dict, n: int) -> float:
-    """p-value for the first token the verification emits (a generation's second: the first is
-    the prefill's own sample): chi-square over (first, second) pairs and over the second token's
-    rank in its context, Bonferroni-combined."""
-    pairs, observed = marginal(expected, 2), marginal(counts, 2)
-    ranked = _rank_pooled(observed, pairs)
-    return min(1.0, 2 * min(chi_square_p(observed, pairs, n), chi_square_p(*ranked, n)))
-
-
-def shifted(expected: dict, rank: int, shift: float) -> dict:
-    """(first, second)-pair probabilities with the second token's rank-``rank`` share moved by
-    ``shift`` in every context (the other shares rescaled): what a biased verifier would emit."""
-    pairs, out = marginal(expected, 2), {}
-    for context, pc in marginal(expected, 1).items():
-        cond = sorted(((pairs[k] / pc, k) for k in pairs if k[:1] == context), reverse=True)
-        s0, k0 = cond[min(rank, len(cond) - 1)]
-        s1 = min(max(s0 + shift, 0.0), 1.0)
-        for s, k in cond:
-            out[k] = pc * (s1 if k == k0 else (s * (1 - s1) / (1 - s0) if s0 < 1 else 0.0))
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def power_at_shift(expected_items: tuple, n: int, shift: float = 0.05, alpha: float = 1e-3, sims: int = 200) -> float:
-    """The smallest probability, over the verified token's three largest shares moved up or down
-    by ``shift``, that :func:`verified_token_p` falls below ``alpha`` on ``n`` samples (by
-    simulation): the power the test has against such a bias."""
-    expected = dict(expected_items)
-    rng = np.random.default_rng(0)
-    worst = 1.0
-    for rank in range(3):
-        for sign in (1, -1):
-            q = shifted(expected, rank, sign * shift)
-            keys = list(q)
-            probs = np.array([q[k] for k in keys])
-            hits = 0
-            for _ in range(sims):
-                draw = rng.multinomial(n, probs / probs.sum())
-                hits += verified_token_p({k: int(c) for k, c in zip(keys, draw) if c}, expected, n) < alpha
-            worst = min(worst, hits / sims)
-    return worst
-
-
-def lossy_verifier(monkeypatch, scale: float = 0.7):
-    """Patch the engine's verification to accept a drafted token with probability
-    min(1, p / (scale q)) instead of p / q (draws scaled): a lossy sampler, for negative controls."""
-    from jakiro_ext import ops
-
-    exact = ops.verify_tree
-
-    def lossy(parents, tokens, logits, uniforms=None, *args):
-        if uniforms is not None:
-            uniforms = torch.cat([uniforms[:, :-1] * scale, uniforms[:, -1:]], 1)
-        return exact(parents, tokens, logits, uniforms, *args)
-
-    monkeypatch.setattr(ops, "verify_tree", lossy)
-
-
-# The sampling tests' size: 4000 samples detect a 0.05 shift of a share of the verified token
-# with >= 95% power (asserted by power_at_shift in each test).
-SAMPLES = 4000
 
 
 @pytest.mark.parametrize("kind,method,tokens,tree", SAMPLING_CASES, ids=[c[1] for c in SAMPLING_CASES])

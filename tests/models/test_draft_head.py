@@ -7,7 +7,7 @@ from conftest import gen
 from jakiro_ext import ops
 from jakiro_ext.models import causal_tree_mask
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead, TreeKV
-from test_generate import tiny_target
+from helpers import tiny_target
 
 
 def make_head(target, kind, seed=0):

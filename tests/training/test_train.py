@@ -11,7 +11,7 @@ from jakiro_ext.engine import TreeConfig, speculative_generate
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 from jakiro_ext.train import Example, TrainConfig, evaluate, make_example, target_features, train_head
 from jakiro_ext.trainset import (TrainSetWriter, generate_greedy_batched, load_trainset, select_draft_vocab)
-from test_generate import copy_head, prompt, tiny_target
+from helpers import copy_head, prompt, tiny_target
 
 
 @pytest.fixture(scope="module")

@@ -128,7 +128,7 @@ def api_cases(rng: random.Random):
 
     from jakiro_ext.engine import TreeConfig, speculative_generate
     from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-    from test_generate import copy_head, prompt, tiny_target
+    from helpers import copy_head, prompt, tiny_target
 
     target = tiny_target()
     target.config.max_position_embeddings = CONTEXT

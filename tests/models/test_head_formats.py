@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from jakiro_ext.engine import TreeConfig, speculative_generate
 from jakiro_ext.models.draft_head import DraftHead
-from test_generate import copy_head, prompt, random_head, tiny_target
+from helpers import copy_head, prompt, random_head, tiny_target
 
 TREE = TreeConfig(12, 3, 4)
 

@@ -11,7 +11,7 @@ import torch
 
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 from jakiro_ext.train import TrainConfig, init_distributed, make_example, train_head
-from test_generate import prompt, tiny_target
+from helpers import prompt, tiny_target
 
 SNAPSHOT_STEP = 3
 # fp32 products: the test compares one process with two to float rounding, which bf16 would swamp

@@ -13,7 +13,7 @@ from jakiro_ext import graphs
 from jakiro_ext.engine import generate_many, speculative_generate
 from jakiro_ext.models import llama
 from test_batch import PROMPTS
-from test_generate import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, sharp_target, tiny_target
+from helpers import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, sharp_target, tiny_target
 
 MODES = ["recorded"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -8,7 +8,7 @@ from jakiro_ext import ops
 from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 from jakiro_ext.train import (TrainConfig, batch_loss, collate, compute_dtype, target_top_probs, train_head)
 from jakiro_ext.trainset import attach_target_probs, target_probs_file
-from test_generate import tiny_target
+from helpers import tiny_target
 from test_train import make_examples
 
 

@@ -101,7 +101,7 @@ def test_mlp_heads_bad_input_errors():
 def test_draft_head_mlp_heads_drafting_and_training_twins_agree():
     # DraftHead.mlp_heads: the fused op when drafting, plain PyTorch (differentiable) in training.
     from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-    from test_generate import tiny_target
+    from helpers import tiny_target
 
     target = tiny_target()
     head = DraftHead(DraftConfig.for_target(target.config, "gumiho")).init_weights(2, std=0.2).bind(target)

@@ -13,17 +13,20 @@ from jakiro_ext.ops import (
     merge_attention_states,
     mlp_heads,
     moe_top2,
+    rms_norm,
+    rope_kv_write,
     tree_attention,
     tree_attention_partial,
     verify_tree,
 )
 
-from jakiro_ext.engine import GenerationOutput, GenerationStats, TreeConfig, speculative_generate
+from jakiro_ext.engine import GenerationOutput, GenerationStats, TreeConfig, generate_many, speculative_generate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "speculative_generate",
+    "generate_many",
     "GenerationOutput",
     "GenerationStats",
     "TreeConfig",
@@ -36,6 +39,8 @@ __all__ = [
     "merge_attention_states",
     "mlp_heads",
     "moe_top2",
+    "rms_norm",
+    "rope_kv_write",
     "tree_attention",
     "tree_attention_partial",
     "verify_tree",

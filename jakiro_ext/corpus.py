@@ -60,7 +60,8 @@ def target_fingerprint(target) -> str:
     return h.hexdigest()
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -143,7 +144,7 @@ class CorpusWriter:
         self.meta["shards"].append(dict(
             name=name, sha256=digest, sequences=len(self.pending), tokens=int(lengths.sum()),
             answer_tokens=int(sum(q.answer.numel() for q in self.pending)),
-            seconds=round(now - self.started, 1), machine=f"{_cpu_name()}, {torch.get_num_threads()} threads"))
+            seconds=round(now - self.started, 1), machine=f"{cpu_name()}, {torch.get_num_threads()} threads"))
         self.started = now
         atomic.write_text(self.path / CORPUS_META, json.dumps(self.meta, indent=1) + "\n")
         self.pending, self.pending_features = [], []

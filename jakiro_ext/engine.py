@@ -38,7 +38,7 @@ from jakiro_ext.graphs import MODES, Replay
 from jakiro_ext.models.draft_head import DraftHead, DraftStep
 from jakiro_ext.models.llama import LlamaModel, as_target
 
-METHODS = tuple(METHOD_SPECS)  # ("ar", "eagle2", "jakiro", "jakiro_star")
+METHODS = tuple(METHOD_SPECS)  # ("ar", "eagle2", "jakiro", "jakiro_star", "gumiho")
 INITIAL_ROOM = 256  # new tokens the KV caches hold before their first growth
 MAX_BATCH = 1024  # sequences decoded together (each holds its own KV cache rows)
 GRAPH_MODES = ("eager", *MODES)  # how a round's device work is launched (speculative_generate's graphs)

@@ -2,7 +2,7 @@
 
 For a token sequence x_0..x_{n-1} the target gives its final hidden states f_0..f_{n-1}. Row i of
 the head's input is (x_{i+1}, f_i) and its MoE/dense feature must predict f_{i+1}; a Jakiro head's
-contrastive feature at row i must predict f_{i+2}. Loss (ALGORITHM.md section 2):
+contrastive feature at row i must predict f_{i+2}. Loss (EAGLE-2 and Jakiro papers):
 
     w_feature * SmoothL1(f_moe, f_{i+1}) + w_token * CE(head(f_moe), softmax(head(f_{i+1})))
   + w_feature2 * SmoothL1(f_const, f_{i+2}) + w_token2 * CE(head(f_const), softmax(head(f_{i+2})))

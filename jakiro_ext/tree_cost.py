@@ -156,10 +156,10 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
 
 def costs_key(target, head, method: str, batch: int = 1) -> str:
     """What the costs depend on: the CPU (or GPU), the threads, the dtype and the shapes."""
-    from jakiro_ext.corpus import _cpu_name
+    from jakiro_ext.corpus import cpu_name
 
     device = target.lm_head.weight.device
-    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()) + \
+    where = (torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()) + \
         f"-{torch.get_num_threads()}t"
     t, h = target.config, head.config
     shape = (f"h{t.hidden_size}-l{t.num_layers}-i{t.intermediate_size}-v{t.vocab_size}-"

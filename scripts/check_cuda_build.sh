@@ -25,9 +25,8 @@ echo "== building with CUDA kernels ($("$CUDA_HOME/bin/nvcc" --version | tail -1
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation .)
 (cd /tmp && "$VENV/bin/python" -m jakiro_ext show-config)
 echo "== python tests (CUDA build, no GPU)"
-# The emulated GPU kernels (test_gpu_*.py) ran with the CPU build; with no GPU here they would
-# only run the same emulator again (so do the emulated cases of the other tests: -k "not simt").
-# test_robustness.py checks files, signals and errors of pure Python, and the engine-level
+# The emulated GPU kernels (tests/gpu) ran with the CPU build; with no GPU here they would only
+# run the same emulator again (so do the emulated cases of the other tests: -k "not simt").
+# tests/robustness checks files, signals and errors of pure Python, and the engine-level
 # sampling statistics (4000 generations each) the engine's Python: the same on either build.
-(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q python_tests --ignore-glob="python_tests/test_gpu_*.py" \
-  --ignore=python_tests/test_robustness.py -k "not simt and not follows_the_target_distribution and not lossy_verifier")
+(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q tests --ignore=tests/gpu --ignore=tests/robustness -k "not simt and not follows_the_target_distribution and not lossy_verifier")

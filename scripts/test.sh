@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything and run the whole test suite:
 #   1. the Python tests against the CPU build (torch 2.13.0 CPU), including the GPU kernels run
-#      under the SIMT emulator at warp widths 32 and 64 (python_tests/test_gpu_*.py);
+#      under the SIMT emulator at warp widths 32 and 64 (tests/gpu);
 #   2. the C++ tests (CMake + CTest): the framework-free kernel headers, and every GPU kernel
 #      under the emulator with fibers and with real threads under ThreadSanitizer (race check);
 #   3. the HIP compile check: the kernels hipified offline and compiled with hipcc for gfx90a
@@ -14,7 +14,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh" pytest scipy
 cd "$ROOT"
 
 echo "== python tests (CPU build)"
-JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q python_tests
+JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q tests
 
 echo "== C++ tests: kernel headers; GPU kernels under the SIMT emulator (fibers, threads + TSan)"
 cmake -S "$ROOT" -B "$ROOT/build/cmake" -DCMAKE_BUILD_TYPE=Release -DJAKIRO_WITH_TORCH=OFF > /dev/null

@@ -1,9 +1,24 @@
-"""Shared helpers of the op tests: deterministic generators, random trees, tolerances."""
+"""Shared helpers of the op tests: deterministic generators, random trees, tolerances; and the
+import path of the test folders."""
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 import jakiro_ext  # noqa: F401  (loads torch.ops.jakiro)
 from jakiro_ext import emulator, ops
+
+TESTS = Path(__file__).resolve().parent
+AREAS = ("ops", "gpu", "models", "engine", "training", "cli", "robustness")
+# Test modules share cases across areas (the GPU tests reuse the op tests' shapes, everything the
+# helpers): the tests' folder and each area's are importable by module name, here and in the
+# subprocesses some tests start (their PYTHONPATH gets TEST_PATH).
+TEST_FOLDERS = [TESTS, *(TESTS / area for area in AREAS)]
+for _folder in reversed(TEST_FOLDERS):
+    if str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
+TEST_PATH = [str(folder) for folder in TEST_FOLDERS]
 
 # Tolerances of a kernel against its float32 reference, by the kernel's input dtype.
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}

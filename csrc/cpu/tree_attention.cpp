@@ -1,5 +1,5 @@
-// CPU kernels of tree attention over a KV cache (split-KV, FlashDecoding-style) and of the
-// merge of partial attention states.
+// CPU kernels of tree attention over a KV cache (split-KV, FlashDecoding-style); the split
+// results are combined by merge_attention_states (merge_attention_states.cpp).
 //
 // One task = (sequence b, KV head, split). It gathers the G = Hq / Hkv query heads that share
 // the KV head, times the T tree tokens, into one [G*T, D] block, so every K/V row loaded from
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu/gemm.h"
+#include "cpu/merge_attention_states.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/common.h"
 #include "jakiro/softmax.h"
@@ -248,49 +249,6 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
   return {out_partial, lse_partial};
 }
 
-std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& out_partial,
-                                                              const at::Tensor& lse_partial,
-                                                              std::optional<at::ScalarType> out_dtype) {
-  const auto dtype = check_merge_attention_states(out_partial, lse_partial, out_dtype);
-  auto op_c = out_partial.contiguous();
-  auto lse_c = lse_partial.contiguous();
-  const int64_t B = op_c.size(0), T = op_c.size(1), H = op_c.size(2), S = op_c.size(3), D = op_c.size(4);
-  auto out = at::empty({B, T, H, D}, op_c.options().dtype(dtype));
-  auto lse = at::empty({B, T, H}, lse_c.options());
-  const float* po = op_c.data_ptr<float>();
-  const float* pl = lse_c.data_ptr<float>();
-  float* plse = lse.data_ptr<float>();
-  JAKIRO_DISPATCH_FLOAT_BF16(dtype, "merge_attention_states_cpu", [&] {
-    scalar_t* pout = out.data_ptr<scalar_t>();
-    at::parallel_for(0, B * T * H, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(D);
-      for (int64_t row = begin; row < end; ++row) {
-        const float* lses = pl + row * S;
-        float max_lse = neg_inf();
-        bool poisoned = false;
-        for (int64_t s = 0; s < S; ++s) {
-          poisoned |= poisons(lses[s]);
-          max_lse = lses[s] > max_lse ? lses[s] : max_lse;
-        }
-        std::fill(acc.begin(), acc.end(), poisoned ? quiet_nan() : 0.f);
-        float total = 0.f;
-        if (!poisoned && max_lse != neg_inf()) {
-          for (int64_t s = 0; s < S; ++s) {
-            if (lses[s] == neg_inf()) continue;  // an empty split: its output is not read
-            const float w = merge_weight(lses[s], max_lse);
-            total += w;
-            axpy(acc.data(), po + (row * S + s) * D, D, w);
-          }
-          scale_in_place(acc.data(), D, 1.f / total);
-        }
-        from_float(acc.data(), pout + row * D, D);
-        plse[row] = poisoned ? quiet_nan() : total > 0.f ? max_lse + std::log(total) : neg_inf();
-      }
-    });
-  });
-  return {out, lse};
-}
-
 std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                                       const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                                       const at::Tensor& tree_mask, std::optional<double> scale,
@@ -325,7 +283,6 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
 TORCH_LIBRARY_IMPL(jakiro, CPU, m) {
   m.impl("tree_attention", &tree_attention_cpu);
   m.impl("tree_attention_partial", &tree_attention_partial_cpu);
-  m.impl("merge_attention_states", &merge_attention_states_cpu);
 }
 
 }  // namespace jakiro::cpu

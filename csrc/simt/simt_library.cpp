@@ -1,4 +1,4 @@
-// The op library of an emulated GPU build (python_tests/simt_emulator.py): the jakiro schemas
+// The op library of an emulated GPU build (jakiro_ext/emulator.py): the jakiro schemas
 // under JAKIRO_SIMT_NAMESPACE, implemented by csrc/cuda/*.cu compiled with -DSIMT_EMU.
 #include "op_schemas.h"
 

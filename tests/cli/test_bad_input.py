@@ -27,7 +27,7 @@ from jakiro_ext.models.draft_head import DraftConfig, DraftHead
 from jakiro_ext.models.llama import KVCache, LlamaModel, causal_tree_mask
 from helpers import copy_head, prompt, random_head, tiny_target
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SHORT_ANSWER = "What is 2 + 2? Answer with a number only."  # SmolLM2: "2 + 2 = 4" and EOS
 SHIPPED_HEAD = REPO / "jakiro_ext" / "heads" / "SmolLM2-135M-Instruct-jakiro"
 

@@ -25,8 +25,9 @@ import time
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+from conftest import TEST_PATH
+
+REPO = Path(__file__).resolve().parents[2]
 API_CASES, CLI_CASES = 60, 25
 CASE_SECONDS = 120.0  # a hang, not a slow machine: the slowest case (a 60-node tree, default model) takes ~3 s
 PEAK_RSS_BYTES = 3 * 2**30  # the default model in float32 is 0.54 GB (twice while loading)
@@ -36,8 +37,8 @@ SHORT_ANSWER = "What is 2 + 2? Answer with a number only."  # SmolLM2: "2 + 2 = 
 
 def test_fuzz_api_and_cli_in_one_bounded_subprocess(tmp_path):
     results_file = tmp_path / "results.json"
-    # The installed package (as every test uses), and this folder for the helpers the script imports.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(HERE)])))
+    # The installed package (as every test uses), and the test folders for the helpers the script imports.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), *TEST_PATH])))
     t0 = time.perf_counter()
     run = subprocess.run([sys.executable, str(Path(__file__)), str(results_file)], env=env, capture_output=True,
                          text=True, timeout=900, cwd=tmp_path)

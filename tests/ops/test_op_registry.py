@@ -8,7 +8,7 @@ import torch
 
 from jakiro_ext import ops, reference
 
-TEST_DIR = pathlib.Path(__file__).parent
+from conftest import TESTS
 
 
 def registered_ops():
@@ -21,7 +21,7 @@ def test_the_registered_ops_are_the_documented_ones():
 
 def test_every_op_has_reference_fake_entry_point_and_tests():
     test_functions = []
-    for path in TEST_DIR.glob("test_*.py"):
+    for path in TESTS.rglob("test_*.py"):
         module = importlib.import_module(path.stem)
         test_functions += [name for name in dir(module) if name.startswith("test_")]
     for name in registered_ops():
@@ -46,7 +46,7 @@ def coverage() -> dict:
     """(op, kind) -> the tests marked as checking it, each verified to be a test function whose
     source (decorators included) names the op."""
     found = {}
-    for path in TEST_DIR.glob("test_*.py"):
+    for path in TESTS.rglob("test_*.py"):
         module = importlib.import_module(path.stem)
         for name, fn in vars(module).items():
             for mark in getattr(fn, "pytestmark", []) if name.startswith("test_") else []:

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 import ddp_train_worker as worker
+from conftest import TEST_PATH
 import jakiro_ext
 from jakiro_ext.train import Ranks, train_head
 
-HERE = Path(__file__).resolve().parent
 PACKAGE_HOME = Path(jakiro_ext.__file__).resolve().parent.parent
 
 
 def torchrun(processes: int, *args) -> None:
     # The jakiro_ext this test imported (installed, or a checkout's in-place build), and the tests.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_HOME), str(HERE)]), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(PACKAGE_HOME), *TEST_PATH]), OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
                           str(Path(worker.__file__)), *map(str, args)], env=env, capture_output=True, text=True,
                          timeout=600)

@@ -1,5 +1,5 @@
 // GPU kernels of the fused (contrastive) LM head: feature -> logits over the vocabulary ->
-// log-softmax -> top-k (the CPU kernel: cpu/contrastive_head.cpp).
+// log-softmax -> top-k (the CPU kernel: cpu/contrastive_topk.cpp).
 //
 // Three kernels per chunk of feature rows:
 //   1. features: f = h_a, or w_hi * h_a - w_lo * h_b, in float32 [rows, H];

@@ -1,4 +1,4 @@
-// GPU kernels of tree verification (the CPU kernel and its rules: cpu/verify.cpp).
+// GPU kernels of tree verification (the CPU kernel and its rules: cpu/verify_tree.cpp).
 //
 // Greedy (temperature 0): the target's argmax at every (sequence, node) in parallel, a block
 // each (ties: lowest index; -1 for a row with a NaN or +inf logit or only -inf, like the CPU's

@@ -112,7 +112,7 @@ print(f"setup.py: torch {torch.__version__}, CUDA kernels: {'yes (' + cuda_home 
 
 class BuildPyWithKernelSources(build_py):
     """Installs csrc/ as jakiro_ext/csrc too: ops.use_backend("simt32" | "simt64") compiles the GPU
-    kernels for the CPU SIMT emulator from it at run time (jakiro_ext/emulator.py)."""
+    kernels for the CPU SIMT emulator from it at run time (jakiro_ext/ops/emulator.py)."""
 
     def run(self):
         super().run()

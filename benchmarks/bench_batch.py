@@ -44,11 +44,12 @@ def main():
 
     from tqdm import tqdm
 
-    from jakiro_ext.cli import chat_ids, load_head
-    from jakiro_ext.engine import CPU_TREE, TreeConfig, speculative_generate
+    from jakiro_ext.cli.common import chat_ids, load_head
+    from jakiro_ext.config import CPU_TREE, TreeConfig
+    from jakiro_ext.engine.generate import speculative_generate
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
     from jakiro_ext.models.llama import LlamaModel
-    from jakiro_ext.tree_cost import auto_tree
+    from jakiro_ext.engine.tree_cost import auto_tree
 
     hf, tokenizer = load_default_hf(torch.float32)
     target = LlamaModel.from_hf(hf, torch.float32)
@@ -119,7 +120,7 @@ def main():
     bar.close()
 
     os.makedirs(RESULTS, exist_ok=True)
-    from jakiro_ext.corpus import cpu_name
+    from jakiro_ext.machine import cpu_name
 
     machine = f"{cpu_name()}, {args.threads} threads"
     for r in rows:

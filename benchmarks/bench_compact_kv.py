@@ -4,7 +4,8 @@ eager single gather/scatter over all layers."""
 import torch
 
 from common import Table, max_abs_diff, on_device, parse_args, timeit
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def eager_gather(cache, prefix_lens, path, path_len):

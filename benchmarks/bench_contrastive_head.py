@@ -4,7 +4,8 @@ LM-head read rate."""
 import torch
 
 from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def main():

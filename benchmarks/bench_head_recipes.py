@@ -5,7 +5,7 @@ answers (acc1..acc4 drafting from the head's own features, as the engine drafts)
 ``--eval-every`` steps: the slope, not only the end point.
 
 Each head is then judged by what it buys, not by acc1 alone: the tree cost model
-(:mod:`jakiro_ext.tree_cost`, this machine's measured costs of a round at 2 threads, and the
+(:mod:`jakiro_ext.engine.tree_cost`, this machine's measured costs of a round at 2 threads, and the
 head's acceptance profile measured on the held-out answers) gives the best dynamic tree's
 expected tokens/s and its ratio to plain decoding. Results: ``results/head_recipes.csv`` (one
 row per variant) and ``results/head_recipes_curves.csv`` (held-out accuracy against tokens seen).
@@ -57,9 +57,9 @@ def expected_rates(names, out_dir):
     batch 1), its expected tokens/s and the ratio to plain decoding's (one target forward a token)."""
     import torch
 
-    from jakiro_ext.cli import load_target
-    from jakiro_ext.models.draft_head import DraftHead
-    from jakiro_ext.tree_cost import choose_tree, load_costs
+    from jakiro_ext.cli.common import load_target
+    from jakiro_ext.models.heads.draft_head import DraftHead
+    from jakiro_ext.engine.tree_cost import choose_tree, load_costs
 
     torch.set_num_threads(2)
     target, _, _ = load_target("float32", "cpu", None)

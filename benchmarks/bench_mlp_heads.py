@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.llama import LlamaConfig, linear_rows
 
 

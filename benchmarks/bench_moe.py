@@ -3,7 +3,8 @@ Mixtral / Hugging Face loop over experts). Reports time, speedup and the expert-
 import torch
 
 from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def main():

@@ -83,12 +83,13 @@ def main():
     args = parse_args(__doc__)
     if args.device.type != "cpu":
         raise SystemExit("bench_target_forward measures the CPU engine")
-    from jakiro_ext.cli import load_head
-    from jakiro_ext.engine import speculative_generate
+    from jakiro_ext.cli.common import load_head
+    from jakiro_ext.engine.generate import speculative_generate
     from jakiro_ext import ops
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
-    from jakiro_ext.models.draft_head import TreeKV
-    from jakiro_ext.models.llama import LlamaModel, causal_tree_mask
+    from jakiro_ext.kv_cache import TreeKV
+    from jakiro_ext.models.llama import LlamaModel
+    from jakiro_ext.kv_cache import causal_tree_mask
 
     table = Table("target_forward", args)
     mach = Machine()

@@ -54,9 +54,9 @@ def matmul_gflops(dtype: torch.dtype, rows: int = 4096) -> float:
 
 
 def examples_of(target, corpus: str, count: int):
-    from jakiro_ext.corpus import read_corpus_meta, read_shard
-    from jakiro_ext.train import Example
-    from jakiro_ext.trainset import prefill_features
+    from jakiro_ext.training.corpus import read_corpus_meta, read_shard
+    from jakiro_ext.training.examples import Example
+    from jakiro_ext.training.features import prefill_features
 
     meta = read_corpus_meta(corpus)
     shard = meta["shards"][0]
@@ -67,8 +67,9 @@ def examples_of(target, corpus: str, count: int):
 
 
 def make_head(target, kind: str, examples, experts: int = 4):
-    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-    from jakiro_ext.trainset import select_draft_vocab
+    from jakiro_ext.models.heads.config import DraftConfig
+    from jakiro_ext.models.heads.draft_head import DraftHead
+    from jakiro_ext.training.trainset import select_draft_vocab
 
     moe = kind == "jakiro"
     width = target.config.intermediate_size // (experts if moe else 1)
@@ -81,12 +82,12 @@ def make_head(target, kind: str, examples, experts: int = 4):
 
 def batch_tokens(examples, cfg, steps: int):
     """The real tokens of each of the first ``steps`` batches train_head takes."""
-    from jakiro_ext.train import _batches
+    from jakiro_ext.training.train import shuffled_batches
 
     per_epoch = -(-len(examples) // cfg.batch_sequences)
     out = []
     for step in range(steps):
-        batches = _batches(examples, cfg, step // per_epoch)
+        batches = shuffled_batches(examples, cfg, step // per_epoch)
         out.append(sum(min(examples[i].tokens.numel(), cfg.max_seq_len) for i in batches[step % per_epoch]))
     return out
 
@@ -98,14 +99,14 @@ def prepared_head(target, kind, examples, recipe: str, k: int = 32):
     for ex in examples:
         ex.top_probs = None
     if recipe != "before":
-        from jakiro_ext.trainset import attach_target_probs
+        from jakiro_ext.training.features import attach_target_probs
 
         attach_target_probs(examples, head, k, progress=False)
     return head
 
 
 def timed_run(target, kind, examples, cfg, warmup: int, recipe: str):
-    from jakiro_ext.train import train_head
+    from jakiro_ext.training.train import train_head
 
     stamps = []
     head = prepared_head(target, kind, examples, recipe)
@@ -120,7 +121,7 @@ def profiled_run(target, kind, examples, cfg, warmup: int, recipe: str):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from jakiro_ext.profiling import PREFIX
-    from jakiro_ext.train import train_head
+    from jakiro_ext.training.train import train_head
 
     active = cfg.steps - warmup
     with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1)) as prof:
@@ -177,8 +178,8 @@ def main():
     ap.add_argument("--tag", default="", help="appended to the CSV names")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from jakiro_ext.cli import load_target
-    from jakiro_ext.train import TrainConfig
+    from jakiro_ext.cli.common import load_target
+    from jakiro_ext.training.settings import TrainConfig
 
     target, _, _ = load_target("float32", "cpu", None)
     examples = examples_of(target, args.corpus, args.sequences)

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, peak_hbm_gbs, timeit
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def sdpa_tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask):

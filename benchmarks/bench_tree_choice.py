@@ -1,4 +1,4 @@
-"""The tree chosen by measured cost (jakiro_ext.tree_cost) against the grid of fixed trees around
+"""The tree chosen by measured cost (jakiro_ext.engine.tree_cost) against the grid of fixed trees around
 it: one method with its head at temperature 0 over one question of each of the 13 MT-bench /
 Spec-Bench categories (bench_end_to_end.py, plain decoding back to back with each run). Writes
 ``results/tree_choice_<method>.csv``: per tree, the model's expected tokens/s and accepted tokens
@@ -33,11 +33,12 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from jakiro_ext.cli import HEAD_KIND, load_head
+    from jakiro_ext.cli.common import load_head
+    from jakiro_ext.methods import METHODS
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_target
-    from jakiro_ext.tree_cost import choose_tree, load_costs, rate
+    from jakiro_ext.engine.tree_cost import choose_tree, load_costs, rate
 
-    kind = HEAD_KIND[args.method]
+    kind = METHODS[args.method].shipped_head
     target, _ = load_default_target(getattr(torch, args.dtype))
     head = load_head(kind, args.head, target, DEFAULT_MODEL)
     if not head.acceptance:

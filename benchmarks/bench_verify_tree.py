@@ -3,7 +3,8 @@ jakiro::verify_tree against the pure-PyTorch reference, greedy and sampling."""
 import torch
 
 from common import Table, max_abs_diff, on_device, parse_args, timeit
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def main():

@@ -113,7 +113,7 @@ def max_abs_diff(a, b) -> float:
 def machine() -> str:
     if DEVICE.type == "cuda":
         return f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
-    from jakiro_ext.corpus import cpu_name
+    from jakiro_ext.machine import cpu_name
 
     return f"{cpu_name()}, {os.cpu_count()} cpus, torch {torch.__version__}"
 

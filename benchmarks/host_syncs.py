@@ -1,10 +1,10 @@
 """How often the decoding loop reads device values on the host, per round: on a GPU each such read
 is a device-to-host synchronisation that stalls the launch queue (issue 15 asks for at most one per
 round). Counted on the CPU, where nothing stalls, by intercepting every such read
-(:mod:`jakiro_ext.host_reads`).
+(:mod:`jakiro_ext.engine.host_reads`).
 
 SmolLM2-135M-Instruct with the shipped heads, MT-bench/Spec-Bench prompts, greedy and sampling
-(temperature 1, top-p 0.9). Reads in the rounds (draft, verify, commit: ``_Batch.round``) are
+(temperature 1, top-p 0.9). Reads in the rounds (draft, verify, commit: ``DecodeBatch.round``) are
 counted apart from those of a sequence's start (the checks of its prompt, its prefill). Writes
 ``results/host_syncs.csv``.
 """
@@ -14,7 +14,7 @@ import os
 import torch
 from bench_end_to_end import load_questions
 from common import RESULTS, write_csv
-from jakiro_ext.host_reads import HostReads, counted_rounds
+from jakiro_ext.engine.host_reads import HostReads, counted_rounds
 
 
 def main():
@@ -23,11 +23,11 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     args = ap.parse_args()
 
-    from jakiro_ext.cli import chat_ids, load_head
-    from jakiro_ext.engine import speculative_generate
+    from jakiro_ext.cli.common import chat_ids, load_head
+    from jakiro_ext.engine.generate import speculative_generate
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
     from jakiro_ext.models.llama import LlamaModel
-    from jakiro_ext.tree_cost import auto_tree
+    from jakiro_ext.engine.tree_cost import auto_tree
 
     hf, tokenizer = load_default_hf(torch.float32)
     target = LlamaModel.from_hf(hf, torch.float32)

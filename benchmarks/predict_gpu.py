@@ -1,4 +1,4 @@
-"""What the tree-choice model (jakiro_ext.tree_cost) predicts for the shipped heads on a GPU, where
+"""What the tree-choice model (jakiro_ext.engine.tree_cost) predicts for the shipped heads on a GPU, where
 no GPU was at hand to measure: the round's costs from a weight-read model instead of this
 machine's measurements. At batch 1 a GPU runs SmolLM2's forwards far below its compute, so each
 is taken to cost its weight bytes over the memory bandwidth (CUDA graphs: launches free):
@@ -20,8 +20,8 @@ import argparse
 
 import torch
 
-from jakiro_ext.engine import MAX_TREE_NODES
-from jakiro_ext.tree_cost import SIZES, WIDTHS, choose_tree, tree_depths
+from jakiro_ext.config import MAX_TREE_NODES
+from jakiro_ext.engine.tree_cost import SIZES, WIDTHS, choose_tree, tree_depths
 
 
 def head_bytes(head) -> dict:
@@ -56,7 +56,7 @@ def main():
     ap.add_argument("--heads", nargs="+", default=["eagle2:eagle2", "jakiro:jakiro", "gumiho:gumiho"],
                     help="METHOD:KIND or METHOD:DIR pairs (KIND: a shipped head)")
     args = ap.parse_args()
-    from jakiro_ext.cli import load_head
+    from jakiro_ext.cli.common import load_head
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_target
 
     target, _ = load_default_target(torch.float32)

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import jakiro_ext  # noqa: F401  (loads torch.ops.jakiro)
-from jakiro_ext import emulator, ops
+from jakiro_ext.ops import emulator
+from jakiro_ext import ops
 
 TESTS = Path(__file__).resolve().parent
 AREAS = ("ops", "gpu", "models", "engine", "training", "cli", "robustness")

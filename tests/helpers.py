@@ -11,10 +11,11 @@ import torch
 import transformers
 
 from conftest import gen
-from jakiro_ext import reference
-from jakiro_ext.engine import TreeConfig
+from jakiro_ext.ops import reference
+from jakiro_ext.config import TreeConfig
 from jakiro_ext.models import LlamaModel
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
 
 TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
          "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}

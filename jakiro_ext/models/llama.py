@@ -5,19 +5,18 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 """
 from __future__ import annotations
 
-import contextlib
-import errno
 import math
-import re
 import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.kv_cache import KVCache, causal_tree_mask
+from jakiro_ext.ops import reference
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -76,184 +75,6 @@ class LlamaConfig:
                    tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
                    sliding_window=getattr(hf, "sliding_window", None) if use_window else None,
                    max_position_embeddings=getattr(hf, "max_position_embeddings", None), rope_scaling=scaling)
-
-
-_TRIED = re.compile(r"tried to allocate (\d+(?:\.\d+)?) ?(bytes|[KMGT]i?B)")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failed allocation: Python's or numpy's MemoryError, torch's (a
-    RuntimeError, torch.OutOfMemoryError on a GPU) or a mapping's ENOMEM."""
-    if isinstance(exc, MemoryError):
-        return True
-    if isinstance(exc, OSError):
-        return exc.errno == errno.ENOMEM
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("out of memory" in text.lower() or "can't allocate memory" in text
-                                              or "not enough memory" in text)
-
-
-@contextlib.contextmanager
-def memory_errors(what: str):
-    """Allocation failures inside as one MemoryError naming ``what`` (and the size the allocator
-    asked for, when it said)."""
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - only allocation failures are translated
-        if not is_out_of_memory(exc) or str(exc).startswith("out of memory while "):
-            raise
-        m = _TRIED.search(str(exc))
-        asked = ""
-        if m:
-            size = float(m[1]) if m[2] == "bytes" else float(m[1]) * 1024 ** (" KMGT".index(m[2][0]))
-            asked = f" (an allocation of {size / 2**20:.1f} MiB failed)"
-        raise MemoryError(f"out of memory while {what}{asked}") from exc
-
-
-class KVCache(nn.Module):
-    """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one
-    ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B],
-    with the same lengths kept on the host (``host_lengths``): sizing a forward never reads the
-    device (on a GPU such a read stalls the launch queue). Change the lengths only through the
-    verbs below, which keep the two equal.
-
-    The buffer starts at ``capacity`` positions and grows on demand (:meth:`reserve`, called by
-    the forwards) up to ``max_capacity`` (default ``capacity``: a fixed cache), so a caller sizes
-    it by what can happen and pays for what does."""
-
-    def __init__(self, config: LlamaConfig, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
-                 device=None, max_capacity: Optional[int] = None):
-        super().__init__()
-        self.config, self.batch = config, batch
-        self.max_capacity = capacity if max_capacity is None else max_capacity
-        if not 1 <= capacity <= self.max_capacity:
-            raise ValueError(f"cache capacity must be in [1, max_capacity {self.max_capacity}], got {capacity}")
-        if config.sliding_window is not None and self.max_capacity > config.sliding_window:
-            raise ValueError(f"cache capacity {self.max_capacity} exceeds the model's sliding window "
-                             f"{config.sliding_window}, which this implementation does not apply")
-        self.register_buffer("kv", self._new_buffer(capacity, dtype, device), persistent=False)
-        self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
-        self.host_lengths: List[int] = [0] * batch
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.shape[-2]
-
-    def _new_buffer(self, capacity: int, dtype: torch.dtype, device) -> torch.Tensor:
-        c = self.config
-        shape = (c.num_layers, 2, self.batch, c.num_kv_heads, capacity, c.head_dim)
-        nbytes = math.prod(shape) * dtype.itemsize
-        with memory_errors(f"allocating a KV cache of {capacity} positions ({list(shape)}, {dtype}), which needs "
-                           f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"):
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-    def reserve(self, positions: int) -> None:
-        """Make room for ``positions`` positions per sequence: the buffer grows to at least twice
-        its size (at most ``max_capacity``), keeping the committed entries."""
-        if positions <= self.capacity:
-            return
-        if positions > self.max_capacity:
-            raise ValueError(f"{positions} cache positions needed, beyond the cache capacity {self.max_capacity}")
-        kv = self._new_buffer(min(max(positions, 2 * self.capacity), self.max_capacity), self.kv.dtype, self.kv.device)
-        used = max(self.host_lengths)
-        kv[..., :used, :] = self.kv[..., :used, :]
-        self.kv = kv
-
-    # ------------------------------------------------------------------ its verbs
-    # A forward writes the keys/values of its T new tokens at [lengths[b], lengths[b] + T) of each
-    # sequence without committing them; the caller keeps what it accepts with these.
-    def commit(self, n, host: Optional[List[int]] = None) -> None:
-        """The first n of the tokens last written become part of each sequence's prefix: n an
-        int (every sequence; negative: the last -n committed are dropped), or a [B] tensor whose
-        values the caller knows on the host as ``host``."""
-        if isinstance(n, torch.Tensor):
-            if host is None or len(host) != self.batch:
-                raise ValueError(f"commit of a [B] tensor needs its {self.batch} values on the host, got {host!r}")
-            self.host_lengths = [a + b for a, b in zip(self.host_lengths, host)]
-        else:
-            self.host_lengths = [a + n for a in self.host_lengths]
-        if min(self.host_lengths) < 0:
-            raise ValueError(f"a sequence's committed length would fall below 0: {self.host_lengths}")
-        self.lengths += n
-
-    def commit_path(self, path: torch.Tensor, path_len: torch.Tensor, host_path_len: List[int]) -> None:
-        """Keep each sequence's accepted path of the tree last written: the keys/values of nodes
-        path[b, :path_len[b]] move right after the prefix (``jakiro::compact_kv``, every layer
-        in one call) and are committed. ``host_path_len``: path_len's values, known on the host."""
-        ops.compact_kv(self.kv, self.lengths, path, path_len)
-        self.commit(path_len, host_path_len)
-
-    def clear(self, rows: List[int]) -> None:
-        """The sequences ``rows`` become empty (length 0)."""
-        for b in rows:
-            self.lengths[b] = 0
-            self.host_lengths[b] = 0
-
-    def written(self, layer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, rows, Hkv, D] of ``layer`` last written after each sequence's prefix."""
-        slots = self.lengths.unsqueeze(1) + torch.arange(rows, device=self.lengths.device)  # [B, rows]
-        index = slots.view(self.batch, 1, rows, 1).expand(-1, self.kv.shape[3], -1, self.kv.shape[5])
-        k, v = (self.kv[layer, i].gather(2, index).transpose(1, 2) for i in (0, 1))
-        return k, v
-
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write keys and values [B, T, Hkv, D] of ``layer`` after each sequence's prefix (uncommitted)."""
-        B, T = k.shape[:2]
-        self.reserve(max(self.host_lengths) + T)
-        slots = self.lengths.unsqueeze(1) + torch.arange(T, device=k.device)
-        batch = torch.arange(B, device=k.device).unsqueeze(1)
-        self.kv[layer, 0][batch, :, slots] = k.to(self.kv.dtype)
-        self.kv[layer, 1][batch, :, slots] = v.to(self.kv.dtype)
-
-    def load(self, row: int, other: "KVCache") -> None:
-        """Sequence ``row`` becomes ``other``'s only sequence: its committed keys/values and length."""
-        n = other.host_lengths[0]
-        self.reserve(n)
-        self.kv[:, :, row, :, :n] = other.kv[:, :, 0, :, :n]
-        self.lengths[row] = n
-        self.host_lengths[row] = n
-
-    def select_rows(self, rows: List[int], max_capacity: Optional[int] = None) -> None:
-        """The sequences become ``rows`` (indices of the current ones, in their new order; -1: a
-        new empty sequence); the others are dropped. ``max_capacity`` raises the bound on
-        positions (what the new sequences may need)."""
-        index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.kv.device)
-        self.kv = self.kv[:, :, index].contiguous()
-        self.lengths = self.lengths[index]
-        self.host_lengths = [self.host_lengths[r] if r >= 0 else 0 for r in rows]
-        self.batch = len(rows)
-        fresh = [i for i, r in enumerate(rows) if r < 0]
-        if fresh:
-            self.kv[:, :, fresh] = 0
-            self.clear(fresh)
-        if max_capacity is not None:
-            self.allow(max_capacity)
-
-    def allow(self, max_capacity: int) -> None:
-        """Raise the bound on positions per sequence to ``max_capacity`` (what a new sequence may need)."""
-        self.max_capacity = max(self.max_capacity, max_capacity)
-
-
-def packed_bit_ranges(first: torch.Tensor, last: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """Rows with bits first[i]..last[i] set (inclusive; first > last: none), packed as
-    :func:`jakiro_ext.ops.pack_bits` packs them: [T, ceil(num_bits / 64)] int64, built without
-    a [T, num_bits] tensor."""
-    starts = torch.arange((num_bits + 63) // 64, device=first.device) * 64  # first bit of each word
-
-    def low_bits(n: torch.Tensor) -> torch.Tensor:
-        """Words with bits 0..n-1 set, n in [0, 64]: ~(-1 << n), and -1 for n = 64 (no shift by 64,
-        no signed overflow: -1 << 63 is the int64 minimum, whose complement is 2**63 - 1)."""
-        return torch.where(n >= 64, -1, ~(-1 << n.clamp(max=63)))
-
-    return (low_bits((last.unsqueeze(1) + 1 - starts).clamp(0, 64))
-            & ~low_bits((first.unsqueeze(1) - starts).clamp(0, 64)))
-
-
-def causal_tree_mask(batch: int, num_tokens: int, device=None) -> torch.Tensor:
-    """Bit-packed mask [batch, T, ceil(T/64)] of a chain of tokens (each sees itself and every
-    earlier one), built packed: 8 MB, not a dense [T, T], for an 8,000-token prompt."""
-    rows = torch.arange(num_tokens, device=device)
-    return packed_bit_ranges(torch.zeros_like(rows), rows, num_tokens).unsqueeze(0).expand(batch, -1, -1).contiguous()
 
 
 class RMSNorm(nn.Module):

@@ -19,12 +19,16 @@ import pytest
 import torch
 
 import jakiro_ext.cli as cli_module
+import jakiro_ext.cli.common as cli_common
 from jakiro_ext import ops
-from jakiro_ext.drafting import METHODS as METHOD_SPECS
-from jakiro_ext.drafting import Drafter
-from jakiro_ext.engine import TreeConfig, speculative_generate
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.models.llama import KVCache, LlamaModel, causal_tree_mask
+from jakiro_ext.methods import METHODS as METHOD_SPECS
+from jakiro_ext.engine.drafter import Drafter
+from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.kv_cache import KVCache, causal_tree_mask
+from jakiro_ext.models.llama import LlamaModel
 from helpers import copy_head, prompt, random_head, tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,11 +190,10 @@ def test_tree_node_bound_is_what_the_drafting_can_produce(target):
     ids = prompt()
     for kind, method in [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star")]:
         for tree in (TreeConfig(1024, 2, 2), TreeConfig(1024, 3, 3)):
-            drafter = Drafter(random_head(target, kind), METHOD_SPECS[method], tree, 1, 64)
+            drafter = Drafter(random_head(target, kind), METHOD_SPECS[method], tree)
             cache = target.new_cache(1, 64)
             _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-            drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], [ids.numel() - 1])
-            tokens = drafter.draft(ids[-1:]).tokens[0]
+            tokens = drafter.draft(ids[-1:], *drafter.prefill(ids[1:], hidden[0, :-1])).tokens[0]
             bound = tree.max_nodes_for(method)
             assert tokens.numel() <= bound
             if method != "jakiro_star":  # (the two experts' proposals can repeat a token)
@@ -263,10 +266,10 @@ def test_caches_start_small_whatever_max_new_tokens_and_total_tokens_say(target,
                                tree=TreeConfig(1024, 2, 2))
     assert out.token_ids[:12] == plain and out.stats.stop_reason == "context_limit"
     limit = target.config.max_position_embeddings  # 2048: transformers' default
-    # The prompt runs alone in caches of its own size (target, then draft), then the generation's
-    # growing caches (draft, target) take it.
-    assert [(layers, start) for layers, start, bound in made if start == bound] == [(2, 13), (1, 13)]
-    (draft_layers, draft_start, draft_bound), (target_layers, target_start, target_bound) = [
+    # The prompt runs alone in caches of its own size (target, then draft, with room for drafting
+    # an 11-node tree), then the generation's growing caches (target, draft) take it.
+    assert [(layers, start) for layers, start, bound in made if start == bound] == [(2, 13), (1, 13 + 11)]
+    (target_layers, target_start, target_bound), (draft_layers, draft_start, draft_bound) = [
         m for m in made if m[1] < m[2]]
     assert (draft_layers, target_layers) == (1, 2)
     assert target_start == 13 + 256 + 11 and target_bound == limit + 11  # prompt + budget + an 11-node tree
@@ -275,7 +278,7 @@ def test_caches_start_small_whatever_max_new_tokens_and_total_tokens_say(target,
 
 def test_dedupe_of_expert_proposals_is_not_quadratic():
     """jakiro_star's repeated-token removal matches the pairwise definition, without a [R, C, C] tensor."""
-    from jakiro_ext.drafting import dedupe as _dedupe
+    from jakiro_ext.engine.drafter import dedupe as _dedupe
 
     g = torch.Generator().manual_seed(0)
     for _ in range(50):
@@ -303,7 +306,7 @@ def dense_causal(batch, T):
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
 def test_packed_masks_are_bit_identical_to_the_dense_construction(T):
     assert torch.equal(causal_tree_mask(2, T), dense_causal(2, T))
-    from jakiro_ext.models.llama import packed_bit_ranges
+    from jakiro_ext.kv_cache import packed_bit_ranges
 
     rows = torch.arange(T)
     assert torch.equal(packed_bit_ranges(rows, rows, T), ops.pack_bits(torch.eye(T, dtype=torch.bool)))
@@ -445,7 +448,7 @@ def cli(monkeypatch, capsys, default_target):
 
         loads.append(dtype_name)
         return (*default_target, DEFAULT_MODEL)
-    monkeypatch.setattr(cli_module, "load_target", load_target)
+    monkeypatch.setattr(cli_common, "load_target", load_target)
 
     def run(*argv):
         loads.clear()
@@ -569,7 +572,7 @@ def test_cli_bad_prompt_files_are_one_line(cli, tmp_path):
 def test_cli_huge_requests_are_bounded_by_what_can_happen(cli, default_target):
     """--max-new-tokens 1000000000 used to ask for 46 TB (and --total-tokens 1000000 for 46 GB: now
     refused, trees hold at most 1024 nodes)."""
-    from jakiro_ext.cli import chat_ids
+    from jakiro_ext.cli.common import chat_ids
 
     model, tokenizer = default_target
     want = speculative_generate(model, None, chat_ids(tokenizer, SHORT_ANSWER), 64,

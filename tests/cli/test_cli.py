@@ -17,7 +17,8 @@ def random_head_dir(tmp_path_factory):
     import torch
 
     from jakiro_ext.models import load_default_target
-    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+    from jakiro_ext.models.heads.config import DraftConfig
+    from jakiro_ext.models.heads.draft_head import DraftHead
 
     target, _ = load_default_target(torch.float32)
     path = tmp_path_factory.mktemp("heads") / "jakiro"
@@ -40,7 +41,8 @@ def test_gumiho_generates_with_its_head_and_jakiro_gumiho_heads(capsys, tmp_path
     import torch
 
     from jakiro_ext.models import load_default_target
-    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+    from jakiro_ext.models.heads.config import DraftConfig
+    from jakiro_ext.models.heads.draft_head import DraftHead
 
     target, _ = load_default_target(torch.float32)
     dirs = {}
@@ -116,7 +118,7 @@ def test_generate_and_bench_take_a_local_transformers_target(capsys, tmp_path):
     import torch
     import transformers
 
-    from jakiro_ext.engine import speculative_generate
+    from jakiro_ext.engine.generate import speculative_generate
     from jakiro_ext.models.default import load_default_hf
     from jakiro_ext.models.llama import LlamaModel
 
@@ -130,7 +132,7 @@ def test_generate_and_bench_take_a_local_transformers_target(capsys, tmp_path):
     tokenizer.save_pretrained(tmp_path / "tiny")
     out = run_json(capsys, ["generate", "Name a fruit.", "--target", str(tmp_path / "tiny"), "--method", "ar",
                             "--max-new-tokens", "8", "--json"])
-    from jakiro_ext.cli import chat_ids
+    from jakiro_ext.cli.common import chat_ids
 
     ids = chat_ids(tokenizer, "Name a fruit.")
     expected = speculative_generate(LlamaModel.from_hf(hf), None, ids, 8, eos_token_id=tokenizer.eos_token_id)

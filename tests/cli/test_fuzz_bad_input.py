@@ -127,8 +127,10 @@ def api_cases(rng: random.Random):
     import numpy as np
     import torch
 
-    from jakiro_ext.engine import TreeConfig, speculative_generate
-    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+    from jakiro_ext.config import TreeConfig
+    from jakiro_ext.engine.generate import speculative_generate
+    from jakiro_ext.models.heads.config import DraftConfig
+    from jakiro_ext.models.heads.draft_head import DraftHead
     from helpers import copy_head, prompt, tiny_target
 
     target = tiny_target()
@@ -226,11 +228,12 @@ def cli_cases(rng: random.Random, tmp: Path):
     import torch
 
     import jakiro_ext.cli as cli
-    from jakiro_ext.engine import speculative_generate
+    import jakiro_ext.cli.common as cli_common
+    from jakiro_ext.engine.generate import speculative_generate
     from jakiro_ext.models import load_default_target
 
     model, tokenizer = load_default_target(torch.float32)
-    cli.load_target = lambda *args: (model, tokenizer, "SmolLM2-135M-Instruct")  # loaded once for every case
+    cli_common.load_target = lambda *args: (model, tokenizer, "SmolLM2-135M-Instruct")  # loaded once for every case
     shipped = REPO / "jakiro_ext" / "heads" / "SmolLM2-135M-Instruct-jakiro"
     (tmp / "empty-head").mkdir()
     (tmp / "corrupt-head").mkdir()
@@ -271,7 +274,7 @@ def cli_cases(rng: random.Random, tmp: Path):
 
     def greedy(text, max_new_tokens):
         if (text, max_new_tokens) not in references:
-            out = speculative_generate(model, None, cli.chat_ids(tokenizer, text), max_new_tokens,
+            out = speculative_generate(model, None, cli_common.chat_ids(tokenizer, text), max_new_tokens,
                                        eos_token_id=tokenizer.eos_token_id)
             references[text, max_new_tokens] = out.token_ids
         return references[text, max_new_tokens]

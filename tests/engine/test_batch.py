@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.drafting import DraftTree, VerifyTree
-from jakiro_ext.engine import MAX_BATCH, TreeConfig, generate_many, speculative_generate
+from jakiro_ext.engine.drafter import DraftTree, VerifyTree
+from jakiro_ext.config import MAX_BATCH, TreeConfig
+from jakiro_ext.engine.generate import generate_many, speculative_generate
 from helpers import DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head, exact_distribution, power_at_shift, prompt, random_head, tiny_target, verified_token_p
 
 # Ragged prompts (1 to 20 tokens).
@@ -98,7 +99,7 @@ def test_continuous_batching_any_order_any_number_in_flight(target, in_flight):
 def test_finished_rows_are_refilled_in_place(target, monkeypatch):
     # With requests waiting, a finished sequence's rows take the next one where they are: the
     # caches are never copied to drop or add rows.
-    from jakiro_ext.models.llama import KVCache
+    from jakiro_ext.kv_cache import KVCache
 
     copies = []
     original = KVCache.select_rows
@@ -255,7 +256,7 @@ def test_a_round_reads_the_device_once(target, method, kind, tree_name):
     # On a GPU every read of a device value by the host stalls the launch queue (issue 15): a
     # round reads its accepted tokens, and nothing else, greedy or sampling, with rows that finish
     # and rows that start while others decode (continuous batching: 5 prompts through 3 rows).
-    from jakiro_ext.host_reads import HostReads, counted_rounds
+    from jakiro_ext.engine.host_reads import HostReads, counted_rounds
 
     head = None if kind is None else random_head(target, kind)
     eos = eos_for_different_lengths([speculative_generate(target, None, PROMPTS[0], 8)])
@@ -277,7 +278,7 @@ def test_a_read_planted_in_a_round_is_counted(target, planted, kind, monkeypatch
     """Each of these syncs a GPU: planted in every round (on the round's verified logits), each
     is counted once a round, so the one-read test above cannot miss it."""
     from jakiro_ext import ops
-    from jakiro_ext.host_reads import HostReads, counted_rounds
+    from jakiro_ext.engine.host_reads import HostReads, counted_rounds
 
     exact = ops.verify_tree
 

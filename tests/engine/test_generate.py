@@ -9,9 +9,12 @@ import transformers
 from helpers import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head,
                      exact_distribution, lossy_verifier, power_at_shift, prompt, random_head, sharp_target, tiny_target,
                      verified_token_p)
-from jakiro_ext.engine import TreeConfig, speculative_generate
+from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.methods import MethodName, method_for_head
 from jakiro_ext.models import LlamaModel
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +98,19 @@ def test_stops_at_eos_and_includes_it(target):
         assert out.token_ids == plain[: first + 1] and out.stats.stop_reason == "eos"
 
 
+def test_methods_by_enum_or_string_and_by_the_heads_kind(target):
+    ids = prompt()
+    head = copy_head(target, "jakiro")
+    by_string = speculative_generate(target, head, ids, 12, method="jakiro")
+    assert speculative_generate(target, head, ids, 12, method=MethodName.JAKIRO).token_ids == by_string.token_ids
+    # No method given: the one whose registry entry names the head's kind as its default.
+    assert speculative_generate(target, head, ids, 12).stats.accept_lengths == by_string.stats.accept_lengths
+    assert [method_for_head(k).name for k in (None, "eagle2", "eagle3", "jakiro", "gumiho", "jakiro_gumiho")] == [
+        "ar", "eagle2", "eagle2", "jakiro", "gumiho", "gumiho"]
+    with pytest.raises(ValueError, match="no method drafts with a 'medusa' head"):
+        method_for_head("medusa")
+
+
 def test_streaming_callback_sees_every_token_once(target):
     seen = []
     out = speculative_generate(target, copy_head(target, "eagle2"), prompt(), 25, on_tokens=seen.extend)
@@ -118,12 +134,12 @@ def test_static_decoupled_tree_ranks_distinct_tokens(target):
     tree = TreeConfig(choices=[[0], [1], [1, 0], [0, 0]])
     out = speculative_generate(target, head, ids, 30, method="jakiro_star", tree=tree)
     assert out.token_ids == speculative_generate(target, None, ids, 30).token_ids
-    from jakiro_ext.drafting import METHODS, Drafter
-    drafter = Drafter(head, METHODS["jakiro_star"], tree, 1, 64)
+    from jakiro_ext.methods import METHODS
+    from jakiro_ext.engine.drafter import Drafter
+    drafter = Drafter(head, METHODS["jakiro_star"], tree)
     cache = target.new_cache(1, 64)
     _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-    drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], [ids.numel() - 1])
-    drafted = drafter.draft(ids[-1:])
+    drafted = drafter.draft(ids[-1:], *drafter.prefill(ids[1:], hidden[0, :-1]))
     tokens, parents = drafted.tokens[0], drafted.parents[0]
     assert tokens.numel() == 5 and parents.tolist() == [-1, 0, 0, 1, 2]
     assert len(set(tokens[1:3].tolist())) == 2  # the root's two children are distinct tokens
@@ -228,14 +244,15 @@ def test_gumiho_pairs_each_leaf_with_its_own_parent(target):
     # own parent as its serial step ran it. (The released code pairs the r-th best leaf with the
     # r-th frontier node, usually another node's parent; here that pairing differs, so the test
     # tells them apart.)
-    from jakiro_ext.drafting import METHODS, Drafter
+    from jakiro_ext.methods import METHODS
+    from jakiro_ext.engine.drafter import Drafter
 
     head = random_head(target, "gumiho", seed=5)
-    drafter = Drafter(head, METHODS["gumiho"], TreeConfig(40, 3, 3), 1, 64)
+    drafter = Drafter(head, METHODS["gumiho"], TreeConfig(40, 3, 3))
     ids = prompt(seed=6)
     cache = target.new_cache(1, 64)
     _, hidden = target(ids.unsqueeze(0), cache, last_logits_only=True)
-    drafter.catch_up(ids[1:].unsqueeze(0), hidden[:, :-1], [ids.numel() - 1])
+    draft_kv, root_step = drafter.prefill(ids[1:], hidden[0, :-1])
     seen = {}
     original = drafter._draft_parallel
 
@@ -249,12 +266,12 @@ def test_gumiho_pairs_each_leaf_with_its_own_parent(target):
         seen["x"] = x
         return mlp_heads(x, **kwargs)
     head.mlp_heads = seen_input
-    drafted = drafter.draft(ids[-1:])
+    drafted = drafter.draft(ids[-1:], draft_kv, root_step)
     del head.mlp_heads
     tree, H = seen["tree"], target.config.hidden_size
     leaves = seen["layer"].gather(1, tree.frontier(seen["layer"], 3))  # [1, 3]: depth-2 nodes
     parents = tree.parents.gather(1, leaves)  # depth-1 nodes, fed the root step's feature
-    feature = drafter.root_step.feature.expand(1, 3, H)
+    feature = root_step.feature.expand(1, 3, H)
     want = head.project_input(tree.tokens.gather(1, parents), feature)
     torch.testing.assert_close(seen["x"][..., :H], want)
     ranked = 1 + tree.frontier(torch.arange(1, 4).unsqueeze(0), 3)  # the depth-1 nodes, best first

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from jakiro_ext import graphs
-from jakiro_ext.engine import generate_many, speculative_generate
+from jakiro_ext.engine import graphs
+from jakiro_ext.engine.generate import generate_many, speculative_generate
 from jakiro_ext.models import llama
 from test_batch import PROMPTS
 from helpers import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, sharp_target, tiny_target
@@ -101,7 +101,7 @@ def test_a_draft_position_baked_into_the_capture_changes_the_drafts(target, monk
     lengths (fixed at the capture) instead of the device's. Eager drafting does not see the
     difference; a replay drafts other trees (other accept lengths), though the tokens stay the
     target's."""
-    from jakiro_ext.models.draft_head import DraftHead
+    from jakiro_ext.models.heads.draft_head import DraftHead
 
     forward = DraftHead.forward
 

@@ -7,10 +7,12 @@ import json
 import pytest
 import torch
 
-from jakiro_ext.cli import HEADS_DIR, PROMPTS_FILE, chat_ids
-from jakiro_ext.engine import TreeConfig, speculative_generate
+from jakiro_ext.cli.common import HEADS_DIR, PROMPTS_FILE, chat_ids
+from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.default import DEFAULT_MODEL
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
 
 MAX_NEW = 32
 MIN_TAU = 1.3  # measured with the shipped heads: see the README (tau on these prompts is ~1.4-1.7)
@@ -103,7 +105,7 @@ def test_shipped_head_in_a_batch_is_exact(setup, shipped_heads, kind, method, tr
 
 
 def test_continuous_batching_with_a_shipped_head_is_exact(setup, shipped_heads):
-    from jakiro_ext.engine import generate_many
+    from jakiro_ext.engine.generate import generate_many
 
     target, tokenizer, ids, plain = setup
     order = [5, 0, 7, 2, 6, 1, 4, 3]

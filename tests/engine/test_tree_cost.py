@@ -6,11 +6,14 @@ import json
 import pytest
 import torch
 
-from jakiro_ext.engine import TreeConfig, speculative_generate
-from jakiro_ext.models.draft_head import DraftHead
-from jakiro_ext.train import TrainConfig, evaluate
-from jakiro_ext.tree_cost import (SIZES, acceptance_profile, auto_tree, choose_tree, expected_accepted, load_costs,
-                                  measure_costs, rate)
+from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.settings import TrainConfig
+from jakiro_ext.training.loss import evaluate
+from jakiro_ext.engine.tree_cost import (SIZES, auto_tree, choose_tree, expected_accepted, load_costs, measure_costs,
+                                         rate)
+from jakiro_ext.training.acceptance import acceptance_profile
 from helpers import copy_head, prompt, tiny_target
 from test_train import make_examples
 
@@ -78,14 +81,14 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("cached costs must not be measured again")
 
-    monkeypatch.setattr("jakiro_ext.tree_cost.measure_costs", no_measuring)
+    monkeypatch.setattr("jakiro_ext.engine.tree_cost.measure_costs", no_measuring)
     assert load_costs(target, head, "jakiro", tmp_path, progress=False) == costs
 
 
 def test_costs_of_a_batch_are_measured_at_its_bucket(tmp_path, monkeypatch):
     # A batch of 3 uses the costs of 2 sequences (the power of two at or below), measured with 2
     # rows everywhere and cached apart from batch 1's; its verify curve stops at 1024 rows.
-    from jakiro_ext import tree_cost
+    from jakiro_ext.engine import tree_cost
 
     target = tiny_target()
     head = copy_head(target, "eagle2")

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import TOL, randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 from test_tree_attention import SHAPES, make_inputs
 
 

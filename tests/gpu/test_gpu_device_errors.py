@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def test_device_errors_matches_reference():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import randn
-from jakiro_ext import reference
+from jakiro_ext.ops import reference
 from test_contrastive_head import SHAPES as HEAD_SHAPES
 from test_contrastive_head import contrast_weights
 from test_verify_tree import SAMPLING, assert_same, make_tree

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import TOL, randn
-from jakiro_ext import reference
+from jakiro_ext.ops import reference
 from test_linear import SHAPES as LINEAR_SHAPES
 from test_moe import SHAPES as MOE_SHAPES
 from test_moe import assert_moe_close, make_moe

@@ -2,7 +2,7 @@
 fixture: under the SIMT emulator (warp widths 32 and 64) and on CUDA when present."""
 import torch
 
-from jakiro_ext import reference
+from jakiro_ext.ops import reference
 from test_mlp_heads import SHAPES, TOL_HEADS, ids, make, rows_are_independent
 
 

@@ -6,7 +6,9 @@ import torch
 from conftest import gen
 from jakiro_ext import ops
 from jakiro_ext.models import causal_tree_mask
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead, TreeKV
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.kv_cache import TreeKV
 from helpers import tiny_target
 
 
@@ -146,7 +148,8 @@ def test_training_time_test_unroll_is_what_drafting_computes(kind):
     """Step s of the unroll, row i, equals the causal forward over the sequence's first i + 1
     rows followed by the s draft rows of that anchor (their tokens and predicted features): the
     draft's view at depth s. Checked for every anchor and step, with a nontrivial mask of past steps."""
-    from jakiro_ext.train import Batch, unroll
+    from jakiro_ext.training.examples import Batch
+    from jakiro_ext.training.loss import unroll
 
     target = tiny_target()
     head = make_head(target, kind, seed=5).double()  # float64: random heads' features grow step by step

@@ -8,8 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from jakiro_ext.engine import TreeConfig, speculative_generate
-from jakiro_ext.models.draft_head import DraftHead
+from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.models.heads.draft_head import DraftHead
 from helpers import copy_head, prompt, random_head, tiny_target
 
 TREE = TreeConfig(12, 3, 4)
@@ -101,7 +102,7 @@ def every_weight_matters(target, kind, seed=7):
 
 def draft_outputs(head, target, seed=3):
     """The head's feature, residual and (MoE) experts' outputs for one 6-row chain."""
-    from jakiro_ext.models.llama import causal_tree_mask
+    from jakiro_ext.kv_cache import causal_tree_mask
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.config.vocab_size, (1, 6), generator=g)
@@ -358,7 +359,7 @@ def eagle3_reference(state, embed, tokens, aux, eps=1e-6, theta=10000.0, heads=4
 
 
 def test_eagle3_heads_load_read_three_target_layers_and_decode_losslessly(tmp_path):
-    from jakiro_ext.models.eagle3_head import Eagle3Head
+    from jakiro_ext.models.heads.eagle3 import Eagle3Head
     from jakiro_ext.models.llama import as_target
 
     hf = six_layer_target()
@@ -376,7 +377,7 @@ def test_eagle3_heads_load_read_three_target_layers_and_decode_losslessly(tmp_pa
     # The head over the prompt = EAGLE-3's layer computed from the checkpoint's own tensors.
     n = ids.numel() - 1
     cache = head.new_cache(n + 1)
-    from jakiro_ext.models.llama import causal_tree_mask
+    from jakiro_ext.kv_cache import causal_tree_mask
     step = head(ids[1:].unsqueeze(0), aux[:, :n], torch.arange(n).unsqueeze(0), cache, causal_tree_mask(1, n))
     out, logits = eagle3_reference(state, target.embed_tokens.weight.detach(), ids[1:], aux[0, :n])
     torch.testing.assert_close(step.feature[0], out, atol=1e-4, rtol=1e-4)
@@ -402,7 +403,8 @@ def test_eagle3_tree_drafts_are_the_layers_top_candidates(tmp_path):
     the top-k of the prompt's last row, and every depth-2 node is among the top-k of the layer
     run on its parent's token with the parent row's own output as the hidden state (the decode
     test above accepts nothing, so it cannot see the drafts)."""
-    from jakiro_ext.drafting import METHODS, Drafter
+    from jakiro_ext.methods import METHODS
+    from jakiro_ext.engine.drafter import Drafter
     from jakiro_ext.models.llama import as_target
 
     hf = six_layer_target()
@@ -412,9 +414,8 @@ def test_eagle3_tree_drafts_are_the_layers_top_candidates(tmp_path):
     ids, k = prompt(12, seed=9), 3
     n = ids.numel()
     _, aux = target(ids.unsqueeze(0), target.new_cache(1, 16), feature_layers=head.feature_layers)
-    drafter = Drafter(head, METHODS["eagle2"], TreeConfig(1 + k + k * k, 2, k), 1, 64)
-    drafter.catch_up(ids[1:].unsqueeze(0), aux[:, :-1], [n - 1])
-    tree = drafter.draft(ids[-1:])
+    drafter = Drafter(head, METHODS["eagle2"], TreeConfig(1 + k + k * k, 2, k))
+    tree = drafter.draft(ids[-1:], *drafter.prefill(ids[1:], aux[0, :-1]))
     embed = target.embed_tokens.weight.detach()
     to_target = lambda d: d + state["d2t"][d]  # noqa: E731
     out, logits = eagle3_reference(state, embed, ids[1:], aux[0, :n - 1])

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from conftest import randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

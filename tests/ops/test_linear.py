@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from conftest import TOL, randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 # (leading dims of x, in features K, out features N): odd sizes, 1..200 rows (both sides of the
 # 64-row float32 BLAS crossover), the SmolLM2 projections and LM head.

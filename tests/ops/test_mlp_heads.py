@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 # (leading dims of x, in features K, heads J, hidden H, blocks NB): no blocks, one head, odd
 # sizes (no vector width divides them), 0 and 1..130 rows (both sides of the 64-row passes),
@@ -100,7 +101,8 @@ def test_mlp_heads_bad_input_errors():
 
 def test_draft_head_mlp_heads_drafting_and_training_twins_agree():
     # DraftHead.mlp_heads: the fused op when drafting, plain PyTorch (differentiable) in training.
-    from jakiro_ext.models.draft_head import DraftConfig, DraftHead
+    from jakiro_ext.models.heads.config import DraftConfig
+    from jakiro_ext.models.heads.draft_head import DraftHead
     from helpers import tiny_target
 
     target = tiny_target()

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from conftest import TOL, randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def make_moe(lead, H, I, N, dtype, seed):

@@ -10,7 +10,7 @@ import torch
 
 import jakiro_ext as J
 from conftest import randn
-from jakiro_ext import reference
+from jakiro_ext.ops import reference
 
 NAN, INF = math.nan, math.inf
 

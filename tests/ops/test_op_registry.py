@@ -6,7 +6,8 @@ import pathlib
 
 import torch
 
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 from conftest import TESTS
 
@@ -25,7 +26,7 @@ def test_every_op_has_reference_fake_entry_point_and_tests():
         module = importlib.import_module(path.stem)
         test_functions += [name for name in dir(module) if name.startswith("test_")]
     for name in registered_ops():
-        assert callable(getattr(reference, name, None)), f"jakiro::{name} has no reference in jakiro_ext.reference"
+        assert callable(getattr(reference, name, None)), f"jakiro::{name} has no reference in jakiro_ext.ops.reference"
         assert callable(getattr(ops, name, None)), f"jakiro::{name} has no entry point in jakiro_ext.ops"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"jakiro::{name}", "Meta") or \
             torch._library.simple_registry.singleton.find(f"jakiro::{name}").fake_impl.kernel is not None, \

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import TOL, GpuBackend, randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 # (leading dims, hidden size H): one row, one element, odd sizes (no vector multiple), SmolLM2's
 # 576, a large H beyond the GPU block, many rows.

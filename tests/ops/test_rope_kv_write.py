@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from conftest import GpuBackend, randn
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 from jakiro_ext.models.llama import rope_cos_sin
 
 # (B, T, Hq, Hkv, D, S): decoding, a tree, GQA and MHA, odd head dims and counts, a full cache.

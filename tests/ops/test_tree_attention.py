@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import TOL, gen, randn, random_parents
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 # (batch, tree tokens, q heads, kv heads, head dim, prefix lengths, cache capacity)
 SHAPES = [

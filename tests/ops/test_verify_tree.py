@@ -6,7 +6,8 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import gen, randn, random_parents
-from jakiro_ext import ops, reference
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
 
 
 def plant_acceptable_paths(parents, tokens, logits, seed, p_plant=0.7):

@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from jakiro_ext import atomic
-from jakiro_ext.corpus import CorpusSequence, CorpusWriter, read_corpus
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.train import previous_checkpoint, read_checkpoint, write_checkpoint
-from jakiro_ext.trainset import read_feature_shard, save_feature_shard
+from jakiro_ext.training.corpus import CorpusSequence, CorpusWriter, read_corpus
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.train import previous_checkpoint, read_checkpoint, write_checkpoint
+from jakiro_ext.training.feature_cache import read_feature_shard, save_feature_shard
 
 torch.set_num_threads(1)  # nothing multi-threaded before fork
 CONFIG = dict(hidden_size=16, vocab_size=64, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24)

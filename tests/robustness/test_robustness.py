@@ -19,10 +19,12 @@ import torch
 import jakiro_ext
 from jakiro_ext import atomic
 from jakiro_ext.cli import main
-from jakiro_ext.corpus import CorpusSequence, CorpusWriter, generate_corpus, read_corpus_meta, read_shard
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.train import previous_checkpoint, read_checkpoint, write_checkpoint
-from jakiro_ext.trainset import corpus_examples, read_feature_shard
+from jakiro_ext.training.corpus import CorpusSequence, CorpusWriter, generate_corpus, read_corpus_meta, read_shard
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.train import previous_checkpoint, read_checkpoint, write_checkpoint
+from jakiro_ext.training.features import corpus_examples
+from jakiro_ext.training.feature_cache import read_feature_shard
 
 HERE = Path(__file__).parent
 # The children import the jakiro_ext this test imported (installed or in place).
@@ -251,7 +253,7 @@ def test_damaged_shards_and_corpus_json_are_named_with_the_remedy(small_corpus, 
     generate_corpus(corpus, target, tokenizer, "SmolLM2", 40, conversations=convs, max_new_tokens=12, max_turns=1,
                     batch=2, shard_answer_tokens=20, progress=False)
     key = lambda q: (q.conversation, q.tokens.tolist())  # noqa: E731
-    from jakiro_ext.corpus import read_corpus
+    from jakiro_ext.training.corpus import read_corpus
 
     assert sorted(map(key, read_corpus(corpus))) == sorted(map(key, read_corpus(small_corpus)))
     # A truncated corpus.json.
@@ -292,7 +294,7 @@ def test_a_damaged_feature_cache_is_recomputed_with_a_warning(small_corpus, tmp_
 
 
 def test_damaged_cost_cache_is_measured_again(tmp_path, monkeypatch, capsys):
-    from jakiro_ext import tree_cost
+    from jakiro_ext.engine import tree_cost
 
     monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
     measured = {"verify": {"1": 0.01}, "draft": {}, "catch_up": {"1": 0.01}}

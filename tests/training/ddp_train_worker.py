@@ -9,8 +9,12 @@ from pathlib import Path
 
 import torch
 
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.train import TrainConfig, init_distributed, make_example, train_head
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.settings import TrainConfig
+from jakiro_ext.training.distributed import init_distributed
+from jakiro_ext.training.examples import make_example
+from jakiro_ext.training.train import train_head
 from helpers import prompt, tiny_target
 
 SNAPSHOT_STEP = 3

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from jakiro_ext.corpus import CorpusSequence, CorpusWriter, generate_corpus, read_corpus, read_corpus_meta
-from jakiro_ext.engine import speculative_generate
-from jakiro_ext.train import target_features
-from jakiro_ext.trainset import corpus_examples, prefill_features
+from jakiro_ext.training.corpus import CorpusSequence, CorpusWriter, generate_corpus, read_corpus, read_corpus_meta
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.training.examples import target_features
+from jakiro_ext.training.features import corpus_examples, prefill_features
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"},
@@ -140,7 +140,7 @@ def test_corpus_train_calibrate_commands(tmp_path):
     ``calibrate`` records again; the head decodes losslessly with the tree chosen for it."""
     from jakiro_ext.cli import main
     from jakiro_ext.models.default import load_default_target
-    from jakiro_ext.models.draft_head import DraftHead
+    from jakiro_ext.models.heads.draft_head import DraftHead
 
     convs = [{"id": str(i), "conversations": [
         {"from": "human", "value": c[0]["content"]}, {"from": "gpt", "value": "ok"}] + (

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from jakiro_ext.data import chat_tokens, iter_json_array, load_sharegpt, to_messages
+from jakiro_ext.training.sharegpt import chat_tokens, iter_json_array, load_sharegpt, to_messages
 
 
 def conv(*turns):

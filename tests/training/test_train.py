@@ -7,10 +7,16 @@ import pytest
 import torch
 
 from conftest import gen
-from jakiro_ext.engine import TreeConfig, speculative_generate
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.train import Example, TrainConfig, evaluate, make_example, target_features, train_head
-from jakiro_ext.trainset import (TrainSetWriter, generate_greedy_batched, load_trainset, select_draft_vocab)
+from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.examples import Example, make_example, target_features
+from jakiro_ext.training.settings import TrainConfig
+from jakiro_ext.training.loss import evaluate
+from jakiro_ext.training.train import train_head
+from jakiro_ext.training.trainset import TrainSetWriter, load_trainset, select_draft_vocab
+from jakiro_ext.training.corpus import generate_greedy_batched
 from helpers import copy_head, prompt, tiny_target
 
 
@@ -101,13 +107,13 @@ def test_reduced_vocab_heads_are_lossless_and_draft_target_ids(target, kind, met
         out = speculative_generate(target, head, x, 24, method=method, tree=TreeConfig(12, 3, 4))
         assert out.token_ids == plain
     # Every drafted token is a target id of the draft vocabulary.
-    from jakiro_ext.drafting import METHODS, Drafter
+    from jakiro_ext.methods import METHODS
+    from jakiro_ext.engine.drafter import Drafter
 
-    d = Drafter(head, METHODS[method], TreeConfig(12, 3, 4), 1, 64)
+    d = Drafter(head, METHODS[method], TreeConfig(12, 3, 4))
     x = prompt(11, seed=0)
     _, hidden = target(x.unsqueeze(0), target.new_cache(1, 16), last_logits_only=True)
-    d.catch_up(x[1:].unsqueeze(0), hidden[:, :-1], [10])
-    tokens = d.draft(x[-1:]).tokens[0]
+    tokens = d.draft(x[-1:], *d.prefill(x[1:], hidden[0, :-1])).tokens[0]
     assert set(tokens[1:].tolist()) <= set(ids_in_vocab.tolist())
     # Saved and loaded with its vocabulary.
     head.save(tmp_path, torch.bfloat16)
@@ -187,19 +193,21 @@ def test_gumiho_drafted_mlp_inputs_are_what_drafting_computes(target):
     past the row: cat(x_parent, x_leaf) from one serial step on the head's own features. Checked
     by drafting a chain (top_k 1) from a committed prefix and comparing the MLP heads' features
     with the training-side ones at the prefix's last row; the "teacher" input differs there."""
-    from jakiro_ext.drafting import METHODS, Drafter
-    from jakiro_ext.train import Batch, mlp_features, unroll
+    from jakiro_ext.methods import METHODS
+    from jakiro_ext.engine.drafter import Drafter
+    from jakiro_ext.training.examples import Batch
+    from jakiro_ext.training.loss import mlp_features, unroll
 
     head = DraftHead(DraftConfig.for_target(target.config, "gumiho")).init_weights(3, std=0.2).bind(target)
     tokens = prompt(14, seed=9)
     features = target_features(target, tokens)
     n = 10  # the committed prefix: tokens 0..n, features 0..n-1
-    drafter = Drafter(head, METHODS["gumiho"], TreeConfig(8, 3, 1), 1, 32)
-    drafter.load(0, tokens[1:n + 1], features[:n])
+    drafter = Drafter(head, METHODS["gumiho"], TreeConfig(8, 3, 1))
+    started = drafter.prefill(tokens[1:n + 1], features[:n])
     seen = []
     mlp_heads = head.mlp_heads
     head.mlp_heads = lambda x: seen.append(x) or mlp_heads(x)
-    tree = drafter.draft(tokens[n:n + 1])
+    tree = drafter.draft(tokens[n:n + 1], *started)
     # The chain's serial tokens: depth 1 and 2; force the training sequence to follow them.
     chain = tree.tokens[0, 1:3]
     seq = torch.cat([tokens[:n + 1], chain, torch.zeros(3, dtype=torch.int64)])
@@ -261,12 +269,12 @@ def test_train_command_builds_data_trains_saves_and_resumes(tmp_path, monkeypatc
     x = prompt(9, vocab=1000, seed=5)
     assert speculative_generate(target, head, x, 12).token_ids == speculative_generate(target, None, x, 12).token_ids
     # Running it again resumes at the last step: no step is trained (a training step would raise).
-    import jakiro_ext.train
+    import jakiro_ext.training.train
 
     def no_training(*args, **kwargs):
         raise AssertionError("a finished run must not train again")
 
-    monkeypatch.setattr(jakiro_ext.train, "batch_loss", no_training)
+    monkeypatch.setattr(jakiro_ext.training.train, "batch_loss", no_training)
     assert main(argv) == 0
     assert json.loads((out / "training.json").read_text())["final_eval"] == summary["final_eval"]
 

@@ -14,7 +14,8 @@ import torch
 import ddp_train_worker as worker
 from conftest import TEST_PATH
 import jakiro_ext
-from jakiro_ext.train import Ranks, train_head
+from jakiro_ext.training.distributed import Ranks
+from jakiro_ext.training.train import train_head
 
 PACKAGE_HOME = Path(jakiro_ext.__file__).resolve().parent.parent
 

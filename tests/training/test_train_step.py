@@ -5,9 +5,14 @@ import pytest
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead
-from jakiro_ext.train import (TrainConfig, batch_loss, collate, compute_dtype, target_top_probs, train_head)
-from jakiro_ext.trainset import attach_target_probs, target_probs_file
+from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.settings import TrainConfig, compute_dtype
+from jakiro_ext.training.loss import batch_loss, target_top_probs
+from jakiro_ext.training.examples import collate
+from jakiro_ext.training.train import train_head
+from jakiro_ext.training.features import attach_target_probs
+from jakiro_ext.training.feature_cache import target_probs_file
 from helpers import tiny_target
 from test_train import make_examples
 
@@ -110,18 +115,18 @@ def test_cached_target_distributions_are_the_computed_ones(target, examples, tmp
     with pytest.raises(ValueError, match="cached target probabilities keep 8 tokens, the recipe 32"):
         batch_loss(head, cached, TrainConfig(token_loss_top=32))
     # A second run reads the cache (nothing is computed) ...
-    import jakiro_ext.train as train_module
+    import jakiro_ext.training.features as features_module
 
     def fail(*a, **k):
         raise AssertionError("computed again")
-    original = train_module.target_top_probs
-    train_module.target_top_probs = fail
+    original = features_module.target_top_probs
+    features_module.target_top_probs = fail
     try:
         again = [type(ex)(ex.tokens, ex.features, ex.loss_mask, ex.conversation, ex.shard) for ex in shard]
         attach_target_probs(again, head, 8, tmp_path, progress=False)
         assert all(torch.equal(a.top_probs.probs, b.top_probs.probs) for a, b in zip(again, shard))
     finally:
-        train_module.target_top_probs = original
+        features_module.target_top_probs = original
     # ... another draft vocabulary or other tokens are computed anew, a damaged file with a warning.
     stale = [type(ex)(ex.tokens.flip(0), ex.features, ex.loss_mask, ex.conversation, ex.shard) for ex in shard]
     attach_target_probs(stale, head, 8, tmp_path, progress=False)
@@ -185,8 +190,8 @@ def test_evaluations_at_every_doubling_of_the_tokens_seen(target, examples):
     cfg = TrainConfig(steps=10, lr=3e-3, warmup_steps=2, batch_sequences=2, eval_doublings=50)
     history = train_head(head_of(target, "eagle2"), examples, cfg, examples[:2])
     seen = [r["tokens_seen"] for r in history]
-    from jakiro_ext.train import _batches
-    first = _batches(examples, cfg, 0)[0]
+    from jakiro_ext.training.train import shuffled_batches
+    first = shuffled_batches(examples, cfg, 0)[0]
     assert seen[0] == sum(examples[i].tokens.numel() for i in first)
     assert all(b > a for a, b in zip(seen, seen[1:]))
     evaluated = [r["tokens_seen"] for r in history if "eval_acc1" in r]

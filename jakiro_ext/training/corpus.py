@@ -2,7 +2,7 @@
 
 The durable artifact of head training is this token corpus, not the target's features: token ids
 compress to ~1.5 bytes a token where fp32 features take 2.3 KB, and the features are recomputed
-from the tokens by batched prefill (``jakiro_ext.trainset``). A corpus is committed in shards as
+from the tokens by batched prefill (``jakiro_ext.training.trainset``). A corpus is committed in shards as
 they are finished, so a generation resumes on another machine or in another session.
 
 What is generated (Spec-Bench style chat, the answers the head will have to draft):
@@ -21,18 +21,22 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import platform
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from jakiro_ext import atomic
+from jakiro_ext.engine.generate import generate_many
+from jakiro_ext.machine import cpu_name
+from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.training.feature_cache import save_feature_shard
+from jakiro_ext.training.sharegpt import load_sharegpt
 
 CORPUS_META = "corpus.json"
 TOKENS_PER_ANSWER_TOKEN = 2.0  # a sequence's tokens per answer token, with room (1.68 in the shipped corpus)
@@ -58,17 +62,6 @@ def target_fingerprint(target) -> str:
         h.update(name.encode())
         h.update(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class CorpusWriter:
@@ -130,8 +123,6 @@ class CorpusWriter:
                       conversation=np.array([q.conversation for q in self.pending], dtype=np.int32),
                       turn=np.array([q.turn for q in self.pending], dtype=np.int16))
         if self.feature_dir is not None:  # first: a shard without its cached features is only slower to train on
-            from jakiro_ext.trainset import save_feature_shard
-
             save_feature_shard(self.feature_dir / name.replace(".npz", ".safetensors"), self.pending,
                                self.pending_features)
 
@@ -234,9 +225,6 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
     Returns the corpus's meta data."""
     from tqdm import tqdm
 
-    from jakiro_ext.data import load_sharegpt
-    from jakiro_ext.trainset import generate_greedy_batched
-
     eos = tokenizer.eos_token_id
     if eos is None:
         raise ValueError("the tokenizer has no EOS token: answers could not end")
@@ -314,3 +302,42 @@ def generate_corpus(path, target, tokenizer, target_name: str, answer_tokens: in
         bar.close()
         writer.flush()
     return writer.meta
+
+
+# ----------------------------------------------------------------------------- generation
+@torch.no_grad()
+def generate_greedy_batched(target: LlamaModel, prompts: Iterable[Tuple[int, torch.Tensor]], max_prompt_tokens: int,
+                            max_new_tokens: int, batch: int, eos: Sequence[int]
+                            ) -> Iterator[Tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Greedy answers to many prompts (of at most ``max_prompt_tokens``), ``batch`` sequences
+    decoding together; a finished row takes the next prompt (continuous batching,
+    :func:`jakiro_ext.engine.generate.generate_many`). Yields, as each finishes: (its key, its prompt
+    length, the tokens prompt + answer [n], the features of all but the last token [n - 1, H]).
+
+    ``prompts`` is asked again whenever a row is free, so an iterator that ran dry and has more
+    later (follow-up turns queued as answers finish) refills it. Each answer is exactly the
+    engine's plain decoding of that prompt alone."""
+    started = {}  # request index -> (key, prompt)
+
+    class Requests:
+        def __init__(self):
+            self.source, self.count = iter(prompts), 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self) -> torch.Tensor:
+            item = next(self.source, None)
+            if item is None:
+                raise StopIteration
+            key, ids = item
+            if ids.numel() > max_prompt_tokens:
+                raise ValueError(f"prompt {key} has {ids.numel()} tokens, more than max_prompt_tokens={max_prompt_tokens}")
+            started[self.count] = (key, ids)
+            self.count += 1
+            return ids
+
+    for i, out in generate_many(target, None, Requests(), batch, max_new_tokens, method="ar", eos_token_id=list(eos),
+                                keep_features=True):
+        key, ids = started.pop(i)
+        yield key, ids.numel(), torch.cat([ids, torch.tensor(out.token_ids)]), out.features

@@ -6,9 +6,11 @@ import time
 
 import torch
 
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
+
 
 def show_config() -> int:
-    from jakiro_ext import ops
 
     print(f"jakiro_ext {__import__('jakiro_ext').__version__}")
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), threads {torch.get_num_threads()}")
@@ -39,8 +41,6 @@ def _time(fn, reps=10):
 def ops_demo() -> int:
     """One draft-verify step's worth of ops on SmolLM2-135M shapes, each compared with its
     reference (failing on a float32 difference above 1e-3) and timed."""
-    from jakiro_ext import ops, reference
-
     if show_config():
         return 1
     g = torch.Generator().manual_seed(0)

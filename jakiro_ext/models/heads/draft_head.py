@@ -22,208 +22,27 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import List, NamedTuple, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
+from jakiro_ext.kv_cache import KVCache, TreeKV
+from jakiro_ext.memory import memory_errors
+from jakiro_ext.models.heads import formats as head_formats
+from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, CONFIG_FILE, WEIGHTS_FILE, DraftConfig, read_acceptance,
+                                            write_head_files)
+from jakiro_ext.models.heads.step import DraftStep
+from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project, rope_cos_sin, rotary
 from jakiro_ext.profiling import scope
-from jakiro_ext.models.llama import (KVCache, LlamaConfig, LlamaModel, RMSNorm, as_target, memory_errors, project,
-                                     rope_cos_sin, rotary)
 
-KINDS = ("eagle2", "jakiro", "gumiho", "jakiro_gumiho")  # jakiro_gumiho: Jakiro's MoE layer, then MLP heads
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-ACCEPTANCE_FILE = "acceptance.json"  # optional: the head's acceptance profile (jakiro_ext.tree_cost)
-
-
-def _read_acceptance(file: Path) -> dict:
-    """An acceptance profile; a malformed one is a ValueError naming the file."""
-    try:
-        raw = json.loads(Path(file).read_text())
-        tables = [raw["depth_rank"]] + [raw[k] for k in ("contrastive_depth_rank", "mlp_depth_rank") if k in raw]
-        ok = all(isinstance(t, list) and t and all(isinstance(row, list) and row and
-                                                   all(isinstance(p, (int, float)) and 0 <= p <= 1 for p in row)
-                                                   for row in t) for t in tables)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{file}: not an acceptance profile ({exc})") from None
-    if not ok:
-        raise ValueError(f"{file}: depth_rank must be a non-empty list of non-empty lists of probabilities in [0, 1]")
-    return raw
-
-
-@dataclass
-class DraftConfig:
-    hidden_size: int
-    vocab_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int  # the dense MLP's width, or each expert's
-    num_experts: int = 0  # 0: dense EAGLE-2 head; >= 2: Jakiro MoE head
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    renormalize: bool = False  # top-2 gate scores renormalised to sum to 1 (paper: not)
-    draft_vocab_size: int = 0  # 0: draft over the target's whole vocabulary; else over this many of its tokens
-    target: str = ""  # the target model it was made for (informational)
-    num_layers: int = 1  # serial decoder layers (more than one: dense feed-forward blocks only)
-    num_mlp_heads: int = 0  # Gumiho's parallel MLP heads (0: none)
-    mlp_blocks: int = 5  # residual blocks of each MLP head
-
-    @property
-    def kind(self) -> str:
-        if self.num_mlp_heads:
-            return "jakiro_gumiho" if self.num_experts else "gumiho"
-        return "jakiro" if self.num_experts else "eagle2"
-
-    @classmethod
-    def for_target(cls, target: LlamaConfig, kind: str = "jakiro", num_experts: int = 8,
-                   intermediate_size: Optional[int] = None, target_name: str = "", num_layers: Optional[int] = None,
-                   num_mlp_heads: int = 2, mlp_blocks: int = 5) -> "DraftConfig":
-        """A head shaped for ``target``: its attention geometry; experts as wide as the hidden
-        size (the released Jakiro recipe) or the target's MLP width for the dense head. A
-        ``gumiho`` head has ``num_layers`` serial layers (default 2, as released) and
-        ``num_mlp_heads`` MLP heads of ``mlp_blocks`` residual blocks; ``jakiro_gumiho`` the
-        same MLP heads after one Jakiro MoE layer."""
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        moe, gumiho = kind in ("jakiro", "jakiro_gumiho"), kind in ("gumiho", "jakiro_gumiho")
-        if moe and num_experts < 2:
-            raise ValueError(f"a Jakiro head needs num_experts >= 2 (top-2 routing), got {num_experts}")
-        if gumiho and num_mlp_heads < 1:
-            raise ValueError(f"a Gumiho head needs num_mlp_heads >= 1, got {num_mlp_heads}")
-        width = intermediate_size or (target.hidden_size if moe else target.intermediate_size)
-        return cls(hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_heads=target.num_heads,
-                   num_kv_heads=target.num_kv_heads, head_dim=target.head_dim, intermediate_size=width,
-                   num_experts=num_experts if moe else 0, rope_theta=target.rope_theta,
-                   rms_norm_eps=target.rms_norm_eps, target=target_name,
-                   num_layers=num_layers or (2 if kind == "gumiho" else 1), num_mlp_heads=num_mlp_heads if gumiho else 0,
-                   mlp_blocks=mlp_blocks)
-
-    @classmethod
-    def from_json(cls, file: Path) -> "DraftConfig":
-        """The config saved in ``file``; anything malformed is a ValueError naming the file."""
-        try:
-            raw = json.loads(Path(file).read_bytes().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"{file}: not a JSON config ({exc})") from None
-        if not isinstance(raw, dict):
-            raise ValueError(f"{file}: expected a JSON object, got {type(raw).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        unknown = set(raw) - set(known)
-        if unknown:
-            raise ValueError(f"{file}: unknown keys {sorted(unknown)} (expected a subset of {sorted(known)})")
-        missing = [name for name, f in known.items() if f.default is MISSING and name not in raw]
-        if missing:
-            raise ValueError(f"{file}: missing keys {missing}")
-        for name, value in raw.items():
-            kind = known[name].type  # a string: the module uses postponed annotations
-            ok = {"int": isinstance(value, int) and not isinstance(value, bool),
-                  "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-                  "bool": isinstance(value, bool), "str": isinstance(value, str)}[kind]
-            if not ok:
-                raise ValueError(f"{file}: {name} must be a JSON {kind}, got {value!r}")
-        config = cls(**raw)
-        sizes = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
-        problems = [f"{name} must be >= 1, got {getattr(config, name)}" for name in sizes if getattr(config, name) < 1]
-        if config.num_experts == 1 or config.num_experts < 0:
-            problems.append(f"num_experts must be 0 (dense) or >= 2, got {config.num_experts}")
-        if config.num_layers < 1 or (config.num_layers > 1 and config.num_experts):
-            problems.append(f"num_layers must be >= 1, and 1 with experts (a MoE head has one layer), got "
-                            f"{config.num_layers} with num_experts {config.num_experts}")
-        if config.num_mlp_heads < 0 or config.mlp_blocks < 0:
-            problems.append(f"num_mlp_heads and mlp_blocks must be >= 0, got {config.num_mlp_heads}, {config.mlp_blocks}")
-        if not 0 <= config.draft_vocab_size <= config.vocab_size:
-            problems.append(f"draft_vocab_size must be in [0, vocab_size {config.vocab_size}], got {config.draft_vocab_size}")
-        if config.num_kv_heads >= 1 and config.num_heads % config.num_kv_heads:
-            problems.append(f"num_heads {config.num_heads} must be a multiple of num_kv_heads {config.num_kv_heads}")
-        if not (math.isfinite(config.rope_theta) and config.rope_theta > 0 and math.isfinite(config.rms_norm_eps)
-                and config.rms_norm_eps > 0):
-            problems.append(f"rope_theta and rms_norm_eps must be finite and > 0, got {config.rope_theta}, "
-                            f"{config.rms_norm_eps}")
-        if problems:
-            raise ValueError(f"{file}: " + "; ".join(problems))
-        return config
-
-    def attention_config(self) -> LlamaConfig:
-        """The geometry the draft's KV cache is shaped by: a layer per serial layer (EAGLE-3's
-        config, which shares this method, has one)."""
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=getattr(self, "num_layers", 1),
-                           num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-                           rms_norm_eps=self.rms_norm_eps)
-
-
-TRAINING_FILE = "training.json"  # optional: how the head was trained (the train command's summary)
-# The files a head directory is made of: rewriting a head replaces them all, none survives stale.
-HEAD_FILES = (CONFIG_FILE, WEIGHTS_FILE, ACCEPTANCE_FILE, TRAINING_FILE, "pytorch_model.bin")
-
-
-def write_head_files(path, config: dict, state: dict, dtype: Optional[torch.dtype], metadata: dict,
-                     extra_files: Optional[dict] = None) -> None:
-    """A head directory, replaced atomically (:func:`jakiro_ext.atomic.write_directory`):
-    ``config.json``, ``model.safetensors`` (floating tensors in ``dtype`` if given; ``metadata``,
-    str -> str, in the file's header) and ``extra_files`` (name -> text). A kill at any moment
-    leaves the whole old head or the whole new one; other files of the old directory (a training
-    checkpoint) are kept."""
-    from safetensors.torch import save_file
-
-    from jakiro_ext.atomic import write_directory
-
-    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
-             for k, v in state.items()}
-    unknown = set(extra_files or {}) - set(HEAD_FILES)
-    if unknown:
-        raise ValueError(f"a head directory's extra files are among {HEAD_FILES}, got {sorted(unknown)}")
-
-    def write(tmp: Path) -> None:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
-        for name, text in (extra_files or {}).items():
-            (tmp / name).write_text(text)
-
-    write_directory(path, write, HEAD_FILES)
-
-
-class DraftStep(NamedTuple):
-    """One draft forward's outputs for its T rows (shapes [B, T, ...]).
-
-    feature : the predicted next target feature (MoE: u + s_0 h_0 + s_1 h_1; dense: u + MLP(u)).
-    residual : u, the attention block's output (the MoE's residual).
-    expert_out, expert_score, contrast_weight : MoE heads only (else None): the top-2 experts'
-        outputs [.., 2, H] (higher score first), their gate scores and (w_hi, w_lo).
-    lm_input : what the LM head reads, when it is not ``feature`` (EAGLE-3 heads).
-    projected : Gumiho heads only: ``fc(cat(embed(token), feature))``, the rows' input to the
-        serial layers and the first half of their children's MLP-head input.
-    """
-    feature: torch.Tensor
-    residual: torch.Tensor
-    expert_out: Optional[torch.Tensor] = None
-    expert_score: Optional[torch.Tensor] = None
-    contrast_weight: Optional[torch.Tensor] = None
-    lm_input: Optional[torch.Tensor] = None  # what the LM head reads when not the feature (EAGLE-3: norm(feature))
-    projected: Optional[torch.Tensor] = None
-
-    @property
-    def for_lm_head(self) -> torch.Tensor:
-        return self.feature if self.lm_input is None else self.lm_input
-
-    def contrastive_feature(self) -> torch.Tensor:
-        """u + w_hi * h_0 - w_lo * h_1: the feature two tokens ahead (Jakiro's parallel step)."""
-        w = self.contrast_weight.to(self.residual.dtype)
-        h = self.expert_out
-        return self.residual + w[..., 0:1] * h[..., 0, :] - w[..., 1:2] * h[..., 1, :]
-
-    def branch_features(self) -> torch.Tensor:
-        """[B, T, 2, H]: each activated expert's own feature u + (s_0 + s_1) h_j (Jakiro*), with
-        the experts' total gate mass, so both equal ``feature`` when the two experts agree."""
-        mass = self.expert_score.sum(-1, keepdim=True).unsqueeze(-1).to(self.residual.dtype)
-        return self.residual.unsqueeze(-2) + mass * self.expert_out
+# Released heads of another class than DraftHead, by format: the class's constructor from the
+# released config and tensors (EAGLE-3's, registered by jakiro_ext.models.heads.eagle3).
+RELEASED_HEAD_CLASSES: Dict[str, Callable[[dict, Dict[str, torch.Tensor], str], "DraftHead"]] = {}
 
 
 def _add_layer_weights(module: nn.Module, c: DraftConfig, dense: bool = True) -> None:
@@ -275,7 +94,7 @@ class DraftHead(nn.Module):
             self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, dtype=torch.int64))
         self.embed_weight: Optional[torch.Tensor] = None  # the target's, set by bind()
         self.lm_head_weight: Optional[torch.Tensor] = None  # the target's rows of the draft vocabulary
-        # How often its drafts are accepted, by depth and rank (jakiro_ext.tree_cost; acceptance.json)
+        # How often its drafts are accepted, by depth and rank (jakiro_ext.engine.tree_cost; acceptance.json)
         self.acceptance: Optional[dict] = None
 
     # ------------------------------------------------------------------ construction and storage
@@ -387,11 +206,9 @@ class DraftHead(nn.Module):
         ``training.json``) are written with them. The directory is replaced atomically: a kill
         leaves the old head or the new one, never a mix, and no file of the old head survives.
         ``format="eagle"``: a dense head in the EAGLE-1/2 format that vLLM and SGLang load for
-        their ``eagle`` method (:func:`jakiro_ext.models.head_formats.eagle_files`); a head with a
+        their ``eagle`` method (:func:`jakiro_ext.models.heads.formats.eagle_files`); a head with a
         reduced draft vocabulary needs ``full_vocabulary=True`` (that format drafts over the whole
         vocabulary)."""
-        from jakiro_ext.models import head_formats
-
         if format == "eagle3":
             raise ValueError("the eagle3 format holds EAGLE-3 heads (three target layers in, their own LM head); "
                              f"this head is {self.config.kind}: save it as 'eagle'")
@@ -418,12 +235,10 @@ class DraftHead(nn.Module):
     @classmethod
     def _load(cls, path, target: Optional[LlamaModel], format: Optional[str]) -> "DraftHead":
         """Load a head (and bind it to ``target`` when given): saved by this package, or released
-        in the EAGLE-1/2, Jakiro or EAGLE-3 format (:mod:`jakiro_ext.models.head_formats`), recognised from
+        in the EAGLE-1/2, Jakiro or EAGLE-3 format (:mod:`jakiro_ext.models.heads.formats`), recognised from
         its config and weight names (``format=`` forces one of ``head_formats.FORMATS``). A missing
         file is a FileNotFoundError, a malformed one or one that does not match its format or
         the target a ValueError, each naming the file and the key or shape."""
-        from jakiro_ext.models import head_formats
-
         path = Path(path)
         target = None if target is None else as_target(target)
         if not path.is_dir():
@@ -442,10 +257,8 @@ class DraftHead(nn.Module):
         else:
             state, weights = head_formats.read_weights(path)
             fmt = format or head_formats.detect(raw, state)
-            if fmt == "eagle3":
-                from jakiro_ext.models.eagle3_head import Eagle3Head
-
-                head = Eagle3Head.from_released(raw, state, str(weights))
+            if fmt in RELEASED_HEAD_CLASSES:
+                head = RELEASED_HEAD_CLASSES[fmt](raw, state, str(weights))
                 head._check_target_of(target, path)
                 head.eval()
                 return head.bind(target) if target is not None else head
@@ -454,7 +267,7 @@ class DraftHead(nn.Module):
             head._check_target_of(target, path)
         head._load_checked(state, weights)
         if (path / ACCEPTANCE_FILE).is_file():
-            head.acceptance = _read_acceptance(path / ACCEPTANCE_FILE)
+            head.acceptance = read_acceptance(path / ACCEPTANCE_FILE)
         head.eval()
         return head.bind(target) if target is not None else head
 
@@ -511,20 +324,89 @@ class DraftHead(nn.Module):
             their attention is merged with the prefix's by log-sum-exp (split-KV style).
         """
         c = self.config
-        x = self.project_input(tokens, features)
-        u = x + self._attention(x, positions, cache, tree_mask, ancestors)
-        normed = self.post_attention_layernorm(u)
-        if c.num_experts:
+
+        def attention(weights: nn.Module, x: torch.Tensor, layer: int) -> torch.Tensor:
+            return self._attention(x, positions, cache, tree_mask, ancestors, layer, weights)
+
+        def moe(normed: torch.Tensor):
             _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
                                                              c.renormalize)
-            # The op's own residual is its input (the normed u); the layer's residual is u itself.
+            return expert_out, score, contrast
+
+        return self._layers(self.project_input(tokens, features), attention, lambda w, x: self._mlp(x, w), moe)
+
+    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor,
+                      unrolled: Optional[list] = None) -> DraftStep:
+        """The differentiable counterpart of :meth:`forward` for training: whole sequences, in plain
+        PyTorch (the fused ops have no backward). tokens [B, T] (token t+1 of each row), features
+        [B, T, H] (f_t). The same layers (:meth:`_layers`); only the attention, the products and
+        the experts run differently.
+
+        ``unrolled`` (the training-time test): a list that collects each call's keys/values (a
+        list of (k, v) per layer). The call made with it empty is step 0: row i at position i,
+        causal (the committed prefix, as the draft's cache holds it). The call made with s entries
+        is step s: row i is the draft row s steps after row i's anchor, at position i + s; it sees
+        step 0's rows 0..i and its own row of steps 1..s (its draft ancestors), exactly what
+        drafting at depth s sees."""
+        c = self.config
+        B, T = tokens.shape
+        step = len(unrolled) if unrolled is not None else 0
+        with scope("embed+fc"):  # (the residual stream stays in the weights' dtype under autocast)
+            x = self.project_input(tokens, features, train=True).to(self.fc.weight.dtype)
+        positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
+        kv: list = []
+        if unrolled is not None:
+            unrolled.append(kv)
+
+        def attention(w: nn.Module, x: torch.Tensor, layer: int) -> torch.Tensor:
+            with scope("attention"):
+                q = rotary(w.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
+                k = rotary(w.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+                v = w.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+                kv.append((k, v))
+                if step == 0:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                else:
+                    out = _unrolled_attention(q, [keys[layer] for keys in unrolled])
+                return w.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+        def mlp(w: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            with scope("mlp"):
+                return self._mlp(x, w, linear=_call)
+
+        def moe(normed: torch.Tensor):
+            with scope("moe"):
+                N = c.num_experts
+                with torch.autocast(normed.device.type, enabled=False):  # routing in fp32, as drafting routes
+                    logits = normed.float() @ self.router.float().T  # [B, T, N + 2]
+                score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
+                if c.renormalize:
+                    score = score / score.sum(-1, keepdim=True)
+                contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
+                expert_out = self._train_experts(normed.reshape(B * T, -1), idx.reshape(B * T, 2)).view(B, T, 2, -1)
+                return expert_out, score, contrast
+
+        return self._layers(x, attention, mlp, moe)
+
+    def _layers(self, x: torch.Tensor, attention: Callable, mlp: Callable, moe: Callable) -> DraftStep:
+        """The head's layers on the projected input x [B, T, H]: the one definition drafting and
+        training share. ``attention(weights, x, layer)``, ``mlp(weights, x)`` and ``moe(normed) ->
+        (expert_out [B, T, 2, H], score [B, T, 2], contrast)`` are how each runs its parts."""
+        c = self.config
+        projected = x if c.num_mlp_heads else None
+        u = x + attention(self, x, 0)
+        normed = self.post_attention_layernorm(u)
+        if c.num_experts:
+            expert_out, score, contrast = moe(normed)
+            # The layer's residual is u (moe_top2's own residual output, the normed u, is not used).
             feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
-            return DraftStep(feature, u, expert_out, score, contrast, projected=x if c.num_mlp_heads else None)
-        h = u + self._mlp(normed)
+            return DraftStep(feature, u, expert_out, score, contrast, projected=projected)
+        h = u + mlp(self, normed)
         for i, layer in enumerate(self.layers if c.num_layers > 1 else (), 1):
-            u = h + self._attention(layer.input_layernorm(h), positions, cache, tree_mask, ancestors, i, layer)
-            h = u + self._mlp(layer.post_attention_layernorm(u), layer)
-        return DraftStep(h, u, projected=x if c.num_mlp_heads else None)
+            u = h + attention(layer, layer.input_layernorm(h), i)
+            h = u + mlp(layer, layer.post_attention_layernorm(u))
+        return DraftStep(h, u, projected=projected)
 
     def project_input(self, tokens: torch.Tensor, features: torch.Tensor, train: bool = False) -> torch.Tensor:
         """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input (with
@@ -568,72 +450,11 @@ class DraftHead(nn.Module):
             out = ancestors.merge_into(q, out, lse, layer)
         return project(w.o_proj, out.reshape(B, T, -1))
 
-    def _mlp(self, x: torch.Tensor, weights: Optional[nn.Module] = None) -> torch.Tensor:
-        """The dense SwiGLU MLP (of ``weights``, default the head's own)."""
+    def _mlp(self, x: torch.Tensor, weights: Optional[nn.Module] = None, linear: Callable = project) -> torch.Tensor:
+        """The dense SwiGLU MLP (of ``weights``, default the head's own); ``linear(layer, x)`` runs
+        a product (the fused linear when drafting, the module's own call when training)."""
         w = self if weights is None else weights
-        return project(w.down_proj, F.silu(project(w.gate_proj, x)) * project(w.up_proj, x))
-
-    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor,
-                      unrolled: Optional[list] = None) -> DraftStep:
-        """The differentiable counterpart of :meth:`forward` for training: whole sequences, in plain
-        PyTorch (the fused ops have no backward). tokens [B, T] (token t+1 of each row), features
-        [B, T, H] (f_t). Same math as ``forward``.
-
-        ``unrolled`` (the training-time test): a list that collects each call's keys/values (a
-        list of (k, v) per layer). The call made with it empty is step 0: row i at position i,
-        causal (the committed prefix, as the draft's cache holds it). The call made with s entries
-        is step s: row i is the draft row s steps after row i's anchor, at position i + s; it sees
-        step 0's rows 0..i and its own row of steps 1..s (its draft ancestors), exactly what
-        drafting at depth s sees."""
-        c = self.config
-        B, T = tokens.shape
-        step = len(unrolled) if unrolled is not None else 0
-        with scope("embed+fc"):  # (the residual stream stays in the weights' dtype under autocast)
-            x = projected = self.project_input(tokens, features, train=True).to(self.fc.weight.dtype)
-        positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        kv: list = []
-        if unrolled is not None:
-            unrolled.append(kv)
-
-        def attention(w: nn.Module, x: torch.Tensor, layer: int) -> torch.Tensor:
-            q = rotary(w.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
-            k = rotary(w.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
-            v = w.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            kv.append((k, v))
-            if step == 0:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            else:
-                out = _unrolled_attention(q, [keys[layer] for keys in unrolled])
-            return w.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-        def mlp(w: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            return w.down_proj(F.silu(w.gate_proj(x)) * w.up_proj(x))
-
-        with scope("attention"):
-            u = x + attention(self, x, 0)
-            normed = self.post_attention_layernorm(u)
-        if not c.num_experts:
-            with scope("mlp"):
-                h = u + mlp(self, normed)
-            for i, layer in enumerate(self.layers if c.num_layers > 1 else (), 1):
-                with scope("attention"):
-                    u = h + attention(layer, layer.input_layernorm(h), i)
-                with scope("mlp"):
-                    h = u + mlp(layer, layer.post_attention_layernorm(u))
-            return DraftStep(h, u, projected=x if c.num_mlp_heads else None)
-        with scope("moe"):
-            N = c.num_experts
-            with torch.autocast(normed.device.type, enabled=False):  # routing in fp32, as drafting routes
-                logits = normed.float() @ self.router.float().T  # [B, T, N + 2]
-            score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
-            if c.renormalize:
-                score = score / score.sum(-1, keepdim=True)
-            contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
-            expert_out = self._train_experts(normed.reshape(B * T, -1), idx.reshape(B * T, 2)).view(B, T, 2, -1)
-            feature = u + (score.unsqueeze(-1).to(u.dtype) * expert_out).sum(-2)
-        return DraftStep(feature, u, expert_out, score, contrast, projected=projected if c.num_mlp_heads else None)
-
+        return linear(w.down_proj, F.silu(linear(w.gate_proj, x)) * linear(w.up_proj, x))
 
     def _train_experts(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The two routed experts' outputs [R, 2, H] for rows x [R, H] and their experts idx
@@ -647,6 +468,10 @@ class DraftHead(nn.Module):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return torch.cat(outs)[inverse].view(x.shape[0], 2, -1)
+
+
+def _call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return layer(x)
 
 
 def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:
@@ -666,39 +491,3 @@ def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:
     return out + (probs[..., T:].unsqueeze(-1) * torch.stack(values[1:], -2)).sum(-2)
 
 
-class TreeKV:
-    """Keys/values of the draft-tree layers already run in this round (per decoder layer,
-    [B, M, Hkv, D]), so a new tree layer attends to its ancestors without recomputing them; see
-    :meth:`DraftHead.forward`."""
-
-    def __init__(self):
-        self.keys: List[torch.Tensor] = []  # one per decoder layer; empty until a tree layer ran
-        self.values: List[torch.Tensor] = []
-        self.visible: Optional[torch.Tensor] = None  # [B, T, M] bool for the rows being run
-
-    def append(self, cache: KVCache, rows: int) -> None:
-        """Keep the keys/values the last forward wrote after each sequence's prefix (uncommitted)."""
-        for layer in range(cache.kv.shape[0]):
-            k, v = cache.written(layer, rows)  # [B, rows, Hkv, D]
-            if layer < len(self.keys):
-                self.keys[layer] = torch.cat([self.keys[layer], k], 1)
-                self.values[layer] = torch.cat([self.values[layer], v], 1)
-            else:
-                self.keys.append(k.clone())
-                self.values.append(v.clone())
-
-    def merge_into(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layer: int = 0) -> torch.Tensor:
-        """Attention of q [B, T, Hq, D] over the visible tree keys of ``layer``, merged with (out,
-        lse) of the prefix part by log-sum-exp (``jakiro::merge_attention_states``)."""
-        B, T, Hq, D = q.shape
-        G = Hq // self.keys[layer].shape[2]
-        k = self.keys[layer].float().repeat_interleave(G, dim=2)  # [B, M, Hq, D]
-        v = self.values[layer].float().repeat_interleave(G, dim=2)
-        scores = torch.einsum("bthd,bmhd->bthm", q.float(), k) / math.sqrt(D)
-        scores = scores.masked_fill(~self.visible.unsqueeze(2), -math.inf)
-        tree_lse = torch.logsumexp(scores, dim=-1)  # [B, T, Hq], -inf where nothing is visible
-        probs = torch.exp(scores - tree_lse.nan_to_num(0.0, neginf=0.0).unsqueeze(-1))
-        tree_out = torch.einsum("bthm,bmhd->bthd", probs, v)
-        merged, _ = ops.merge_attention_states(torch.stack([out.float(), tree_out], dim=3),
-                                               torch.stack([lse, tree_lse], dim=3), out.dtype)
-        return merged

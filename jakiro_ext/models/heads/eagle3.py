@@ -1,7 +1,7 @@
 """EAGLE-3 draft heads, as released (EAGLE's ``cnets.py``, SpecForge's ``LlamaForCausalLMEagle3``,
 what vLLM and SGLang load for their ``eagle3`` method).
 
-Unlike the EAGLE-1/2 head (:mod:`jakiro_ext.models.draft_head`), the head reads three of the
+Unlike the EAGLE-1/2 head (:mod:`jakiro_ext.models.heads.draft_head`), the head reads three of the
 target's layers and has its own LM head:
 
 - its input feature for a committed token is ``fc(cat(h_low, h_mid, h_high))`` ([H, 3H], no
@@ -27,9 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jakiro_ext.models.draft_head import DraftConfig, DraftHead, DraftStep, write_head_files
-from jakiro_ext.models.head_formats import ATTENTION, MLP, check_layer_config, tensor_getter
-from jakiro_ext.models.llama import KVCache, LlamaModel, RMSNorm, as_target, project
+from jakiro_ext.kv_cache import KVCache
+from jakiro_ext.models.heads.config import DraftConfig, write_head_files
+from jakiro_ext.models.heads.draft_head import RELEASED_HEAD_CLASSES, DraftHead
+from jakiro_ext.models.heads.formats import ATTENTION, MLP, check_layer_config, tensor_getter
+from jakiro_ext.models.heads.step import DraftStep
+from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -196,3 +199,6 @@ class Eagle3Head(DraftHead):
         if format != "eagle3":
             raise ValueError(f"an EAGLE-3 head is saved in the eagle3 format, got format={format!r}")
         write_head_files(path, *self.released_files(), dtype, {"kind": "eagle3", **(metadata or {})}, extra_files)
+
+
+RELEASED_HEAD_CLASSES["eagle3"] = Eagle3Head.from_released

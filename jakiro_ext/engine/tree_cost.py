@@ -34,7 +34,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from jakiro_ext import atomic
+from jakiro_ext import atomic, ops
+from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.drafter import Drafter
+from jakiro_ext.engine.state import BatchState, Started
+from jakiro_ext.machine import cpu_name
+from jakiro_ext.methods import METHODS
+from jakiro_ext.paths import cache_root
 
 ACCEPTANCE_FILE = "acceptance.json"
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # target forwards measured at these N
@@ -57,12 +63,13 @@ def expected_accepted(profile: dict, total_tokens: int, depth: int, top_k: int, 
     ``jakiro`` "contrastive_depth_rank" (the same from depth 2 on); for ``gumiho``
     "mlp_depth_rank" (one row per MLP head, head j drafting the layer j + 1 past the serial ones)."""
     p = profile["depth_rank"]
-    pc = profile.get("contrastive_depth_rank") if method == "jakiro" else None
-    pm = profile["mlp_depth_rank"] if method == "gumiho" else []
+    m = METHODS[method]
+    pc = profile.get("contrastive_depth_rank") if m.hybrid_last_layer else None
+    pm = profile["mlp_depth_rank"] if m.parallel_heads else []
     nodes: List[float] = []
     layer = [_prob(p, 1, r, 1) for r in range(top_k)]
     nodes += layer
-    expansions = depth - 1 if method == "jakiro" else depth
+    expansions = depth - 1 if m.hybrid_last_layer else depth
     serial = depth - len(pm)
     for d in range(1, expansions + 1):
         frontier = sorted(layer, reverse=True)[:top_k]
@@ -97,10 +104,9 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def tree_depths(head, method: str) -> List[int]:
-    """The tree depths a method's costs are known at: DEPTHS, one deeper for ``jakiro`` (its last
-    layer is the contrastive step's), J deeper for ``gumiho`` (its J MLP layers follow the serial ones)."""
-    extra = {"jakiro": 1, "gumiho": getattr(head.config, "num_mlp_heads", 0)}.get(method, 0)
-    return [d + extra for d in DEPTHS]
+    """The tree depths a method's costs are known at: DEPTHS, deeper by the layers it drafts past
+    the serial expansions (``jakiro``: its contrastive step; ``gumiho``: its J MLP heads' layers)."""
+    return [d + METHODS[method].extra_layers(head) for d in DEPTHS]
 
 
 def batch_bucket(batch: int) -> int:
@@ -115,26 +121,28 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     ``batch`` sequences decoding together, with the target and the head as given (their dtype
     and device, torch's thread count). A batch's target forward is measured up to
     MAX_VERIFY_ROWS rows (batch x N)."""
-    from jakiro_ext import ops
-    from jakiro_ext.drafting import METHODS, Drafter
-    from jakiro_ext.engine import TreeConfig
-
     device = target.lm_head.weight.device
     B = batch
-    rows_of = [0] * B  # every sequence: a copy of the first
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
     one = target.new_cache(1, CONTEXT)
     _, hidden = target(prompt[:CONTEXT].unsqueeze(0), one, last_logits_only=True)
     one.commit(CONTEXT)
-    cache = target.new_cache(1, CONTEXT + max(SIZES))
-    cache.load(0, one)
-    cache.select_rows(rows_of)
+
+    def batch_state(drafter: Drafter) -> BatchState:
+        """B copies of the prompt's sequence (its draft side started as the engine starts it)."""
+        started = Started(one, *drafter.prefill(prompt[1:CONTEXT + 1], hidden[0]))
+        state = BatchState(target, drafter, B, CONTEXT + max(SIZES))
+        for b in range(B):
+            state.load(b, None, started)
+        return state
+
+    target_kv = batch_state(Drafter(None, METHODS["ar"], TreeConfig())).target_kv
 
     def verify_once(n: int):
         tokens = prompt[:n].expand(B, n)
         parents = (torch.arange(n, device=device) - 1).expand(B, n)
-        logits, _ = target(tokens, cache, ops.build_tree_mask(parents))
+        logits, _ = target(tokens, target_kv, ops.build_tree_mask(parents))
         ops.verify_tree(parents, tokens, logits, None, 0.0, 1.0, 0)
 
     verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES if B * n <= MAX_VERIFY_ROWS}
@@ -142,22 +150,17 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     roots = prompt[:1].expand(B)
     for k in WIDTHS:
         for d in tree_depths(head, method):
-            drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k), 1, CONTEXT + 16)
-            drafter.load(0, prompt[1:CONTEXT + 1], hidden[0])
-            drafter.select_rows(rows_of)
-            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(roots), repeats)
-    for n in range(1, 9):
-        def run():
-            drafter.catch_up(prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1), [n] * B)
-            drafter.cache.commit(-n)
-        catch_up[str(n)] = _median_seconds(run, repeats)
+            drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k))
+            state = batch_state(drafter)
+            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(roots, state.draft_kv, state.root_step), repeats)
+    for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing)
+        catch_up[str(n)] = _median_seconds(
+            lambda: drafter.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats)
     return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, batch=B)
 
 
 def costs_key(target, head, method: str, batch: int = 1) -> str:
     """What the costs depend on: the CPU (or GPU), the threads, the dtype and the shapes."""
-    from jakiro_ext.corpus import cpu_name
-
     device = target.lm_head.weight.device
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()) + \
         f"-{torch.get_num_threads()}t"
@@ -175,8 +178,6 @@ def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, prog
                batch: int = 1) -> dict:
     """The cached costs of this machine and setting for ``batch`` sequences (its
     :func:`batch_bucket`), measured (seconds to a minute) when missing."""
-    from jakiro_ext.models.default import cache_root
-
     batch = batch_bucket(batch)
     path = Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method, batch) + ".json")
     if path.exists():
@@ -208,8 +209,6 @@ def rate(costs: dict, profile: dict, total_tokens: int, depth: int, top_k: int, 
 def choose_tree(costs: dict, profile: dict, method: str):
     """The dynamic tree with the highest expected tokens per second, and every candidate's
     (tokens/s, accepted, N, D, K), best first."""
-    from jakiro_ext.engine import TreeConfig
-
     rows = []
     for key in costs["draft"]:
         depth, top_k = map(int, key.split(","))
@@ -233,47 +232,3 @@ def auto_tree(target, head, method: str, batch: int = 1):
     return choose_tree(load_costs(target, head, method, batch=batch), profile, method)[0]
 
 
-# ----------------------------------------------------------------------------- the head's profile
-@torch.no_grad()
-def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, ranks: int = 8,
-                       batch_sequences: int = 16) -> dict:
-    """p[d][r] (see the module's docstring) on ``examples``' learned tokens, drafting from the
-    head's own features as the engine does; for a Jakiro head also its contrastive branch's, for
-    a Gumiho head its MLP heads' (after one serial step, as the engine drafts them)."""
-    from jakiro_ext.train import MLP_FIRST_DEPTH, _rows, _scored, collate, mlp_features, unroll
-
-    mlp_heads = getattr(head.config, "num_mlp_heads", 0)
-    hits_m = torch.zeros(mlp_heads, ranks, dtype=torch.float64)
-    counts_m = torch.zeros(mlp_heads, dtype=torch.float64)
-    hits = torch.zeros(depth, ranks, dtype=torch.float64)
-    hits_c = torch.zeros(depth, ranks, dtype=torch.float64)
-    counts = torch.zeros(depth, dtype=torch.float64)
-    counts_c = torch.zeros(depth, dtype=torch.float64)
-
-    def add(table, count, s, rows):
-        pred, tokens = rows.pred[rows.mask], rows.tokens[rows.mask]
-        top = head.target_ids((pred @ head.lm_head_weight.T).topk(ranks, -1).indices)  # [n, ranks]
-        table[s] += (top == tokens.unsqueeze(-1)).double().sum(0)
-        count[s] += tokens.numel()
-
-    was_training = head.training
-    head.eval()
-    for i in range(0, len(examples), batch_sequences):
-        b = collate(examples[i: i + batch_sequences], max_seq_len).to(head.fc.weight.device)
-        steps = []
-        for s, step in unroll(head, b, depth):
-            steps.append(step)
-            add(hits, counts, s, _scored(b, step, s, 1))
-            if step.expert_out is not None:
-                add(hits_c, counts_c, s, _scored(b, step, s, 2))
-        if mlp_heads:
-            features = mlp_features(head, b, steps, "drafted")
-            for j in range(mlp_heads):
-                add(hits_m, counts_m, j, _rows(b, features[:, :, j], MLP_FIRST_DEPTH + j))
-    head.train(was_training)
-    out = dict(depth_rank=(hits / counts.clamp(min=1).unsqueeze(1)).tolist(), positions=int(counts[0]))
-    if head.config.num_experts:
-        out["contrastive_depth_rank"] = (hits_c / counts_c.clamp(min=1).unsqueeze(1)).tolist()
-    if mlp_heads:
-        out["mlp_depth_rank"] = (hits_m / counts_m.clamp(min=1).unsqueeze(1)).tolist()
-    return out

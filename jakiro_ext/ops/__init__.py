@@ -1,7 +1,7 @@
 """The fused ops of ``torch.ops.jakiro``: loading, fake (meta) implementations, and thin
 Python entry points with their shapes documented.
 
-Every op's pure-PyTorch specification is in :mod:`jakiro_ext.reference` under the same name.
+Every op's pure-PyTorch specification is in :mod:`jakiro_ext.ops.reference` under the same name.
 If the compiled library cannot be loaded, importing still works (so ``python -m jakiro_ext
 show-config`` can say why), but calling an op raises, unless ``JAKIRO_USE_REFERENCE=1``
 explicitly selects the (slower) reference implementations.
@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from jakiro_ext import reference
+from jakiro_ext.ops import emulator, reference
 
 LOAD_ERROR: Optional[str] = None
 try:
@@ -77,14 +77,12 @@ def use_backend(name: str):
     (the default), ``"simt32"`` / ``"simt64"`` the GPU kernels of ``csrc/cuda`` run on the CPU by
     the SIMT emulator with warps of 32 / 64 lanes (CPU tensors; slow, for checking and debugging GPU
     kernels without a GPU). The emulated library is built the first time (a few minutes, cached:
-    :mod:`jakiro_ext.emulator`). Blocks nest; the setting is per thread and per asyncio task."""
+    :mod:`jakiro_ext.ops.emulator`). Blocks nest; the setting is per thread and per asyncio task."""
     if name not in BACKENDS:
         raise ValueError(f"use_backend: the backend must be one of {BACKENDS}, got {name!r}")
     if name == "native":
         token = _emulated.set(None)
     else:
-        from jakiro_ext import emulator
-
         token = _emulated.set((name, emulator.emulated_ops(int(name.removeprefix("simt")))))
     try:
         yield

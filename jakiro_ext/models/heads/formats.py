@@ -1,5 +1,5 @@
 """Draft heads in the formats their authors publish: read into this package's
-:class:`~jakiro_ext.models.draft_head.DraftHead`, and written for the serving engines.
+:class:`~jakiro_ext.models.heads.draft_head.DraftHead`, and written for the serving engines.
 
 A directory holds ``config.json`` (a transformers-style Llama config) and the weights
 (``model.safetensors`` or ``pytorch_model.bin``):
@@ -19,7 +19,7 @@ A directory holds ``config.json`` (a transformers-style Llama config) and the we
   (the released config does not say them).
 
 - ``eagle3`` (EAGLE-3): ``midlayer.*``, ``fc`` over three target layers, its own LM head and
-  ``d2t``: :mod:`jakiro_ext.models.eagle3_head`.
+  ``d2t``: :mod:`jakiro_ext.models.heads.eagle3`.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Dict, Tuple
 
 import torch
+
+from jakiro_ext.models.heads.config import DraftConfig
 
 SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
 FORMATS = ("jakiro_ext", "eagle", "jakiro", "gumiho", "eagle3")  # jakiro_ext: this package's own (draft_head.py)
@@ -119,8 +121,6 @@ def detect(config: dict, keys) -> str:
 def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where: str):
     """(DraftConfig, this package's state dict) of an ``eagle``, ``jakiro`` or ``gumiho`` head;
     anything that does not match the format is a ValueError naming ``where`` and the key or shape."""
-    from jakiro_ext.models.draft_head import DraftConfig
-
     if fmt not in ("eagle", "jakiro", "gumiho"):
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     need = tensor_getter(state, f"a {fmt} head", where)

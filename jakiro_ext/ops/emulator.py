@@ -21,8 +21,12 @@ import os
 import pathlib
 import sys
 
+import torch
+
+from jakiro_ext.paths import cache_root
+
 WARP_SIZES = (32, 64)
-PACKAGE = pathlib.Path(__file__).resolve().parent
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent  # the installed jakiro_ext
 CHECKOUT = PACKAGE.parent if (PACKAGE.parent / "csrc" / "cuda").is_dir() else None
 
 
@@ -39,7 +43,6 @@ def build_root() -> pathlib.Path:
         return pathlib.Path(os.environ["JAKIRO_SIMT_BUILD_DIR"])
     if CHECKOUT:
         return CHECKOUT / "build" / "simt"
-    from jakiro_ext.models.default import cache_root
 
     return cache_root() / "simt"
 
@@ -60,8 +63,6 @@ def glue_sources() -> list[pathlib.Path]:
 def emulated_ops(warp_size: int):
     if warp_size not in WARP_SIZES:
         raise ValueError(f"warp_size must be one of {WARP_SIZES}, got {warp_size}")
-    import torch
-    from torch.utils import cpp_extension
 
     csrc = csrc_dir()
     namespace = f"jakiro_simt{warp_size}"
@@ -79,6 +80,8 @@ def emulated_ops(warp_size: int):
             wrapper.write_text(text)
         sources.append(str(wrapper))
     sources += [str(csrc / "validate.cpp"), str(csrc / "simt" / "simt_library.cpp")]
+    # Imported here: importing cpp_extension warns on stderr in a CUDA build of torch without a GPU.
+    from torch.utils import cpp_extension
     cpp_extension.load(
         name=namespace,
         sources=sources,

@@ -10,9 +10,10 @@ import collections
 import contextlib
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from jakiro_ext.engine import _Batch
+from jakiro_ext.engine.batch import ROUND_LISTENERS
 
 aten = torch.ops.aten
 VALUE_READS = {aten._local_scalar_dense.default: "scalar", aten.nonzero.default: "nonzero",
@@ -36,17 +37,30 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
-        self._saved = torch.Tensor.tolist, torch.Tensor.numpy
-        for name, original in zip(("tolist", "numpy"), self._saved):
-            def counted(tensor, *a, _original=original, _name=name, **k):
-                self.counts[self.where, _name] += 1
-                return _original(tensor, *a, **k)
-            setattr(torch.Tensor, name, counted)
+        self._methods = _MethodReads(self)  # tolist() / numpy() read before any dispatch
+        self._methods.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist, torch.Tensor.numpy = self._saved
-        return super().__exit__(*exc)
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._methods.__exit__(*exc)
+
+
+class _MethodReads(TorchFunctionMode):
+    """Counts ``Tensor.tolist()`` and ``Tensor.numpy()`` for a :class:`HostReads`: they read the
+    values without dispatching an op, but a function mode sees every Tensor method called."""
+
+    def __init__(self, reads: HostReads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in ("tolist", "numpy"):
+            self.reads.counts[self.reads.where, name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _value_dependent(func, args, kwargs) -> str:
@@ -70,18 +84,14 @@ def _value_dependent(func, args, kwargs) -> str:
 
 @contextlib.contextmanager
 def counted_rounds(reads: HostReads):
-    """Marks the reads made inside ``_Batch.round``; yields [number of rounds]."""
-    original, rounds = _Batch.round, [0]
+    """Marks the reads made inside ``DecodeBatch.round``; yields [number of rounds]."""
+    rounds = [0]
 
-    def round_(batch):
-        rounds[0] += 1
-        reads.where = "round"
-        try:
-            return original(batch)
-        finally:
-            reads.where = "start"
-    _Batch.round = round_
+    def listen(starting: bool) -> None:
+        rounds[0] += starting
+        reads.where = "round" if starting else "start"
+    ROUND_LISTENERS.append(listen)
     try:
         yield rounds
     finally:
-        _Batch.round = original
+        ROUND_LISTENERS.remove(listen)

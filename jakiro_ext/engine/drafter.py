@@ -1,6 +1,6 @@
 """The draft side of a round, for a batch of sequences: the draft tree as tensors
 (:class:`DraftTree`), the two ways to grow it (dynamic: EAGLE-2's best-first expansion; static:
-a fixed list of child-rank paths) and the :class:`Drafter` that owns the draft head's KV cache.
+a fixed list of child-rank paths) and the :class:`Drafter` that runs the draft head.
 
 Every sequence of a batch gets its own tree; the trees of one round have the same number of
 node slots, a tree with fewer real nodes being padded with nodes that verification never accepts
@@ -9,47 +9,21 @@ node slots, a tree with fewer real nodes being padded with nodes that verificati
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.models.draft_head import DraftHead, DraftStep, TreeKV
-from jakiro_ext.models.llama import causal_tree_mask, packed_bit_ranges
-
-
-@dataclass(frozen=True)
-class Method:
-    """What a decoding method asks of the draft side.
-
-    head : None (no head: plain decoding drafts the one-node tree, the root alone), "any" (dense
-        or MoE) or "moe" (a Jakiro head).
-    hybrid_last_layer : the last tree layer comes from the MoE's contrastive feature (two tokens
-        ahead) in the same forward as the layer before it: one draft forward fewer (Jakiro).
-    children_per_expert : each of the two activated experts proposes its own children (Jakiro*).
-    parallel_heads : the last tree layers come from the head's MLP heads, one per layer, all in
-        one pass after the serial expansions (Gumiho).
-    """
-    name: str
-    head: Optional[str]
-    hybrid_last_layer: bool = False
-    children_per_expert: bool = False
-    parallel_heads: bool = False
-
-    def children(self, top_k: int) -> int:
-        """Candidates drafted per expanded node."""
-        return 2 * top_k if self.children_per_expert else top_k
-
+from jakiro_ext.kv_cache import KVCache, TreeKV, causal_tree_mask, packed_bit_ranges
+from jakiro_ext.methods import Method
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.step import DraftStep, take_rows
 
 # What can go wrong in drafting, found on the device (VerifyTree.errors, in this order): the
 # round raises the message when it reads its accepted tokens, before anything is emitted.
 DRAFT_ERRORS = ("the draft head produced non-finite logits (NaN or inf): no token can be drafted "
                 "(check the head's weights)",
                 "a draft tree with only its root cannot be padded (no child to repeat)")
-
-METHODS = {m.name: m for m in (Method("ar", None), Method("eagle2", "any"), Method("jakiro", "moe", hybrid_last_layer=True),
-                               Method("jakiro_star", "moe", children_per_expert=True),
-                               Method("gumiho", "gumiho", parallel_heads=True))}
 
 
 def dedupe(logprobs: torch.Tensor, ids: torch.Tensor):
@@ -185,42 +159,34 @@ class VerifyTree:
 
 
 class Drafter:
-    """The draft head's side of the loop for a batch of sequences: its KV cache (committed up to
-    each sequence's last emitted token), the latest catch-up output of each sequence (which
-    predicts the next tree's first layer) and tree building. With ``method.head`` None (plain
-    decoding) it drafts the one-node tree, the root alone."""
+    """The draft head's side of a round: the catch-up forward over the accepted tokens and tree
+    building. It holds no sequence's state: the draft's KV cache (committed up to each sequence's
+    last emitted token) and the root step (each sequence's latest catch-up output, which predicts
+    the next tree's first layer) are the batch state's (:class:`jakiro_ext.engine.state.BatchState`)
+    and come in as arguments. With a method that drafts nothing (plain decoding) it drafts the
+    one-node tree, the root alone."""
 
-    def __init__(self, head: Optional[DraftHead], method: Method, tree, batch: int, capacity: int,
-                 max_capacity: Optional[int] = None):
-        """``capacity`` committed positions per sequence to start with, growing up to ``max_capacity``
-        (default: fixed)."""
+    def __init__(self, head: Optional[DraftHead], method: Method, tree):
         self.head, self.method, self.tree = head, method, tree
         self.forwards = 0
-        self.root_step: Optional[DraftStep] = None  # [B, 1, ...] rows
-        self.cache = None
         self._plan: Optional[list] = None  # a static tree's index tensors (_static_plan)
         self._errors: Optional[torch.Tensor] = None  # the round's DRAFT_ERRORS flags
-        if self.check(head, method, tree):
-            # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
-            # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
-            self.scratch = max(tree.top_k, tree.max_nodes_for(method))
-            self.cache = head.new_cache(capacity + self.scratch,
-                                        None if max_capacity is None else max_capacity + self.scratch, batch=batch)
+        self.drafts = self.check(head, method, tree)
+        # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
+        # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
+        self.scratch = max(tree.top_k, tree.max_nodes_for(method)) if self.drafts else 0
 
     @staticmethod
     def check(head: Optional[DraftHead], method: Method, tree) -> bool:
         """The method's needs of the head and the tree (a ValueError if unmet); whether it drafts at all."""
-        if method.head is None:
+        if not method.drafts:
             return False
         if head is None:
             raise ValueError(f"method {method.name!r} needs a draft head")
         if head.lm_head_weight is None:
             raise ValueError("the draft head is not bound to a target: call head.bind(target) (DraftHead.load does it)")
-        if method.head == "moe" and not head.config.num_experts:
-            raise ValueError(f"method {method.name!r} needs a Jakiro (MoE) draft head; this head is {head.config.kind!r}")
-        if method.head == "gumiho" and not getattr(head.config, "num_mlp_heads", 0):
-            raise ValueError(f"method {method.name!r} needs a Gumiho draft head (MLP heads: gumiho or jakiro_gumiho); "
-                             f"this head is {head.config.kind!r}")
+        if head.config.kind not in method.heads:
+            raise ValueError(f"method {method.name!r} needs {method.needs}; this head is {head.config.kind!r}")
         if method.parallel_heads and tree.choices is not None:
             raise ValueError(f"method {method.name!r} (parallel MLP heads) builds the dynamic tree; with a static tree "
                              "use 'eagle2'")
@@ -248,74 +214,51 @@ class Drafter:
         return _width(self.tree)
 
     # ------------------------------------------------------------------ the committed side
-    def catch_up(self, tokens: torch.Tensor, features: torch.Tensor, counts: List[int]) -> None:
-        """Run the pairs (tokens[b, i], features[b, i]) for i < counts[b] (token t+1 with the
-        target's feature at t; [B, n] and [B, n, H], rows beyond a count are ignored), commit
-        them, and keep each sequence's last row's output."""
-        if self.cache is None:
-            return
+    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> Optional[KVCache]:
+        """The draft's KV cache for ``batch`` sequences of ``capacity`` committed positions (growing
+        up to ``max_capacity``; default: fixed), with the scratch a round's drafting writes beyond
+        them; None when nothing is drafted."""
+        if not self.drafts:
+            return None
+        return self.head.new_cache(capacity + self.scratch, None if max_capacity is None else max_capacity + self.scratch,
+                                   batch=batch)
+
+    def catch_up(self, cache: KVCache, tokens: torch.Tensor, features: torch.Tensor) -> DraftStep:
+        """Run the pairs (tokens[b, i], features[b, i]) (token t+1 with the target's feature at t;
+        [B, n] and [B, n, H]) after each sequence's committed prefix in ``cache``: their keys and
+        values are written there uncommitted (the batch state commits each sequence's accepted
+        ones) and their outputs [B, n, ...] returned."""
         B, n = tokens.shape
-        positions = self.cache.lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)
-        step = self.head(tokens, features, positions, self.cache, causal_tree_mask(B, n, tokens.device))
-        on_device = ops.to_device(torch.tensor(counts), tokens.device)
-        self.cache.commit(on_device, counts)
+        positions = cache.lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)
         self.forwards += 1
-        last = (on_device - 1).view(B, 1)
-        self.root_step = DraftStep(*(None if t is None else _take_rows(t, last) for t in step))
+        return self.head(tokens, features, positions, cache, causal_tree_mask(B, n, tokens.device))
 
-    def load(self, row: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """Start sequence ``row`` afresh from its prompt: tokens [n] (the prompt's tokens 1..n-1
-        and its first new token) with the target's features [n, H], run alone (as the sequence
-        would be without the batch), then placed in the batch."""
-        if self.cache is None:
-            return
-        one = self.head.new_cache(tokens.numel(), batch=1)
+    def prefill(self, tokens: torch.Tensor, features: torch.Tensor):
+        """A sequence's start from its prompt alone: tokens [n] (the prompt's tokens 1..n-1 and its
+        first new token) with the target's features [n, H]. Returns its own draft cache (those n
+        positions committed, room for a round's drafting after them) and its root step rows [1, 1,
+        ...]; (None, None) when nothing is drafted."""
+        if not self.drafts:
+            return None, None
         n = tokens.numel()
-        step = self.head(tokens.unsqueeze(0), features.unsqueeze(0), torch.arange(n, device=tokens.device).unsqueeze(0),
-                         one, causal_tree_mask(1, n, tokens.device))
+        one = self.new_cache(1, n)
+        step = self.catch_up(one, tokens.unsqueeze(0), features.unsqueeze(0))
         one.commit(n)
-        self.cache.load(row, one)
-        self.forwards += 1
-        rows = DraftStep(*(None if t is None else t[:, -1:] for t in step))
-        if self.root_step is None:
-            B = self.cache.batch
-            self.root_step = DraftStep(*(None if t is None else t.new_zeros((B, *t.shape[1:])) for t in rows))
-        for mine, new in zip(self.root_step, rows):
-            if mine is not None:
-                mine[row] = new[0]
-
-    def select_rows(self, rows: List[int], max_capacity: Optional[int] = None) -> None:
-        """The sequences become ``rows`` (indices of the current ones, in their new order; -1: a
-        new one, to :meth:`load`); ``max_capacity`` raises the bound on committed positions."""
-        if self.cache is None:
-            return
-        self.cache.select_rows(rows, None if max_capacity is None else max_capacity + self.scratch)
-        index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.cache.kv.device)
-        self.root_step = DraftStep(*(None if t is None else t[index] for t in self.root_step))
-
-    def allow(self, max_capacity: int) -> None:
-        """Raise the bound on committed positions per sequence."""
-        if self.cache is not None:
-            self.cache.allow(max_capacity + self.scratch)
-
-    def reserve(self) -> None:
-        """Room in the cache for a round's drafting beyond the committed tokens."""
-        if self.cache is not None:
-            self.cache.reserve(max(self.cache.host_lengths) + self.scratch)
-
-    def reset_rows(self, rows: List[int]) -> None:
-        """Hold the sequences ``rows`` (free rows of a batch) at length 0."""
-        if self.cache is not None:
-            self.cache.clear(rows)
+        return one, step.rows(torch.full((1, 1), n - 1, device=tokens.device))
 
     # ------------------------------------------------------------------ the tree
-    def draft(self, roots: torch.Tensor) -> VerifyTree:
-        """This round's trees, rooted at ``roots`` [B] (each sequence's last emitted token)."""
+    def draft(self, roots: torch.Tensor, cache: Optional[KVCache], root_step: Optional[DraftStep]) -> VerifyTree:
+        """This round's trees, rooted at ``roots`` [B] (each sequence's last emitted token), drafted
+        after the committed prefixes of ``cache`` (the tree's keys and values written beyond them,
+        uncommitted) from ``root_step`` [B, 1, ...]."""
         tree = DraftTree(roots)
-        if self.cache is None:
+        if not self.drafts:
             return tree.every_node()
         self._errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool, device=roots.device)
-        verify = self._draft_static(tree) if self.tree.choices is not None else self._draft_dynamic(tree)
+        if self.tree.choices is not None:
+            verify = self._draft_static(tree, cache, root_step)
+        else:
+            verify = self._draft_dynamic(tree, cache, root_step)
         if verify.tokens.shape[1] > 1:
             self._errors[1] |= (verify.counts < 2).any()
         verify.errors = self._errors
@@ -341,36 +284,36 @@ class Drafter:
             return (lp[:, :, 0], ids[:, :, 0]), (lp[:, :, 1], ids[:, :, 1])
         return self._topk(step.for_lm_head, k), None
 
-    def _run_layer(self, tree: DraftTree, frontier: torch.Tensor, depth: int, features: torch.Tensor,
+    def _run_layer(self, cache: KVCache, tree: DraftTree, frontier: torch.Tensor, depth: int, features: torch.Tensor,
                    tree_kv: TreeKV, kv_nodes: Optional[torch.Tensor]) -> DraftStep:
         """One draft forward over the frontier nodes [B, R] (all at ``depth``) with the features
         [B, R, H] their parents' step predicted, attending to the committed prefix, their
         ancestors among earlier layers' nodes ``kv_nodes`` [B, M] (keys in ``tree_kv``), and
         themselves."""
         B, R = frontier.shape
-        positions = (self.cache.lengths.unsqueeze(1) - 1 + depth).expand(B, R)
+        positions = (cache.lengths.unsqueeze(1) - 1 + depth).expand(B, R)
         if kv_nodes is not None:
             tree_kv.visible = tree.ancestors_among(frontier, kv_nodes, depth)
         rows = torch.arange(R, device=frontier.device)
         itself = packed_bit_ranges(rows, rows, R).unsqueeze(0).expand(B, -1, -1)
-        step = self.head(tree.tokens.gather(1, frontier), features, positions, self.cache, itself, tree_kv)
-        tree_kv.append(self.cache, R)
+        step = self.head(tree.tokens.gather(1, frontier), features, positions, cache, itself, tree_kv)
+        tree_kv.append(cache, R)
         self.forwards += 1
         return step
 
-    def _draft_dynamic(self, tree: DraftTree) -> VerifyTree:
+    def _draft_dynamic(self, tree: DraftTree, cache: KVCache, root_step: DraftStep) -> VerifyTree:
         k = self.tree.top_k
-        (lp, ids), _ = self._children(self.root_step)
+        (lp, ids), _ = self._children(root_step)
         layer = tree.add_children(torch.zeros_like(tree.tokens), ids, lp)
-        prev_step, prev_rows = self.root_step, torch.zeros_like(layer)  # the step row holding each parent's output
+        prev_step, prev_rows = root_step, torch.zeros_like(layer)  # the step row holding each parent's output
         tree_kv, kv_nodes = TreeKV(), None
         heads = self.head.config.num_mlp_heads if self.method.parallel_heads else 0
         expansions = self.tree.depth - 1 if self.method.hybrid_last_layer else self.tree.depth - heads
         for d in range(1, expansions + 1):
             pick = tree.frontier(layer, k)
             frontier = layer.gather(1, pick)
-            features = _take_rows(prev_step.feature, prev_rows.gather(1, pick))
-            step = self._run_layer(tree, frontier, d, features, tree_kv, kv_nodes)
+            features = take_rows(prev_step.feature, prev_rows.gather(1, pick))
+            step = self._run_layer(cache, tree, frontier, d, features, tree_kv, kv_nodes)
             kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
             hybrid = self.method.hybrid_last_layer and d == expansions
             (lp, ids), contrastive = self._children(step, hybrid)
@@ -400,8 +343,8 @@ class Drafter:
         k = self.tree.top_k
         pick = tree.frontier(layer, k)
         leaves, parent_rows = layer.gather(1, pick), rows.gather(1, pick)  # [B, R]
-        x_parent = _take_rows(step.projected, parent_rows)
-        x_leaf = self.head.project_input(tree.tokens.gather(1, leaves), _take_rows(step.feature, parent_rows))
+        x_parent = take_rows(step.projected, parent_rows)
+        x_leaf = self.head.project_input(tree.tokens.gather(1, leaves), take_rows(step.feature, parent_rows))
         features = self.head.mlp_heads(torch.cat([x_parent, x_leaf], -1))  # [B, R, J, H]
         lp, ids = self._topk(features, k)  # [B, R, J, k]: every head's candidates in one LM-head pass
         frontier, leaf_of = leaves, torch.arange(leaves.shape[1], device=leaves.device).expand_as(leaves)
@@ -411,15 +354,15 @@ class Drafter:
             pick = tree.frontier(children, k)
             frontier, leaf_of = children.gather(1, pick), leaf_of.repeat_interleave(k, 1).gather(1, pick)
 
-    def _draft_static(self, tree: DraftTree) -> VerifyTree:
+    def _draft_static(self, tree: DraftTree, cache: KVCache, root_step: DraftStep) -> VerifyTree:
         """Every path of the static tree, as the same nodes for every sequence: the candidates of
         a node are its draft's distinct tokens in rank order, and path (..., r) takes rank r."""
         B = tree.tokens.shape[0]
-        step, tree_kv, kv_nodes = self.root_step, TreeKV(), None
+        step, tree_kv, kv_nodes = root_step, TreeKV(), None
         for depth, (above, above_rows, parents, rows, ranks) in enumerate(self._static_plan(tree.tokens.device), 1):
             if above is not None:  # run the layer above (the parents) to get their outputs
                 frontier = above.expand(B, -1)
-                step = self._run_layer(tree, frontier, depth - 1, _take_rows(step.feature, above_rows.expand(B, -1)),
+                step = self._run_layer(cache, tree, frontier, depth - 1, take_rows(step.feature, above_rows.expand(B, -1)),
                                        tree_kv, kv_nodes)
                 kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
             (lp, ids), _ = self._children(step)  # [B, R, C] for the step's rows
@@ -456,9 +399,3 @@ class Drafter:
 def _width(tree) -> int:
     """A tree's children per node: top_k, or a static tree's widest child rank + 1."""
     return tree.top_k if tree.choices is None else max(int(p[-1]) for p in tree.choices) + 1
-
-
-def _take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """t [B, T, ...] at rows [B, R] of each sequence: [B, R, ...]."""
-    index = rows.view(*rows.shape, *([1] * (t.dim() - 2))).expand(*rows.shape, *t.shape[2:])
-    return t.gather(1, index)

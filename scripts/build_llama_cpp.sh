@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench and llama-quantize, the CPU bar this engine is measured against,
+# from the source in PyPI's llama-cpp-python sdist (no network beyond the package index), for this
+# CPU (GGML_NATIVE), into build/llama.cpp (or $1). About 5 minutes on 2 cores; run once.
+#   bash scripts/build_llama_cpp.sh && python benchmarks/bench_vs_llama_cpp.py --llama-bench build/llama.cpp/bin
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$(mkdir -p "${1:-$ROOT/build/llama.cpp}" && cd "${1:-$ROOT/build/llama.cpp}" && pwd)"
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+PY="${PYTHON:-$ROOT/.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+
+if [ ! -f "$OUT/src/CMakeLists.txt" ]; then
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  echo "== llama-cpp-python $VERSION source (its vendored llama.cpp)"
+  (cd "$tmp" && "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+    "llama-cpp-python==$VERSION" -d "$tmp")
+  tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
+  rm -rf "$OUT/src.partial" && cp -r "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$OUT/src.partial"
+  mv "$OUT/src.partial" "$OUT/src"  # whole or not at all
+fi
+echo "== building llama-bench and llama-quantize in $OUT"
+cmake -S "$OUT/src" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+  -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TOOLS=ON > "$OUT/cmake.log"
+cmake --build "$OUT/build" -j "${JOBS:-2}" --target llama-bench llama-quantize > "$OUT/build.log"
+mkdir -p "$OUT/bin"
+cp "$OUT/build/bin/llama-bench" "$OUT/build/bin/llama-quantize" "$OUT/bin/"
+echo "== $OUT/bin: $(ls "$OUT/bin" | tr '\n' ' ')"

@@ -18,6 +18,7 @@ if [ ! -f "$OUT/src/CMakeLists.txt" ]; then
     "llama-cpp-python==$VERSION" -d "$tmp")
   tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
   rm -rf "$OUT/src.partial" && cp -r "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$OUT/src.partial"
+  rm -f "$OUT/src.partial/.git"  # a submodule link into the sdist's absent git folder
   mv "$OUT/src.partial" "$OUT/src"  # whole or not at all
 fi
 echo "== building llama-bench and llama-quantize in $OUT"

@@ -44,12 +44,12 @@ def test_the_checker_finds_each_breach(layout, tmp_path, monkeypatch):
     assert "loop.py" not in found  # an optional dependency may be imported where it is used
 
 
-def test_importing_the_package_leaves_the_lazy_imports_unloaded():
+def test_importing_the_package_leaves_the_lazy_imports_unloaded(tmp_path):
     # A CUDA build of torch on a GPU-less machine warns on stderr when cpp_extension is imported,
     # which would break the CLI's one-line errors; the optional dependencies cost start-up time.
     code = ("import sys, jakiro_ext, jakiro_ext.cli, jakiro_ext.engine.generate\n"
             "print(' '.join(m for m in ('torch.utils.cpp_extension', 'transformers', 'matplotlib') if m in sys.modules))")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=SCRIPT.parent.parent)
+    # cwd outside the repository: the installed package, as the CLI tests run it.
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == ""

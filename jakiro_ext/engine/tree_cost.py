@@ -129,33 +129,31 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     _, hidden = target(prompt[:CONTEXT].unsqueeze(0), one, last_logits_only=True)
     one.commit(CONTEXT)
 
-    def batch_state(drafter: Drafter) -> BatchState:
-        """B copies of the prompt's sequence (its draft side started as the engine starts it)."""
-        started = Started(one, *drafter.prefill(prompt[1:CONTEXT + 1], hidden[0]))
-        state = BatchState(target, drafter, B, CONTEXT + max(SIZES))
-        for b in range(B):
-            state.load(b, None, started)
-        return state
-
-    target_kv = batch_state(Drafter(None, METHODS["ar"], TreeConfig())).target_kv
+    # B copies of the prompt's sequence, its draft side started as the engine starts it, in caches
+    # with the drafting scratch of the largest tree measured (every measured tree fits in it).
+    depths = tree_depths(head, method)
+    widest = Drafter(head, METHODS[method], TreeConfig(64, max(depths), max(WIDTHS)))
+    state = BatchState(target, widest, B, CONTEXT + max(SIZES))
+    started = Started(one, *widest.prefill(prompt[1:CONTEXT + 1], hidden[0]))
+    for b in range(B):
+        state.load(b, None, started)
 
     def verify_once(n: int):
         tokens = prompt[:n].expand(B, n)
         parents = (torch.arange(n, device=device) - 1).expand(B, n)
-        logits, _ = target(tokens, target_kv, ops.build_tree_mask(parents))
+        logits, _ = target(tokens, state.target_kv, ops.build_tree_mask(parents))
         ops.verify_tree(parents, tokens, logits, None, 0.0, 1.0, 0)
 
     verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES if B * n <= MAX_VERIFY_ROWS}
     draft, catch_up = {}, {}
     roots = prompt[:1].expand(B)
     for k in WIDTHS:
-        for d in tree_depths(head, method):
+        for d in depths:
             drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k))
-            state = batch_state(drafter)
             draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(roots, state.draft_kv, state.root_step), repeats)
     for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing)
         catch_up[str(n)] = _median_seconds(
-            lambda: drafter.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats)
+            lambda: widest.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats)
     return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, batch=B)
 
 

@@ -14,15 +14,16 @@ import torch.nn.functional as F
 from common import Table, max_abs_diff, memory_bandwidth_gbs, on_device, parse_args, timeit
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
-from jakiro_ext.models.llama import LlamaConfig, linear_rows
+from jakiro_ext import ops
+from jakiro_ext.models.llama import LlamaConfig
 
 
 def unfused(head: DraftHead, x: torch.Tensor) -> torch.Tensor:
     c, outs = head.config, []
     for j in range(c.num_mlp_heads):
-        h = F.silu(linear_rows(x, head.mlp_in_weight[j], head.mlp_in_bias[j]))
+        h = F.silu(ops.linear(x, head.mlp_in_weight[j], head.mlp_in_bias[j]))
         for b in range(c.mlp_blocks):
-            h = h + F.silu(linear_rows(h, head.mlp_block_weight[j, b], head.mlp_block_bias[j, b]))
+            h = h + F.silu(ops.linear(h, head.mlp_block_weight[j, b], head.mlp_block_bias[j, b]))
         outs.append(h)
     return torch.stack(outs, -2)
 

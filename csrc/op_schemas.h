@@ -36,6 +36,19 @@ inline void define_ops(torch::Library& m) {
   // k and v written to the cache [2, B, Hkv, S, D] at slots lengths[b] + t; returns the rotated q.
   m.def(
       "rope_kv_write(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor lengths) -> Tensor q");
+  // One Llama decoder layer over T new tokens per sequence after each one's cached prefix: with
+  // the residual stream residual + delta (residual absent before the first layer),
+  //   h, s = rms_norm(delta, input_norm, eps, residual); q = rope_kv_write(h @ qkv_weight^T (+ qkv_bias))
+  //   h, s = rms_norm(tree_attention(q, kv_cache) @ o_weight^T, post_norm, eps, s)
+  //   gate, up = split(h @ gate_up_weight^T); delta = (SiLU(gate) * up) @ down_weight^T
+  // and returns (s, delta): one call instead of about ten a layer. kv_cache is written at
+  // lengths[b] + t as by rope_kv_write.
+  m.def(
+      "decoder_layer(Tensor delta, Tensor? residual, Tensor input_norm, Tensor qkv_weight, Tensor? qkv_bias, "
+      "Tensor o_weight, Tensor post_norm, Tensor gate_up_weight, Tensor down_weight, Tensor cos, Tensor sin, "
+      "Tensor(a!) kv_cache, Tensor lengths, Tensor tree_mask, float eps) -> (Tensor residual, Tensor delta)");
+  // SiLU(gate) * up of a fused [..., 2 I] projection ([gate | up]), in float32, rounded once: [..., I].
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   // Gumiho's parallel MLP heads on one input x [..., K]: head j is h = SiLU(x W_in[j]^T + b_in[j]),

@@ -199,6 +199,85 @@ RopeKvShape check_rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, co
   return s;
 }
 
+DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::optional<at::Tensor>& residual,
+                                      const at::Tensor& input_norm, const at::Tensor& qkv_weight,
+                                      const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+                                      const at::Tensor& post_norm, const at::Tensor& gate_up_weight,
+                                      const at::Tensor& down_weight, const at::Tensor& cos, const at::Tensor& sin,
+                                      const at::Tensor& kv_cache, const at::Tensor& lengths,
+                                      const at::Tensor& tree_mask, double eps) {
+  const char* op = "jakiro::decoder_layer";
+  check_dim(op, "delta", delta, 3, "[B, T, H]");
+  check_dtype(op, "delta", delta, {at::kFloat, at::kBFloat16});
+  check_dim(op, "kv_cache", kv_cache, 5, "[2, B, Hkv, S, D]");
+  check_dim(op, "o_weight", o_weight, 2, "[H, Hq D]");
+  const int64_t B = delta.size(0), T = delta.size(1), H = delta.size(2);
+  const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(4);
+  TORCH_CHECK(T >= 1 && H >= 1, op, ": delta must hold at least one token of at least one feature, got shape ",
+              delta.sizes());
+  TORCH_CHECK(Hkv >= 1 && D >= 2 && D % 2 == 0, op, ": kv_cache [2, B, Hkv, S, D] must have Hkv >= 1 and an even ",
+              "D >= 2, got shape ", kv_cache.sizes());
+  const int64_t Hq = o_weight.size(1) / D;
+  TORCH_CHECK(o_weight.size(1) % D == 0 && Hq >= 1 && Hq % Hkv == 0, op, ": o_weight.shape[1] must be Hq * D with ",
+              "D = ", D, " (kv_cache.shape[4]) and Hq a multiple of Hkv = ", Hkv, ", got ", o_weight.size(1));
+  check_dim(op, "qkv_weight", qkv_weight, 2, "[(Hq + 2 Hkv) D, H]");
+  check_dim(op, "gate_up_weight", gate_up_weight, 2, "[2 I, H]");
+  check_dim(op, "down_weight", down_weight, 2, "[H, I]");
+  check_dim(op, "input_norm", input_norm, 1, "[H]");
+  check_dim(op, "post_norm", post_norm, 1, "[H]");
+  const int64_t I = down_weight.size(1);
+  TORCH_CHECK(I >= 1, op, ": down_weight [H, I] must have I >= 1, got shape ", down_weight.sizes());
+  check_size(op, "qkv_weight", qkv_weight, 0, (Hq + 2 * Hkv) * D, "(Hq + 2 Hkv) D");
+  check_size(op, "qkv_weight", qkv_weight, 1, H, "hidden size H, as delta.shape[2]");
+  check_size(op, "o_weight", o_weight, 0, H, "hidden size H, as delta.shape[2]");
+  check_size(op, "gate_up_weight", gate_up_weight, 0, 2 * I, "2 I, I = down_weight.shape[1]");
+  check_size(op, "gate_up_weight", gate_up_weight, 1, H, "hidden size H, as delta.shape[2]");
+  check_size(op, "down_weight", down_weight, 0, H, "hidden size H, as delta.shape[2]");
+  check_size(op, "input_norm", input_norm, 0, H, "hidden size H, as delta.shape[2]");
+  check_size(op, "post_norm", post_norm, 0, H, "hidden size H, as delta.shape[2]");
+  check_size(op, "kv_cache", kv_cache, 0, 2, "keys and values");
+  check_size(op, "kv_cache", kv_cache, 1, B, "batch, as delta.shape[0]");
+  if (qkv_bias.has_value()) {
+    check_dim(op, "qkv_bias", *qkv_bias, 1, "[(Hq + 2 Hkv) D]");
+    check_size(op, "qkv_bias", *qkv_bias, 0, (Hq + 2 * Hkv) * D, "(Hq + 2 Hkv) D");
+  }
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == delta.sizes(), op, ": residual must have the shape of delta ", delta.sizes(),
+                ", got ", residual->sizes());
+  }
+  const std::vector<int64_t> table{B, T, D};
+  for (auto [name, t] : {std::pair{"cos", &cos}, std::pair{"sin", &sin}}) {
+    TORCH_CHECK(t->sizes() == at::IntArrayRef(table), op, ": ", name, " must have shape [B, T, D] = ",
+                at::IntArrayRef(table), ", got ", t->sizes());
+  }
+  const std::pair<const char*, const at::Tensor*> floats[] = {
+      {"input_norm", &input_norm}, {"qkv_weight", &qkv_weight}, {"o_weight", &o_weight}, {"post_norm", &post_norm},
+      {"gate_up_weight", &gate_up_weight}, {"down_weight", &down_weight}, {"cos", &cos}, {"sin", &sin},
+      {"kv_cache", &kv_cache}};
+  for (const auto& [name, t] : floats) {
+    check_same_dtype(op, name, *t, "delta", delta);
+    check_same_device(op, name, *t, delta);
+  }
+  for (auto [name, t] : {std::pair{"residual", &residual}, std::pair{"qkv_bias", &qkv_bias}}) {
+    if (t->has_value()) {
+      check_same_dtype(op, name, **t, "delta", delta);
+      check_same_device(op, name, **t, delta);
+    }
+  }
+  check_same_device(op, "lengths", lengths, delta);
+  check_same_device(op, "tree_mask", tree_mask, delta);
+  check_lengths(op, "lengths", lengths, B);
+  TORCH_CHECK(std::isfinite(eps) && eps >= 0, op, ": eps must be finite and >= 0, got ", eps);
+  return {B, T, H, Hq, Hkv, D, I};
+}
+
+void check_silu_mul(const at::Tensor& gate_up) {
+  const char* op = "jakiro::silu_mul";
+  check_dtype(op, "gate_up", gate_up, {at::kFloat, at::kBFloat16});
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) >= 2 && gate_up.size(-1) % 2 == 0, op,
+              ": gate_up must have shape [..., 2 I] with I >= 1 ([gate | up]), got ", gate_up.sizes());
+}
+
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const char* op = "jakiro::linear";
   TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");

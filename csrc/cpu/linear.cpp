@@ -14,12 +14,15 @@
 #include "cpu/skinny_avx512.h"
 #include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
+#include "cpu/kernels.h"
 #include "ops.h"
 
 namespace jakiro::cpu {
 namespace {
 
 constexpr int64_t kColumnBlock = 64;  // output columns per task (a multiple of the 4-row W block)
+
+}  // namespace
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_linear(x, weight, bias);
@@ -30,8 +33,11 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   const int64_t M = x2.size(0);
   // float32 BLAS wins beyond kLinearStreamRows rows; bf16 BLAS is slower at every size measured
   // here (no native bf16 arithmetic on AVX2), so bf16 streams in chunks of rows that stay in L2.
+  // Sequences of at most kLinearStreamRows tokens each (x [..., T, K], a batch's trees) stream in
+  // chunks too, float32 as well: a sequence's result never depends on the batch it shares.
   const bool is_float = x.scalar_type() == at::kFloat;
-  if (M == 0 || (is_float && M > kLinearStreamRows)) return at::linear(x, weight, bias);
+  const bool short_sequences = x.dim() >= 3 && x.size(-2) <= kLinearStreamRows;
+  if (M == 0 || (is_float && M > kLinearStreamRows && !short_sequences)) return at::linear(x, weight, bias);
 
   auto w = weight.contiguous();
   auto out = at::empty({M, N}, x.options());
@@ -85,8 +91,6 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   }
   return out.view(out_shape);
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(jakiro, CPU, m) { m.impl("linear", &linear_cpu); }
 

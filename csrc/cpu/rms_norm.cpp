@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cpu/vec_utils.h"
+#include "cpu/kernels.h"
 #include "ops.h"
 
 namespace jakiro::cpu {
@@ -40,6 +41,8 @@ void rms_norm_row(const scalar_t* x, const scalar_t* residual, const scalar_t* w
   }
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const std::optional<at::Tensor>& residual) {
   check_rms_norm(x, weight, eps, residual);
@@ -63,8 +66,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::T
   });
   return {out, sum};
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(jakiro, CPU, m) { m.impl("rms_norm", &rms_norm_cpu); }
 

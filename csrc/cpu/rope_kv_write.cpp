@@ -9,6 +9,7 @@
 
 #include <cstring>
 
+#include "cpu/kernels.h"
 #include "ops.h"
 
 namespace jakiro::cpu {
@@ -25,6 +26,8 @@ void rotate(const scalar_t* src, const scalar_t* cos, const scalar_t* sin, int64
     dst[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
   }
 }
+
+}  // namespace
 
 at::Tensor rope_kv_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& kv_cache, const at::Tensor& lengths) {
@@ -56,8 +59,6 @@ at::Tensor rope_kv_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const
   });
   return q;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(jakiro, CPU, m) { m.impl("rope_kv_write", &rope_kv_write_cpu); }
 

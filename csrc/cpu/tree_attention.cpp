@@ -20,6 +20,7 @@
 #include "cpu/vec_utils.h"
 #include "jakiro/common.h"
 #include "jakiro/softmax.h"
+#include "cpu/kernels.h"
 #include "ops.h"
 
 namespace jakiro::cpu {
@@ -249,6 +250,8 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
   return {out_partial, lse_partial};
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const at::Tensor& k_cache,
                                                       const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                                       const at::Tensor& tree_mask, std::optional<double> scale,
@@ -277,8 +280,6 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_cpu(const at::Tensor& 
                                                               std::optional<double> scale) {
   return partial_attention(q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale, 0);
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(jakiro, CPU, m) {
   m.impl("tree_attention", &tree_attention_cpu);

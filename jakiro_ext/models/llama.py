@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
@@ -93,27 +92,11 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
-LINEAR_STREAM_ROWS = 64  # rows jakiro::linear streams with a row-independent order (kLinearStreamRows)
-
-
 def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` through ``jakiro::linear`` (:func:`linear_rows`)."""
-    return linear_rows(x, layer.weight, layer.bias)
-
-
-def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` through ``jakiro::linear`` (the weight streamed once at decoding sizes).
-
-    On the CPU the op computes up to 64 rows each in the same order whatever the number of rows,
-    and gives more float32 rows to BLAS. Many sequences of at most 64 tokens each (a batch's trees) go in
-    chunks of 64 rows, so a sequence's result never depends on the batch; only one sequence's
-    long run of tokens (a prompt) goes to BLAS."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 3 or x2.shape[0] <= LINEAR_STREAM_ROWS
-            or x.shape[-2] > LINEAR_STREAM_ROWS):  # (bf16 rows are streamed in chunks by the op itself)
-        return ops.linear(x, weight, bias)
-    out = torch.cat([ops.linear(chunk, weight, bias) for chunk in x2.split(LINEAR_STREAM_ROWS)])
-    return out.view(*x.shape[:-1], -1)
+    """``layer(x)`` through ``jakiro::linear``: the weight streamed once at decoding sizes, and on
+    the CPU every sequence of at most 64 tokens (x [..., T, K]) computed row by row in one order
+    whatever the batch, so that a sequence's result never depends on the batch it shares."""
+    return ops.linear(x, layer.weight, layer.bias)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device) -> torch.Tensor:
@@ -151,46 +134,37 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    """GQA attention with q, k and v projected by one fused weight ``qkv_proj`` ([q | k | v]
+    """GQA attention's weights: q, k and v projected by one fused weight ``qkv_proj`` ([q | k | v]
     rows, as the checkpoints' three weights concatenated): one pass over the weights, one call."""
 
-    def __init__(self, c: LlamaConfig, layer: int):
+    def __init__(self, c: LlamaConfig):
         super().__init__()
-        self.c, self.layer = c, layer
         self.qkv_proj = nn.Linear(c.hidden_size, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, cache: KVCache, tree_mask):
-        B, T, _ = x.shape
-        c = self.c
-        qkv = project(self.qkv_proj, x).view(B, T, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-        kv_cache = cache.kv[self.layer]  # [2, B, Hkv, S, D]
-        # RoPE of q and k; k and v go right after each sequence's committed prefix.
-        q = ops.rope_kv_write(qkv.to(kv_cache.dtype), cos, sin, kv_cache, cache.lengths)
-        out, _ = ops.tree_attention(q, kv_cache[0], kv_cache[1], cache.lengths, tree_mask)
-        return project(self.o_proj, out.to(x.dtype).reshape(B, T, -1))
-
 
 class Block(nn.Module):
-    """A decoder layer; gate and up are one fused weight ``gate_up_proj`` ([gate | up] rows)."""
+    """A decoder layer's weights; gate and up are one fused weight ``gate_up_proj`` ([gate | up]
+    rows). The layer runs as one ``jakiro::decoder_layer`` call."""
 
     def __init__(self, c: LlamaConfig, layer: int):
         super().__init__()
+        self.layer, self.eps = layer, c.rms_norm_eps
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c, layer)
+        self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, residual, delta, cos, sin, cache, tree_mask):
+    def forward(self, residual, delta, cos, sin, cache: KVCache, tree_mask):
         """The residual stream is residual + delta (delta: the last sublayer's output, added here,
-        fused with the norm; residual None before the first layer). Returns the new pair."""
-        h, residual = self.input_layernorm.add_and_norm(delta, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(
-            self.self_attn(h, cos, sin, cache, tree_mask), residual)
-        gate_up = project(self.gate_up_proj, h)
-        I = self.down_proj.in_features  # gate rows, then up rows
-        return residual, project(self.down_proj, F.silu(gate_up[..., :I]) * gate_up[..., I:])
+        fused with the norm; residual None before the first layer). Returns the new pair; the
+        layer's keys and values go into ``cache`` after each sequence's committed prefix."""
+        a = self.self_attn
+        return ops.decoder_layer(delta, residual, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
+                                 a.o_proj.weight, self.post_attention_layernorm.weight, self.gate_up_proj.weight,
+                                 self.down_proj.weight, cos, sin, cache.kv[self.layer], cache.lengths, tree_mask,
+                                 self.eps)
 
 
 class LlamaModel(nn.Module):

@@ -40,6 +40,8 @@ OP_NAMES = (
     "moe_top2",
     "contrastive_topk",
     "linear",
+    "silu_mul",
+    "decoder_layer",
     "mlp_heads",
     "rms_norm",
     "rope_kv_write",
@@ -174,6 +176,18 @@ if LOAD_ERROR is None:
         B, T, H, D = qkv.shape
         return qkv.new_empty((B, T, H - 2 * kv_cache.shape[2], D))
 
+    @torch.library.register_fake("jakiro::silu_mul")
+    def _silu_mul_fake(gate_up):
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+    @torch.library.register_fake("jakiro::decoder_layer")
+    def _decoder_layer_fake(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm, gate_up_weight,
+                            down_weight, cos, sin, kv_cache, lengths, tree_mask, eps):
+        _same_device("decoder_layer", delta=delta, residual=residual, input_norm=input_norm, qkv_weight=qkv_weight,
+                     qkv_bias=qkv_bias, o_weight=o_weight, post_norm=post_norm, gate_up_weight=gate_up_weight,
+                     down_weight=down_weight, cos=cos, sin=sin, kv_cache=kv_cache, lengths=lengths, tree_mask=tree_mask)
+        return delta.new_empty(delta.shape), delta.new_empty(delta.shape)
+
     @torch.library.register_fake("jakiro::verify_tree")
     def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
         _same_device("verify_tree", parents=parents, draft_tokens=draft_tokens, target_logits=target_logits, uniforms=uniforms)
@@ -255,6 +269,31 @@ def linear(x, weight, bias=None):
     (up to 64 rows) the weight is streamed once and each row is computed in the same order
     whatever the number of rows; more rows go to BLAS. Accumulates in float32."""
     return _kernel("linear")(x, weight, bias)
+
+
+def silu_mul(gate_up):
+    """SwiGLU's activation of a fused projection gate_up [..., 2 I] ([gate | up] halves):
+    ``SiLU(gate) * up`` in float32, rounded once to gate_up's dtype (float32 or bfloat16); [..., I]."""
+    return _kernel("silu_mul")(gate_up)
+
+
+def decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm, gate_up_weight,
+                  down_weight, cos, sin, kv_cache, lengths, tree_mask, eps: float):
+    """One Llama decoder layer (RMSNorm, GQA attention over a KV cache with a tree mask, RMSNorm,
+    SwiGLU MLP) over T new tokens per sequence, in one call: the composition of this module's
+    ``rms_norm``, ``linear``, ``rope_kv_write``, ``tree_attention`` and ``silu_mul``, with no Python
+    or dispatch between them.
+
+    The residual stream entering the layer is ``residual + delta`` (``residual`` None before the
+    first layer, where the stream is ``delta``); returns the pair ``(residual, delta)`` leaving it,
+    the add fused into the next layer's norm. delta [B, T, H]; input_norm, post_norm [H];
+    qkv_weight [(Hq + 2 Hkv) D, H] ([q | k | v] rows) and qkv_bias [(Hq + 2 Hkv) D] or None;
+    o_weight [H, Hq D]; gate_up_weight [2 I, H] ([gate | up] rows); down_weight [H, I]; cos, sin
+    [B, T, D] (the rotary table at each token's position); kv_cache [2, B, Hkv, S, D], written at
+    slots lengths[b] + t (in place); lengths [B] int64; tree_mask [B, T, ceil(T / 64)] (see
+    ``tree_attention``). One dtype (float32 or bfloat16)."""
+    return _kernel("decoder_layer")(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm,
+                                    gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps)
 
 
 def mlp_heads(x, w_in, b_in, w_blocks, b_blocks):

@@ -150,6 +150,24 @@ def linear(x, weight, bias=None):
     return y.to(x.dtype)
 
 
+def silu_mul(gate_up):
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm, gate_up_weight,
+                  down_weight, cos, sin, kv_cache, lengths, tree_mask, eps: float):
+    B, T, _ = delta.shape
+    Hkv, D = kv_cache.shape[2], kv_cache.shape[4]
+    Hq = o_weight.shape[1] // D
+    h, stream = rms_norm(delta, input_norm, eps, residual)
+    qkv = linear(h, qkv_weight, qkv_bias).view(B, T, Hq + 2 * Hkv, D)
+    q = rope_kv_write(qkv, cos, sin, kv_cache, lengths)
+    attention, _ = tree_attention(q, kv_cache[0], kv_cache[1], lengths, tree_mask)
+    h, stream = rms_norm(linear(attention.reshape(B, T, Hq * D), o_weight), post_norm, eps, stream)
+    return stream, linear(silu_mul(linear(h, gate_up_weight)), down_weight)
+
+
 def mlp_heads(x, w_in, b_in, w_blocks, b_blocks):
     silu = torch.nn.functional.silu
     J, H, K = w_in.shape

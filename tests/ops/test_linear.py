@@ -38,6 +38,20 @@ def test_linear_row_does_not_depend_on_the_other_rows(dtype):
     assert torch.equal(ops.linear(x[37:38], w), full[37:38])
 
 
+def test_linear_short_sequences_do_not_depend_on_their_batch():
+    # Sequences of at most 64 tokens each (x [B, T, K], a batch's trees) stream the weight even when
+    # their rows together are more than 64: a sequence's result is what it gives alone. One long
+    # sequence (a prompt) goes to BLAS: there only the reference's tolerance holds.
+    x = randn(5, 30, 96, seed=30)
+    w = randn(70, 96, seed=31)
+    batch = ops.linear(x, w)
+    for b in range(5):
+        assert torch.equal(ops.linear(x[b:b + 1], w), batch[b:b + 1]), b
+    torch.testing.assert_close(batch, reference.linear(x, w), **TOL[torch.float32])
+    prompt = randn(1, 150, 96, seed=32)
+    torch.testing.assert_close(ops.linear(prompt, w), reference.linear(prompt, w), **TOL[torch.float32])
+
+
 def test_linear_noncontiguous_inputs():
     x = randn(40, 6, seed=6).t()  # [6, 40]
     w = randn(40, 30, seed=7).t()  # [30, 40]

@@ -9,6 +9,7 @@
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/rms_norm.cuh"
 #include "cuda/kernels/rope_kv_write.cuh"
+#include "cuda/kernels/silu_mul.cuh"
 #include "cuda/kernels/tree_attention.cuh"
 #include "cuda/kernels/verify_tree.cuh"
 
@@ -21,6 +22,7 @@ namespace jakiro::gpu {
   template void launch_mlp_heads<T>(const MlpHeadsParams&, cudaStream_t);                          \
   template void launch_rms_norm<T>(const RmsNormParams&, cudaStream_t);                           \
   template void launch_rope_kv_write<T>(const RopeKvParams&, cudaStream_t);                       \
+  template void launch_silu_mul<T>(const SiluMulParams&, cudaStream_t);                           \
   template void launch_moe_top2<T>(const MoeParams&, cudaStream_t);                               \
   template void launch_contrastive_topk<T>(const ContrastiveParams&, cudaStream_t);               \
   template void launch_verify_tree<T>(const VerifyParams&, cudaStream_t);

@@ -1,0 +1,37 @@
+// jakiro::decoder_layer as a composition of the other jakiro ops, shared by every backend: each
+// passes its own kernels as `Ops` (the CPU its C++ functions, the GPU glue its namespace's ops),
+// so the layer is one call from Python whatever runs it, and its parts are the tested ops.
+// Ops has: rms_norm(x, weight, eps, residual) -> (out, sum); linear(x, weight, bias);
+// rope_kv_write(qkv, cos, sin, kv_cache, lengths) -> q; tree_attention(q, k, v, lengths, mask)
+// -> out; silu_mul(gate_up).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "ops.h"
+
+namespace jakiro {
+
+template <typename Ops>
+std::tuple<at::Tensor, at::Tensor> compose_decoder_layer(
+    const Ops& ops, const at::Tensor& delta, const std::optional<at::Tensor>& residual, const at::Tensor& input_norm,
+    const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
+    const at::Tensor& post_norm, const at::Tensor& gate_up_weight, const at::Tensor& down_weight, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& lengths, const at::Tensor& tree_mask,
+    double eps) {
+  const auto s = check_decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm,
+                                     gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps);
+  auto [h, stream] = ops.rms_norm(delta, input_norm, eps, residual);
+  const auto qkv = ops.linear(h, qkv_weight, qkv_bias).view({s.batch, s.tokens, s.q_heads + 2 * s.kv_heads, s.head_dim});
+  const auto q = ops.rope_kv_write(qkv, cos, sin, kv_cache, lengths);
+  const auto attention = ops.tree_attention(q, kv_cache.select(0, 0), kv_cache.select(0, 1), lengths, tree_mask);
+  const auto o = ops.linear(attention.view({s.batch, s.tokens, s.q_heads * s.head_dim}), o_weight, std::nullopt);
+  auto [h2, stream2] = ops.rms_norm(o, post_norm, eps, stream);
+  const auto act = ops.silu_mul(ops.linear(h2, gate_up_weight, std::nullopt));
+  return {stream2, ops.linear(act, down_weight, std::nullopt)};
+}
+
+}  // namespace jakiro

@@ -1,0 +1,222 @@
+"""decoder_layer (a Llama decoder layer in one call) and silu_mul (SwiGLU's activation) on the CPU
+and every GPU backend against their references; the layer also equals the composition of the ops
+it is made of, and a sequence's result never depends on the batch or tree it shares a call with."""
+import math
+
+import pytest
+import torch
+
+from conftest import TOL, GpuBackend, randn, random_parents
+from jakiro_ext import ops
+from jakiro_ext.ops import reference
+
+# ----------------------------------------------------------------------------- silu_mul
+# (leading dims, I): one element, odd sizes (no vector multiple), SmolLM2's 1536, many rows, no rows.
+SILU_SHAPES = [((1,), 1), ((3,), 7), ((1, 1), 1536), ((2, 5), 131), ((300,), 48), ((0,), 16)]
+
+
+def check_silu_mul_matches_reference(backend, shape, dtype):
+    lead, I = shape
+    x = randn(*lead, 2 * I, seed=1, dtype=dtype, scale=4.0)
+    out = backend.run("silu_mul", x)
+    assert out.shape == (*lead, I) and out.dtype == dtype
+    torch.testing.assert_close(out, reference.silu_mul(x), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SILU_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-I{s[1]}")
+@pytest.mark.covers("silu_mul", "adversarial_shapes")
+def test_silu_mul_matches_reference(shape, dtype):
+    check_silu_mul_matches_reference(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_decoder_layer.py
+
+
+@pytest.mark.covers("silu_mul", "nonfinite")
+def test_silu_mul_nonfinite_values_stay_in_their_element(any_backend):
+    x = randn(4, 2 * 40, seed=2)
+    x[1, 3] = math.nan          # gate
+    x[2, 40 + 5] = math.inf     # up
+    x[3, 7] = math.inf          # gate +inf: SiLU(inf) = inf
+    out = any_backend.run("silu_mul", x)
+    want = reference.silu_mul(x)
+    torch.testing.assert_close(out, want, equal_nan=True, **TOL[torch.float32])
+    assert out[1, 3].isnan() and out[2, 5].isinf() and out[3, 7].isinf()
+    poisoned = torch.zeros_like(out, dtype=torch.bool)
+    poisoned[1, 3] = poisoned[2, 5] = poisoned[3, 7] = True
+    assert torch.isfinite(out[~poisoned]).all()
+
+
+def test_silu_mul_noncontiguous_input_and_rows_alike():
+    x = randn(2 * 33, 5, seed=3).t()  # [5, 66], not contiguous
+    out = ops.silu_mul(x)
+    torch.testing.assert_close(out, reference.silu_mul(x), **TOL[torch.float32])
+    for r in range(5):  # every row computed alike, alone or among others
+        assert torch.equal(ops.silu_mul(x[r:r + 1].contiguous()), out[r:r + 1])
+
+
+def test_silu_mul_opcheck():
+    torch.library.opcheck(torch.ops.jakiro.silu_mul.default, (randn(3, 2, 32, seed=4),))
+
+
+def test_silu_mul_bad_input_errors(any_backend):
+    cases = [
+        (randn(3, 7, seed=5), r"gate_up must have shape \[..., 2 I\] with I >= 1 \(\[gate \| up\]\), got \[3, 7\]"),
+        (torch.zeros(3, 0), r"gate_up must have shape \[..., 2 I\] with I >= 1"),
+        (torch.tensor(1.0), r"gate_up must have shape \[..., 2 I\] with I >= 1"),
+        (randn(3, 8, seed=6).double(), r"gate_up must have dtype Float or BFloat16, got Double"),
+    ]
+    for x, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            any_backend.run("silu_mul", x)
+
+
+# ----------------------------------------------------------------------------- decoder_layer
+class Layer:
+    """A random decoder layer and its inputs: B sequences of T tokens after prefixes of different
+    lengths, random trees (T > 1), optionally a qkv bias and an incoming residual."""
+
+    def __init__(self, B=2, T=5, H=48, Hq=4, Hkv=2, D=16, I=40, S=None, dtype=torch.float32, bias=True,
+                 residual=True, seed=0, prefix=(9, 3)):
+        self.B, self.T, self.Hq, self.Hkv, self.D = B, T, Hq, Hkv, D
+        s = seed * 100
+        scale = 1 / math.sqrt(H)
+        self.weights = dict(
+            input_norm=1 + 0.1 * randn(H, seed=s + 1, dtype=dtype),
+            qkv_weight=randn((Hq + 2 * Hkv) * D, H, seed=s + 2, dtype=dtype, scale=scale),
+            qkv_bias=randn((Hq + 2 * Hkv) * D, seed=s + 3, dtype=dtype, scale=0.1) if bias else None,
+            o_weight=randn(H, Hq * D, seed=s + 4, dtype=dtype, scale=1 / math.sqrt(Hq * D)),
+            post_norm=1 + 0.1 * randn(H, seed=s + 5, dtype=dtype),
+            gate_up_weight=randn(2 * I, H, seed=s + 6, dtype=dtype, scale=scale),
+            down_weight=randn(H, I, seed=s + 7, dtype=dtype, scale=1 / math.sqrt(I)))
+        self.lengths = torch.tensor([prefix[b % len(prefix)] for b in range(B)])
+        S = S or int(self.lengths.max()) + T + 3
+        self.delta = randn(B, T, H, seed=s + 8, dtype=dtype)
+        self.residual = randn(B, T, H, seed=s + 9, dtype=dtype) if residual else None
+        self.kv_cache = randn(2, B, Hkv, S, D, seed=s + 10, dtype=dtype)
+        self.tree_mask = ops.build_tree_mask(random_parents(B, T, seed=s + 11, max_children=3))
+        depths = torch.arange(T).expand(B, T)  # positions: any increasing ones do for the check
+        angles = (self.lengths.unsqueeze(1) + depths).float().unsqueeze(-1) * (1e4 ** (-torch.arange(0, D, 2) / D))
+        self.cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
+        self.sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
+
+    def args(self, kv_cache=None):
+        w = self.weights
+        return (self.delta, self.residual, w["input_norm"], w["qkv_weight"], w["qkv_bias"], w["o_weight"],
+                w["post_norm"], w["gate_up_weight"], w["down_weight"], self.cos, self.sin,
+                self.kv_cache.clone() if kv_cache is None else kv_cache, self.lengths, self.tree_mask, 1e-5)
+
+
+# (B, T, H, Hq, Hkv, D, I, prefixes): decoding, a tree, a prompt beyond 64 tokens (a mask of
+# two words, BLAS rows), MHA (Hq = Hkv), many sequences whose rows exceed 64 together, odd sizes,
+# an empty prefix.
+LAYER_SHAPES = [(1, 1, 48, 4, 2, 16, 40, (9,)), (2, 5, 48, 4, 2, 16, 40, (9, 3)), (1, 70, 32, 2, 2, 8, 24, (0,)),
+                (3, 30, 24, 3, 3, 8, 17, (1, 40, 5)), (2, 3, 17, 6, 2, 6, 9, (0, 2))]
+
+
+def check_decoder_layer_matches_reference(backend, shape, dtype, bias, residual):
+    B, T, H, Hq, Hkv, D, I, prefix = shape
+    layer = Layer(B, T, H, Hq, Hkv, D, I, dtype=dtype, bias=bias, residual=residual, prefix=prefix)
+    cache = layer.kv_cache.clone()
+    got_residual, got_delta = backend.run("decoder_layer", *layer.args(cache))
+    want_cache = layer.kv_cache.clone()
+    want_residual, want_delta = reference.decoder_layer(*layer.args(want_cache))
+    assert got_delta.shape == (B, T, H) and got_delta.dtype == dtype and got_residual.dtype == dtype
+    torch.testing.assert_close(got_residual, want_residual, **TOL[dtype])
+    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=6e-2, rtol=6e-2)  # bf16 rounds at every part
+    torch.testing.assert_close(got_delta, want_delta, **tol)
+    torch.testing.assert_close(backend.to_device(cache).cpu() if backend.name == "cpu" else cache, want_cache, **tol)
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
+@pytest.mark.covers("decoder_layer", "adversarial_shapes")
+def test_decoder_layer_matches_reference(shape, dtype, bias, residual):
+    check_decoder_layer_matches_reference(GpuBackend("cpu"), shape, dtype, bias, residual)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_layer_equals_its_parts_composed(dtype):
+    # Bit for bit: the layer is the composition of the ops the unfused model called one by one.
+    layer = Layer(B=2, T=6, dtype=dtype)
+    cache = layer.kv_cache.clone()
+    got = ops.decoder_layer(*layer.args(cache))
+    w, B, T = layer.weights, layer.B, layer.T
+    parts_cache = layer.kv_cache.clone()
+    h, stream = ops.rms_norm(layer.delta, w["input_norm"], 1e-5, layer.residual)
+    qkv = ops.linear(h, w["qkv_weight"], w["qkv_bias"]).view(B, T, layer.Hq + 2 * layer.Hkv, layer.D)
+    q = ops.rope_kv_write(qkv, layer.cos, layer.sin, parts_cache, layer.lengths)
+    attention, _ = ops.tree_attention(q, parts_cache[0], parts_cache[1], layer.lengths, layer.tree_mask)
+    h, stream = ops.rms_norm(ops.linear(attention.reshape(B, T, -1), w["o_weight"]), w["post_norm"], 1e-5, stream)
+    delta = ops.linear(ops.silu_mul(ops.linear(h, w["gate_up_weight"])), w["down_weight"])
+    assert torch.equal(got[0], stream) and torch.equal(got[1], delta) and torch.equal(cache, parts_cache)
+
+
+def test_decoder_layer_sequences_do_not_depend_on_their_batch():
+    # Three sequences of 30 tokens (90 rows: beyond the 64 rows of one streamed pass) give, each,
+    # exactly what it gives alone: the projections stream every short sequence's rows in one order.
+    layer = Layer(B=3, T=30, H=64, Hq=4, Hkv=2, D=16, I=80, prefix=(4, 11, 0))
+    cache = layer.kv_cache.clone()
+    residual, delta = ops.decoder_layer(*layer.args(cache))
+    for b in range(3):
+        one = [a[b:b + 1] if isinstance(a, torch.Tensor) and a.shape[:1] == (3,) else a for a in layer.args()]
+        one[11] = layer.kv_cache[:, b:b + 1].clone()
+        r1, d1 = ops.decoder_layer(*one)
+        assert torch.equal(r1, residual[b:b + 1]) and torch.equal(d1, delta[b:b + 1])
+        assert torch.equal(one[11], cache[:, b:b + 1])
+
+
+@pytest.mark.covers("decoder_layer", "nonfinite")
+def test_decoder_layer_nonfinite_input_stays_in_its_sequence(any_backend):
+    layer = Layer(B=3, T=4, prefix=(5, 2, 7))
+    layer.delta[1, 2, 7] = math.nan
+    cache = layer.kv_cache.clone()
+    residual, delta = any_backend.run("decoder_layer", *layer.args(cache))
+    assert residual[1, 2].isnan().any() and delta[1].isnan().any()
+    clean = [0, 2]
+    assert torch.isfinite(delta[clean]).all() and torch.isfinite(residual[clean]).all()
+    want_residual, want_delta = reference.decoder_layer(*layer.args())
+    torch.testing.assert_close(delta[clean], want_delta[clean], **TOL[torch.float32])
+
+
+def test_decoder_layer_opcheck():
+    for bias, residual in ((True, True), (False, False)):
+        layer = Layer(B=2, T=3, bias=bias, residual=residual)
+        torch.library.opcheck(torch.ops.jakiro.decoder_layer.default, layer.args())
+
+
+def test_decoder_layer_bad_input_errors(any_backend):
+    layer = Layer(B=2, T=3, H=48, Hq=4, Hkv=2, D=16, I=40)
+    good = list(layer.args())
+
+    def with_(index, value):
+        args = list(good)
+        args[index] = value
+        return args
+
+    w = layer.weights
+    cases = [
+        (with_(0, layer.delta[0]), r"delta must have 3 dimensions \[B, T, H\], got shape \[3, 48\]"),
+        (with_(0, layer.delta.double()), r"delta must have dtype Float or BFloat16, got Double"),
+        (with_(1, layer.residual[:, :2]), r"residual must have the shape of delta \[2, 3, 48\], got \[2, 2, 48\]"),
+        (with_(2, w["input_norm"][:40]), r"input_norm.shape\[0\] \(hidden size H, as delta.shape\[2\]\) must be 48, got 40"),
+        (with_(3, w["qkv_weight"][:-16]), r"qkv_weight.shape\[0\] \(\(Hq \+ 2 Hkv\) D\) must be 128, got 112"),
+        (with_(4, w["qkv_bias"][:5]), r"qkv_bias.shape\[0\] \(\(Hq \+ 2 Hkv\) D\) must be 128, got 5"),
+        (with_(5, w["o_weight"][:, :50]), r"o_weight.shape\[1\] must be Hq \* D with D = 16 \(kv_cache.shape\[4\]\) "
+                                          r"and Hq a multiple of Hkv = 2, got 50"),
+        (with_(5, w["o_weight"][:, :48]), r"Hq a multiple of Hkv = 2, got 48"),
+        (with_(7, w["gate_up_weight"][:79]), r"gate_up_weight.shape\[0\] \(2 I, I = down_weight.shape\[1\]\) must be 80, got 79"),
+        (with_(8, w["down_weight"].bfloat16()), r"down_weight must have the dtype of delta \(Float\), got BFloat16"),
+        (with_(9, layer.cos[:, :2]), r"cos must have shape \[B, T, D\] = \[2, 3, 16\], got \[2, 2, 16\]"),
+        (with_(11, layer.kv_cache[:, :1].clone()), r"kv_cache.shape\[1\] \(batch, as delta.shape\[0\]\) must be 2, got 1"),
+        (with_(11, layer.kv_cache[..., :15].clone()), r"kv_cache \[2, B, Hkv, S, D\] must have Hkv >= 1 and an even D >= 2"),
+        (with_(12, layer.lengths.int()), r"lengths must have dtype Long, got Int"),
+        (with_(14, float("nan")), r"eps must be finite and >= 0, got nan"),
+        (with_(0, torch.zeros(2, 0, 48)), r"delta must hold at least one token of at least one feature"),
+    ]
+    if any_backend.name == "cpu":  # value checks read the host (a GPU reports bad lengths on its error word)
+        cases.append((with_(12, torch.tensor([9, layer.kv_cache.shape[3] - 2])),
+                      r"lengths\[1\] \+ new tokens = \d+ \+ 3 must be within \[0, cache capacity \d+"))
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            any_backend.run("decoder_layer", *args)

@@ -20,7 +20,10 @@
 namespace jakiro::cpu {
 namespace {
 
-constexpr int64_t kColumnBlock = 64;  // output columns per task (a multiple of the 4-row W block)
+// Output columns per unit of the split (a multiple of the 4-row W block). Each thread takes one
+// contiguous run of units and streams it in one call, so the unit only sets the balance: a
+// 576-column projection splits 18/18 between two threads in units of 16, 5/4 in units of 64.
+constexpr int64_t kColumnBlock = 16;
 
 }  // namespace
 

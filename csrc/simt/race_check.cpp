@@ -21,6 +21,7 @@
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/rms_norm.cuh"
 #include "cuda/kernels/rope_kv_write.cuh"
+#include "cuda/kernels/silu_mul.cuh"
 #include "cuda/kernels/tree_attention.cuh"
 #include "cuda/kernels/tree_attention_wmma.cuh"
 #include "cuda/kernels/verify_tree.cuh"
@@ -140,6 +141,16 @@ void rms_norm(const char* name) {
   launch_rms_norm<elem_t>(RmsNormParams{x.data(), residual.data(), w.data(), out.data(), sum.data(), rows, H, 1e-5f},
                           nullptr);
   report(name, checksum(out) ^ checksum(sum));
+}
+
+template <typename elem_t>
+void silu_mul(const char* name) {
+  Random rng{17};
+  const int64_t rows = 3, I = 300;  // I not a multiple of the block: idle threads in the last stride
+  auto gate_up = rng.values<elem_t>(rows * 2 * I);
+  std::vector<elem_t> out(rows * I);
+  launch_silu_mul<elem_t>(SiluMulParams{gate_up.data(), out.data(), rows, I}, nullptr);
+  report(name, checksum(out));
 }
 
 template <typename elem_t>
@@ -267,6 +278,8 @@ int main(int argc, char** argv) {
   rms_norm<bf16>("rms_norm bfloat16");
   rope_kv<float>("rope_kv_write float32");
   rope_kv<bf16>("rope_kv_write bfloat16");
+  silu_mul<float>("silu_mul float32");
+  silu_mul<bf16>("silu_mul bfloat16");
   moe<float>("moe_top2 float32");
   moe<bf16>("moe_top2 bfloat16");
   contrastive_head<float>("contrastive_topk float32");

@@ -4,6 +4,7 @@ sequence holds on the device (its cache rows and root step) is the batch state's
 (:mod:`jakiro_ext.engine.state`); what the host reads of a round is a :class:`RoundReadback`."""
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -12,11 +13,12 @@ import torch
 
 from jakiro_ext import ops
 from jakiro_ext.config import INITIAL_ROOM, TreeConfig
+from jakiro_ext.engine.adaptive import TreeChooser
 from jakiro_ext.engine.drafter import DRAFT_ERRORS, Drafter
 from jakiro_ext.engine.graphs import Replay
 from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, no_distribution_error
 from jakiro_ext.engine.state import BatchState, Started
-from jakiro_ext.methods import Method
+from jakiro_ext.methods import BASELINE, METHODS, Method
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.llama import LlamaModel
@@ -68,12 +70,19 @@ class DecodeBatch:
     rows are compacted."""
 
     def __init__(self, target: LlamaModel, draft: Optional[DraftHead], method: Method, tree: TreeConfig,
-                 s: DecodeSettings, max_rows: int):
+                 s: DecodeSettings, max_rows: int, chooser: Optional[TreeChooser] = None):
+        """``tree``: the round's tree; with a ``chooser``, the largest of its trees (what the caches
+        are sized by), each round running the tree the chooser picks (:mod:`jakiro_ext.engine.adaptive`)."""
         self.target, self.draft, self.method, self.tree, self.settings = target, draft, method, tree, s
         self.max_rows = max_rows
         self.tree_nodes = tree.max_nodes_for(method)
         self.device = target.lm_head.weight.device
-        self.drafter = Drafter(draft, method, tree)  # checks the method, head and tree
+        self.drafter = Drafter(draft, method, tree)  # checks the method, head and tree; catches the draft up
+        self.chooser = chooser
+        self.drafters = {} if chooser is None else {  # each candidate's own (plain decoding: drafts nothing)
+            id(c): Drafter(draft, method, c.tree) if c.tree is not None else Drafter(None, METHODS[BASELINE], tree)
+            for c in chooser.candidates}
+        self._drafting = self.drafter  # the drafter of the round under way
         self.state: Optional[BatchState] = None
         self.root_parent = torch.tensor([[-1]], device=self.device)
         self.replay = None if s.graphs == "eager" else Replay(self._draft_and_verify, s.graphs)
@@ -147,29 +156,41 @@ class DecodeBatch:
         for listen in ROUND_LISTENERS:
             listen(True)
         try:
-            self._round()
+            if self.chooser is None:
+                self._round(self.drafter)
+            else:
+                candidate = self.chooser.choose(len(self.state.rows))
+                t0 = time.perf_counter()
+                accepted = self._round(self.drafters[id(candidate)])
+                if accepted:
+                    self.chooser.record(candidate, time.perf_counter() - t0, 1 + statistics.fmean(accepted))
         finally:
             for listen in ROUND_LISTENERS:
                 listen(False)
 
-    def _round(self) -> None:
-        """The round: draft, verify, commit. The host reads the device once (a RoundReadback)."""
+    def _round(self, drafter: Drafter) -> List[int]:
+        """The round: draft (with ``drafter``), verify, commit. The host reads the device once (a
+        RoundReadback). Returns the accepted drafts of each sequence in flight (none: no round ran)."""
         s, state = self.settings, self.state
         for seq, length in zip(state.rows, state.host_lengths):
             if seq is not None and length + self.tree_nodes > seq.bound:  # only a max_cache_len smaller than the need
                 seq.stats.stop_reason = "cache_full"
         if any(seq.done for seq in state.seqs):
-            return
+            return []
         seqs, B = state.rows, len(state.rows)
-        state.prepare_round(self.tree_nodes)
+        nodes = drafter.tree.max_nodes_for(self.method) if drafter.drafts else 1
+        if drafter.drafts:
+            state.catch_up_pending()  # what rounds of plain decoding left to the draft
+        state.prepare_round(nodes)
+        self._drafting = drafter
         inputs = [ops.to_device(torch.tensor([seq.root if seq else 0 for seq in seqs]), self.device)]
         if s.temperature > 0:
             # Node i of a sequence's tree uses its i-th draw, the bonus token its last: a sequence
             # draws the same whatever the round's padded tree size (set by the other sequences).
-            draws = torch.full((B, self.tree_nodes + 1), 0.5, dtype=torch.float64)  # free rows: never read
+            draws = torch.full((B, nodes + 1), 0.5, dtype=torch.float64)  # free rows: never read
             for b, seq in enumerate(seqs):
                 if seq is not None:
-                    draws[b] = seq.draws(self.tree_nodes + 1)[0]
+                    draws[b] = seq.draws(nodes + 1)[0]
             inputs.append(ops.to_device(draws, self.device))
         root_step = [] if state.root_step is None else [t for t in state.root_step if t is not None]
         if self.replay is None:
@@ -184,9 +205,13 @@ class DecodeBatch:
         index = path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
         features = hidden.gather(1, index)
         forwards = self.drafter.forwards
-        step = self.drafter.catch_up(state.draft_kv, tokens[:, :n], features) if self.drafter.drafts else None
-        drafted += self.drafter.forwards - forwards
+        deferred = self.drafter.drafts and not drafter.drafts  # plain decoding chosen: catch up later
+        step = self.drafter.catch_up(state.draft_kv, tokens[:, :n], features) if self.drafter.drafts and not deferred \
+            else None
         state.commit(path, counts, step)
+        if deferred:
+            state.defer_catch_up(tokens[:, :1], features)
+        drafted += self.drafter.forwards - forwards
         for b, (seq, a, new) in enumerate(zip(seqs, back.accepted, back.tokens)):
             if seq is None:
                 continue
@@ -197,6 +222,7 @@ class DecodeBatch:
                 seq.features.append(features[b, : a + 1])
             seq.root = new[a]
             seq.emit(new)
+        return [a for seq, a in zip(seqs, back.accepted) if seq is not None]
 
     def _draft_and_verify(self, roots: torch.Tensor, *rest: torch.Tensor):
         """The round's device work, from the roots [B] (and with sampling the draws [B, nodes + 1])
@@ -210,8 +236,9 @@ class DecodeBatch:
         if root_tensors:
             fields = iter(root_tensors)
             root_step = DraftStep(*(None if t is None else next(fields) for t in state.root_step))
-        forwards = self.drafter.forwards
-        tree = self.drafter.draft(roots, state.draft_kv, root_step)
+        drafter = self._drafting
+        forwards = drafter.forwards
+        tree = drafter.draft(roots, state.draft_kv, root_step)
         logits, hidden = self.target(tree.tokens, state.target_kv, ops.build_tree_mask(tree.parents, check=False),
                                      tree.depths, feature_layers=self.feature_layers)
         T = tree.tokens.shape[1]
@@ -224,4 +251,4 @@ class DecodeBatch:
         errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
                                                                          device=roots.device)
         packed = RoundReadback.pack(logits, errors, accepted, tokens)
-        return (path, tokens, hidden, packed), self.drafter.forwards - forwards
+        return (path, tokens, hidden, packed), drafter.forwards - forwards

@@ -33,7 +33,8 @@ from jakiro_ext.config import CPU_TREE, GPU_TREE, MAX_BATCH, TreeConfig, brief, 
 from jakiro_ext.engine.batch import DecodeBatch
 from jakiro_ext.engine.graphs import MODES
 from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, GenerationOutput
-from jakiro_ext.engine.tree_cost import auto_tree
+from jakiro_ext.engine.adaptive import TreeChooser
+from jakiro_ext.engine.tree_cost import auto_tree, tree_chooser
 from jakiro_ext.methods import METHOD_NAMES, METHODS, Method, method_for_head
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.llama import LlamaModel, as_target
@@ -105,11 +106,12 @@ def _eos_ids(eos_token_id) -> set:
     return {int(x) for x in values}
 
 
-def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, requests, max_rows: int):
+def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, requests, max_rows: int,
+            chooser: Optional[TreeChooser] = None):
     """Decode the sequences ``requests`` gives (asked whenever a row is free: an iterator that
     ran dry may have more later), up to ``max_rows`` at once; yields each (sequence, output) as
-    it finishes."""
-    batch = DecodeBatch(target, draft, method, tree, s, max_rows)  # checks the method, head and tree
+    it finishes. With a ``chooser``, each round runs the tree it picks (``tree``: the largest)."""
+    batch = DecodeBatch(target, draft, method, tree, s, max_rows, chooser)  # checks the method, head and tree
     while True:
         while len(batch.seqs) < max_rows:  # free rows take waiting requests
             pending = []
@@ -157,6 +159,19 @@ def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, t
     return spec, DecodeSettings(max_new_tokens, temperature, top_p, top_k, eos, seed, max_cache_len, keep_features, graphs)
 
 
+def _trees(target, draft, method: Method, tree: Optional[TreeConfig], batch: int,
+           s: DecodeSettings) -> Tuple[TreeConfig, Optional[TreeChooser]]:
+    """The tree the caches are sized by, and the live chooser of each round's tree (None: every
+    round runs that tree). Chosen live when the tree is left to the engine on a CPU, for a head
+    with an acceptance profile and eager rounds (:mod:`jakiro_ext.engine.adaptive`)."""
+    chooser = None
+    if tree is None and method.drafts and s.graphs == "eager" and target.lm_head.weight.device.type == "cpu":
+        chooser = tree_chooser(target, draft, method.name, batch)
+    if chooser is None:
+        return default_tree(target, draft, method, tree, batch), None
+    return max(chooser.trees, key=lambda t: t.max_nodes_for(method)), chooser
+
+
 def default_tree(target, draft, method, tree: Optional[TreeConfig] = None, batch: int = 1) -> TreeConfig:
     """The tree given, else on CPU the one chosen by measured cost for ``batch`` sequences (for a
     head with an acceptance profile) or CPU_TREE, elsewhere GPU_TREE (deepened to a serial step
@@ -179,10 +194,13 @@ _DOC_OPTIONS = """
         steps, then the head's parallel MLP heads draft one layer each, in one pass; depth >= the
         MLP heads + 1). Default: the head's kind (``jakiro`` for a MoE head, ``gumiho`` for one
         with MLP heads, ``eagle2`` for a dense one), ``ar`` without a head.
-    tree : a :class:`TreeConfig`. Default on CPU: chosen by measured cost for a head with an
-        acceptance profile, at the call's batch size (:mod:`jakiro_ext.engine.tree_cost`; the machine's
-        costs are measured once per batch-size bucket and cached), else :data:`CPU_TREE`;
-        elsewhere :data:`GPU_TREE`.
+    tree : a :class:`TreeConfig`. Default on CPU, for a head with an acceptance profile: chosen
+        round by round from live timing among the trees the cost model ranks best at the call's
+        batch size and plain decoding (:mod:`jakiro_ext.engine.adaptive`; the machine's costs are
+        measured once per batch-size bucket and cached, and measured again when live timing
+        disagrees), so speculation never runs slower than plain decoding for long; with
+        sampling a seed then fixes the distribution, not the tokens (pass a tree to fix both).
+        Else :data:`CPU_TREE` on CPU, :data:`GPU_TREE` elsewhere.
     temperature, top_p, top_k : finite temperature >= 0 (0: greedy), top_p in (0, 1], int top_k >= 0 (0: off).
     eos_token_id : None, an int or a list of ints that end a generation (included in the output).
     seed : an int in [0, 2**63): seeds the draws of sampling (temperature > 0); sequence i of a
@@ -243,7 +261,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, graphs=graphs)
     prompts, batched = _prompts(input_ids, lengths, target.config.vocab_size)
-    tree = default_tree(target, draft, method, tree, len(prompts))
+    tree, chooser = _trees(target, draft, method, tree, len(prompts), s)
     nodes, limit = tree.max_nodes_for(method), target.config.max_position_embeddings
 
     def stream(i):
@@ -252,7 +270,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
         return (lambda tokens: on_tokens(i, tokens)) if batched else on_tokens
 
     seqs = [DecodeSequence(i, ids, s, limit, nodes, stream(i)) for i, ids in enumerate(prompts)]
-    outputs = {seq.index: out for seq, out in _decode(target, draft, method, tree, s, iter(seqs), len(seqs))}
+    outputs = {seq.index: out for seq, out in _decode(target, draft, method, tree, s, iter(seqs), len(seqs), chooser)}
     return [outputs[i] for i in range(len(seqs))] if batched else outputs[0]
 
 
@@ -264,8 +282,8 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     """Continuous batching: decode the prompts of ``requests`` with up to ``max_batch_size`` in
     flight, a finished one's rows taken by the next prompt; yields (i, output) for the i-th
     prompt as each finishes. Each prompt gets exactly what ``speculative_generate`` gives it alone
-    (greedy; at temperature > 0 it draws from its own generator, seeded with seed + i), whatever
-    the order of arrival and the number in flight.
+    (greedy; at temperature > 0 with a given ``tree`` it draws from its own generator, seeded with
+    seed + i), whatever the order of arrival and the number in flight.
 
     Parameters
     ----------
@@ -283,10 +301,10 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, bool(keep_features), graphs)
     max_batch_size = int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
-    tree = default_tree(target, draft, method, tree, max_batch_size)
+    tree, chooser = _trees(target, draft, method, tree, max_batch_size, s)
     nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size
     return _generate_many(target, draft, method, tree, s, iter(requests), max_batch_size, nodes, limit, vocab,
-                          on_tokens)
+                          on_tokens, chooser)
 
 
 class _Arrivals:
@@ -311,7 +329,7 @@ class _Arrivals:
         return DecodeSequence(i, ids, self.s, self.limit, self.nodes, stream)
 
 
-def _generate_many(target, draft, method, tree, s, requests, max_batch_size, nodes, limit, vocab, on_tokens):
+def _generate_many(target, draft, method, tree, s, requests, max_batch_size, nodes, limit, vocab, on_tokens, chooser):
     arrivals = _Arrivals(requests, s, limit, nodes, vocab, on_tokens)
-    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size):
+    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size, chooser):
         yield seq.index, out

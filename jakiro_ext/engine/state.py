@@ -3,7 +3,7 @@ of the target's KV cache, of the draft's KV cache and of the root step belongs t
 Every verb changes them together, so they never fall out of step."""
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -33,8 +33,12 @@ class BatchState:
         self.rows: List[Optional[DecodeSequence]] = [None] * batch
         self.target_kv = target.new_cache(batch, room, bound)
         self.draft_kv = drafter.new_cache(batch, room, bound)
-        self.scratch = drafter.scratch
+        self.drafter, self.scratch = drafter, drafter.scratch
         self.root_step: Optional[DraftStep] = None  # [B, 1, ...], made by the first load
+        # Rounds that drafted nothing (plain decoding, chosen live) leave the draft's catch-up for
+        # later: their (token [B, 1], feature [B, 1, H]) pairs, run in one catch-up before the next
+        # drafting round or any change of rows (catch_up_pending).
+        self.pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def seqs(self) -> List[DecodeSequence]:
@@ -61,6 +65,7 @@ class BatchState:
     def make_room(self, count: int, bound: int) -> List[int]:
         """At least ``count`` free rows (new ones after the current rows) and room for ``bound``
         committed positions per row; returns the free rows."""
+        self.catch_up_pending()
         extra = count - len(self.free)
         if extra > 0:
             self._select(list(range(len(self.rows))) + [-1] * extra, bound)  # -1: a new row
@@ -72,6 +77,7 @@ class BatchState:
 
     def load(self, b: int, seq: Optional[DecodeSequence], started: Started) -> None:
         """Row ``b`` (free) takes a started sequence: its caches' committed positions and root step."""
+        self.catch_up_pending()
         self.target_kv.load(b, started.target_kv)
         if self.draft_kv is not None:
             self.draft_kv.load(b, started.draft_kv)
@@ -101,6 +107,7 @@ class BatchState:
     def _select(self, rows: List[int], bound: Optional[int] = None) -> None:
         """The rows become ``rows`` (indices of the current ones, in their new order; -1: a new,
         free one); ``bound`` raises the bound on committed positions."""
+        self.catch_up_pending()
         self.target_kv.select_rows(rows, bound)
         if self.draft_kv is not None:
             self.draft_kv.select_rows(rows, None if bound is None else bound + self.scratch)
@@ -133,3 +140,29 @@ class BatchState:
         if draft_step is not None:
             self.draft_kv.commit(on_device, counts)
             self.root_step = draft_step.rows((on_device - 1).view(-1, 1))
+
+    def defer_catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """After :meth:`commit` of a round that drafted nothing (one new token per row): the draft
+        catches up on ``tokens`` [B, 1] with ``features`` [B, 1, H] later, with the next ones, in one
+        forward (at most a drafting scratch's worth at a time)."""
+        self.pending.append((tokens, features))
+        if len(self.pending) >= self.scratch:
+            self.catch_up_pending()
+
+    def catch_up_pending(self) -> bool:
+        """Run the draft's deferred catch-up, if any (every row keeps all of it; its last row becomes
+        the root step). Returns whether it ran."""
+        if not self.pending or self.draft_kv is None:
+            self.pending = []
+            return False
+        tokens = torch.cat([t for t, _ in self.pending], 1)
+        features = torch.cat([f for _, f in self.pending], 1)
+        self.pending = []
+        n = tokens.shape[1]
+        self.draft_kv.reserve(max(self.draft_kv.host_lengths) + n)
+        step = self.drafter.catch_up(self.draft_kv, tokens, features)
+        counts = [n] * len(self.rows)
+        on_device = ops.to_device(torch.tensor(counts), tokens.device)
+        self.draft_kv.commit(on_device, counts)
+        self.root_step = step.rows((on_device - 1).view(-1, 1))
+        return True

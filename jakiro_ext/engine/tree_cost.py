@@ -29,6 +29,7 @@ import re
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -36,6 +37,7 @@ import torch
 
 from jakiro_ext import atomic, ops
 from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.adaptive import Candidate, TreeChooser, forget_cost_file
 from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.machine import cpu_name
@@ -172,12 +174,17 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
     return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}{batched}")
 
 
+def costs_path(target, head, method: str, batch: int = 1, cache_dir: Optional[Path] = None) -> Path:
+    """Where the costs of this machine and setting for ``batch`` sequences are cached."""
+    return Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method, batch_bucket(batch)) + ".json")
+
+
 def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True,
                batch: int = 1) -> dict:
     """The cached costs of this machine and setting for ``batch`` sequences (its
     :func:`batch_bucket`), measured (seconds to a minute) when missing."""
+    path = costs_path(target, head, method, batch, cache_dir)
     batch = batch_bucket(batch)
-    path = Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method, batch) + ".json")
     if path.exists():
         try:
             costs = json.loads(path.read_text())
@@ -195,13 +202,17 @@ def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, prog
 
 
 # ----------------------------------------------------------------------------- the choice
+def round_seconds(costs: dict, total_tokens: int, depth: int, top_k: int, accepted: float) -> float:
+    """Expected seconds of a round of a tree (``depth`` 0: plain decoding, nothing drafted)."""
+    draft = costs["draft"][f"{depth},{top_k}"] if depth else 0.0
+    return _interpolate(costs["verify"], total_tokens) + draft + _interpolate(costs["catch_up"], 1 + accepted)
+
+
 def rate(costs: dict, profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> Tuple[float, float]:
     """(expected tokens per second of the whole batch the costs were measured for, expected
     accepted drafted tokens per sequence and round) of a tree."""
     accepted = expected_accepted(profile, total_tokens, depth, top_k, method)
-    seconds = (_interpolate(costs["verify"], total_tokens) + costs["draft"][f"{depth},{top_k}"]
-               + _interpolate(costs["catch_up"], 1 + accepted))
-    return costs.get("batch", 1) * (1 + accepted) / seconds, accepted
+    return costs.get("batch", 1) * (1 + accepted) / round_seconds(costs, total_tokens, depth, top_k, accepted), accepted
 
 
 def choose_tree(costs: dict, profile: dict, method: str):
@@ -230,3 +241,34 @@ def auto_tree(target, head, method: str, batch: int = 1):
     return choose_tree(load_costs(target, head, method, batch=batch), profile, method)[0]
 
 
+
+
+# head -> {(cost file, id(target)): its TreeChooser}: a head's live measurements outlive a call.
+_CHOOSERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+CANDIDATES = 3  # the cost model's best trees a TreeChooser runs live, besides plain decoding ...
+SMALL_TREE = 4  # ... and its best tree of at most this many nodes
+
+
+def tree_chooser(target, head, method: str, batch: int = 1) -> Optional[TreeChooser]:
+    """The live choice among the cost model's best trees and plain decoding for ``head`` on this
+    machine, ``batch`` sequences decoding together (:mod:`jakiro_ext.engine.adaptive`); None
+    without the head's acceptance profile."""
+    profile = getattr(head, "acceptance", None)
+    if not profile:
+        return None
+    path = costs_path(target, head, method, batch)
+    kept = _CHOOSERS.setdefault(head, {})
+    if (path, id(target)) in kept:
+        return kept[path, id(target)]
+    costs = load_costs(target, head, method, batch=batch)
+    _, ranked = choose_tree(costs, profile, method)
+    picked = ranked[:CANDIDATES] + [next((row for row in ranked if row[2] <= SMALL_TREE), ranked[0])]
+    candidates, seen = [], set()
+    for _, accepted, n, depth, top_k in picked:
+        if (n, depth, top_k) not in seen:
+            seen.add((n, depth, top_k))
+            candidates.append(Candidate(TreeConfig(n, depth, top_k), 1 + accepted,
+                                        round_seconds(costs, n, depth, top_k, accepted)))
+    candidates.append(Candidate(None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
+    chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path))
+    return chooser

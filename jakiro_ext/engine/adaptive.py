@@ -1,0 +1,140 @@
+"""Speculation that never loses: the draft tree chosen round by round from live timing.
+
+The cost model (:mod:`jakiro_ext.engine.tree_cost`) predicts each tree's tokens per second from
+costs measured once and cached, and from the head's acceptance on held-out text. Both can be
+wrong for the call at hand: the machine is loaded (or was, when the costs were measured), the
+batch is larger than the one measured, the prompt is harder than the held-out text. So when the
+tree is left to the engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost
+model's best trees and plain decoding (no drafting: a one-node tree), and times every round as
+it runs: wall seconds per round and new tokens per sequence, per candidate, over a window of its
+last rounds. It runs the candidate whose live rate (tokens / seconds) is best, measures each
+competitive one at the start (plain decoding always; a tree whose first round shows it far
+behind, no further), re-measures the close ones now and then, and forgets what it measured of a
+candidate it has not run for a while (which is then measured again if the cost model still
+ranks it close), so that within a few rounds of a change it follows the machine and the prompt. A chooser lives as long as its head, across calls
+(one per method, batch-size bucket and machine setting), so a call starts from what the last
+ones measured. The tokens are those of any tree: exactly the
+target's at temperature 0, distributed as the target's above it. (With sampling, which tree a
+round uses changes which draws it consumes: a seed then fixes the distribution, not the tokens.
+Pass ``tree=`` for reproducible seeded sampling.)
+
+When a candidate's live seconds per round disagree with the cached costs by more than a factor
+:data:`COSTS_DISAGREE` (at the batch size they were measured for), the cost cache is deleted:
+the next chooser (a new head, or a new process) measures the costs again. Rounds of plain
+decoding leave the draft's catch-up for later: it runs over all their tokens in one draft
+forward before the next drafting round (:meth:`BatchState.defer_catch_up`).
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, List, Optional
+
+from jakiro_ext.config import TreeConfig
+
+WINDOW = 8          # a candidate's live seconds: the median of its last WINDOW rounds ...
+TOKEN_WINDOW = 16   # ... its tokens per round, the mean of its last TOKEN_WINDOW (noisier: shorter
+PRIOR_ROUNDS = 2    # and counting the cost model's expectation as this many rounds)
+MIN_SAMPLES = 2     # rounds a competitive candidate is measured for before it competes
+PROBE_EVERY = 16    # every PROBE_EVERY rounds the stalest other candidate within COMPETITIVE of
+COMPETITIVE = 0.75  # the best rate is re-measured
+FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
+MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
+COSTS_DISAGREE = 1.4  # live / cached seconds of a plain round beyond this (or below its inverse)
+
+
+@dataclass
+class Candidate:
+    """A tree to choose (None: plain decoding) with the cost model's expected new tokens per
+    sequence and seconds per round, and its live measurements."""
+    tree: Optional[TreeConfig]
+    expected_tokens: float
+    expected_seconds: float
+    seconds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
+    last_round: int = -1  # the round it last ran
+    forget_after: int = FORGET_AFTER  # rounds without a run after which its measurements are dropped
+
+    @property
+    def measured(self) -> bool:
+        return len(self.seconds) >= MIN_SAMPLES
+
+    def rate(self) -> float:
+        """New tokens per sequence per second: live from its first round on, else the cost model's."""
+        if not self.seconds:
+            return self.expected_tokens / self.expected_seconds
+        tokens = (sum(self.tokens) + PRIOR_ROUNDS * self.expected_tokens) / (len(self.tokens) + PRIOR_ROUNDS)
+        return tokens / statistics.median(self.seconds)
+
+    def forget(self) -> None:
+        self.seconds.clear()
+        self.tokens.clear()
+
+
+class TreeChooser:
+    """The candidate to run each round (:meth:`choose`) and what the round measured
+    (:meth:`record`). Candidates are measured per number of batch rows (a round's cost depends on
+    it): when the rows change, every live measurement is dropped and measured again."""
+
+    def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[], None]] = None):
+        if not any(c.tree is None for c in candidates):
+            raise ValueError("the candidates must include plain decoding (tree None)")
+        self.candidates = candidates
+        self.batch = batch  # the rows the cost model's seconds are for
+        self.forget_costs = forget_costs
+        self.rows: Optional[int] = None
+        self.round = 0
+
+    @property
+    def trees(self) -> List[TreeConfig]:
+        return [c.tree for c in self.candidates if c.tree is not None]
+
+    def best(self) -> Candidate:
+        return max(self.candidates, key=Candidate.rate)
+
+    def choose(self, rows: int) -> Candidate:
+        """The candidate for a round of ``rows`` batch rows."""
+        for c in self.candidates:
+            if rows != self.rows or self.round - c.last_round >= c.forget_after:
+                c.forget()
+        self.rows = rows
+        best = self.best()
+        # First every competitive candidate is measured (plain decoding always: the cost model may
+        # be wrong about it by any factor); one whose first round shows it far behind, no further.
+        for c in self.candidates:
+            if not c.measured and (c.tree is None or c.rate() >= COMPETITIVE * best.rate()):
+                return c
+        if self.round % PROBE_EVERY == PROBE_EVERY - 1:
+            others = [c for c in self.candidates if c is not best and c.rate() >= COMPETITIVE * best.rate()]
+            if others:
+                return min(others, key=lambda c: c.last_round)
+        return best
+
+    def record(self, candidate: Candidate, seconds: float, tokens_per_sequence: float) -> None:
+        """A round of ``candidate`` took ``seconds`` and gave ``tokens_per_sequence`` new tokens
+        (the mean over the batch's sequences)."""
+        candidate.seconds.append(seconds)
+        candidate.tokens.append(tokens_per_sequence)
+        candidate.last_round = self.round
+        self.round += 1
+        if len(candidate.seconds) == 1 and candidate.tree is not None:  # (re)measured from scratch
+            behind = candidate.rate() < COMPETITIVE * self.best().rate()
+            candidate.forget_after = min(2 * candidate.forget_after, MAX_FORGET_AFTER) if behind else FORGET_AFTER
+        if self.forget_costs is not None and self.rows == self.batch:
+            ratio = statistics.median(candidate.seconds) / candidate.expected_seconds
+            allowed = COSTS_DISAGREE if candidate.measured else COSTS_DISAGREE ** 2  # one round: a wider margin
+            if not 1 / allowed <= ratio <= allowed:
+                self.forget_costs()
+                self.forget_costs = None  # once
+
+
+def forget_cost_file(path: Path) -> Callable[[], None]:
+    """A ``forget_costs`` that deletes the cached costs at ``path`` (the next call measures them)."""
+    def forget() -> None:
+        print(f"note: this machine's live round times disagree with the cached costs {path}; they are deleted "
+              "and will be measured again by the next call", file=sys.stderr)
+        path.unlink(missing_ok=True)
+    return forget

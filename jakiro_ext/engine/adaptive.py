@@ -3,20 +3,22 @@
 The cost model (:mod:`jakiro_ext.engine.tree_cost`) predicts each tree's tokens per second from
 costs measured once and cached, and from the head's acceptance on held-out text. Both can be
 wrong for the call at hand: the machine is loaded (or was, when the costs were measured), the
-batch is larger than the one measured, the prompt is harder than the held-out text. So when the
-tree is left to the engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost
-model's best trees and plain decoding (no drafting: a one-node tree), and times every round as
-it runs: wall seconds per round and new tokens per sequence, per candidate, over a window of its
-last rounds. It runs the candidate whose live rate (tokens / seconds) is best, measures each
-competitive one at the start (plain decoding always; a tree whose first round shows it far
-behind, no further), re-measures the close ones now and then, and forgets what it measured of a
-candidate it has not run for a while (which is then measured again if the cost model still
-ranks it close), so that within a few rounds of a change it follows the machine and the prompt. A chooser lives as long as its head, across calls
-(one per method, batch-size bucket and machine setting), so a call starts from what the last
-ones measured. The tokens are those of any tree: exactly the
-target's at temperature 0, distributed as the target's above it. (With sampling, which tree a
-round uses changes which draws it consumes: a seed then fixes the distribution, not the tokens.
-Pass ``tree=`` for reproducible seeded sampling.)
+batch is not the one measured, the prompt is harder than the held-out text. So when the tree is
+left to the engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost model's best
+trees and plain decoding (no drafting: a one-node tree), and times every round as it runs: wall
+seconds per round (per number of batch rows) and new tokens per sequence, per candidate, over a
+window of its last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At
+the start, and at each new number of batch rows, it measures plain decoding first, then every
+tree the cost model (scaled by plain decoding's live time) puts within :data:`COMPETITIVE` of the
+best; it re-measures the close ones now and then, and forgets what it measured of a candidate it
+has not run for a while, so that within a few rounds of a change it follows the machine and the
+prompt. A chooser lives as long as its head, across calls (one per method, batch-size bucket and
+machine setting), so a call starts from what the last ones measured.
+
+The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
+target's above it. (With sampling, which tree a round uses changes which draws it consumes: a
+seed then fixes the distribution, not the tokens. Pass ``tree=`` for reproducible seeded
+sampling.)
 
 When a candidate's live seconds per round disagree with the cached costs by more than a factor
 :data:`COSTS_DISAGREE` (at the batch size they were measured for), the cost cache is deleted:
@@ -31,43 +33,51 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from jakiro_ext.config import TreeConfig
 
-WINDOW = 8          # a candidate's live seconds: the median of its last WINDOW rounds ...
-TOKEN_WINDOW = 16   # ... its tokens per round, the mean of its last TOKEN_WINDOW (noisier: shorter
-PRIOR_ROUNDS = 2    # and counting the cost model's expectation as this many rounds)
-MIN_SAMPLES = 2     # rounds a competitive candidate is measured for before it competes
+WINDOW = 8          # a candidate's live seconds: the median of its last WINDOW rounds (per row count) ...
+TOKEN_WINDOW = 16   # ... its tokens per round, the mean of its last TOKEN_WINDOW (noisier: longer, and
+PRIOR_ROUNDS = 2    # counting the cost model's expectation as this many rounds)
+MIN_SAMPLES = 2     # rounds plain decoding is measured for before it competes (a tree: one)
 PROBE_EVERY = 16    # every PROBE_EVERY rounds the stalest other candidate within COMPETITIVE of
 COMPETITIVE = 0.75  # the best rate is re-measured
 FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
 MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
-COSTS_DISAGREE = 1.4  # live / cached seconds of a plain round beyond this (or below its inverse)
+COSTS_DISAGREE = 1.4  # live / cached seconds of a round beyond this (or below its inverse)
 
 
 @dataclass
 class Candidate:
     """A tree to choose (None: plain decoding) with the cost model's expected new tokens per
-    sequence and seconds per round, and its live measurements."""
+    sequence and seconds per round, and its live measurements: seconds per round for each number
+    of batch rows (a round's cost depends on it), new tokens per sequence whatever the rows (the
+    head's acceptance on the text at hand)."""
     tree: Optional[TreeConfig]
     expected_tokens: float
     expected_seconds: float
-    seconds: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    seconds: Dict[int, deque] = field(default_factory=dict)
     tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
     last_round: int = -1  # the round it last ran
     forget_after: int = FORGET_AFTER  # rounds without a run after which its measurements are dropped
 
-    @property
-    def measured(self) -> bool:
-        return len(self.seconds) >= MIN_SAMPLES
+    def samples(self, rows: int) -> int:
+        return len(self.seconds.get(rows, ()))
 
-    def rate(self) -> float:
-        """New tokens per sequence per second: live from its first round on, else the cost model's."""
-        if not self.seconds:
-            return self.expected_tokens / self.expected_seconds
+    def measured(self, rows: int) -> bool:
+        return self.samples(rows) >= (MIN_SAMPLES if self.tree is None else 1)
+
+    def rate(self, rows: int, scale: float = 1.0) -> float:
+        """New tokens per sequence per second at ``rows`` rows: live where measured, else with the
+        cost model's seconds times ``scale`` (and its tokens until measured)."""
         tokens = (sum(self.tokens) + PRIOR_ROUNDS * self.expected_tokens) / (len(self.tokens) + PRIOR_ROUNDS)
-        return tokens / statistics.median(self.seconds)
+        seconds = self.seconds.get(rows)
+        return tokens / (statistics.median(seconds) if seconds else self.expected_seconds * scale)
+
+    def add(self, rows: int, seconds: float, tokens: float) -> None:
+        self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+        self.tokens.append(tokens)
 
     def forget(self) -> None:
         self.seconds.clear()
@@ -76,56 +86,61 @@ class Candidate:
 
 class TreeChooser:
     """The candidate to run each round (:meth:`choose`) and what the round measured
-    (:meth:`record`). Candidates are measured per number of batch rows (a round's cost depends on
-    it): when the rows change, every live measurement is dropped and measured again."""
+    (:meth:`record`)."""
 
     def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[], None]] = None):
         if not any(c.tree is None for c in candidates):
             raise ValueError("the candidates must include plain decoding (tree None)")
         self.candidates = candidates
+        self.plain = next(c for c in candidates if c.tree is None)
         self.batch = batch  # the rows the cost model's seconds are for
         self.forget_costs = forget_costs
-        self.rows: Optional[int] = None
         self.round = 0
 
     @property
     def trees(self) -> List[TreeConfig]:
         return [c.tree for c in self.candidates if c.tree is not None]
 
-    def best(self) -> Candidate:
-        return max(self.candidates, key=Candidate.rate)
+    def rate(self, c: Candidate, rows: int) -> float:
+        """``c``'s rate at ``rows`` rows; where it has not run at that many, the cost model's
+        seconds are scaled as plain decoding's live seconds there are to the cost model's."""
+        plain = self.plain.seconds.get(rows)
+        return c.rate(rows, statistics.median(plain) / self.plain.expected_seconds if plain else 1.0)
+
+    def best(self, rows: int) -> Candidate:
+        return max(self.candidates, key=lambda c: self.rate(c, rows))
 
     def choose(self, rows: int) -> Candidate:
         """The candidate for a round of ``rows`` batch rows."""
         for c in self.candidates:
-            if rows != self.rows or self.round - c.last_round >= c.forget_after:
+            if self.round - c.last_round >= c.forget_after:
                 c.forget()
-        self.rows = rows
-        best = self.best()
-        # First every competitive candidate is measured (plain decoding always: the cost model may
-        # be wrong about it by any factor); one whose first round shows it far behind, no further.
-        for c in self.candidates:
-            if not c.measured and (c.tree is None or c.rate() >= COMPETITIVE * best.rate()):
+        # First plain decoding is measured (the cost model may be wrong about it by any factor),
+        # then every competitive tree.
+        if not self.plain.measured(rows):
+            return self.plain
+        best = self.best(rows)
+        close = [c for c in self.candidates if self.rate(c, rows) >= COMPETITIVE * self.rate(best, rows)]
+        for c in close:
+            if not c.measured(rows):
                 return c
-        if self.round % PROBE_EVERY == PROBE_EVERY - 1:
-            others = [c for c in self.candidates if c is not best and c.rate() >= COMPETITIVE * best.rate()]
-            if others:
-                return min(others, key=lambda c: c.last_round)
+        if self.round % PROBE_EVERY == PROBE_EVERY - 1 and len(close) > 1:
+            return min((c for c in close if c is not best), key=lambda c: c.last_round)
         return best
 
-    def record(self, candidate: Candidate, seconds: float, tokens_per_sequence: float) -> None:
-        """A round of ``candidate`` took ``seconds`` and gave ``tokens_per_sequence`` new tokens
-        (the mean over the batch's sequences)."""
-        candidate.seconds.append(seconds)
-        candidate.tokens.append(tokens_per_sequence)
+    def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float) -> None:
+        """A round of ``candidate`` over ``rows`` batch rows took ``seconds`` and gave
+        ``tokens_per_sequence`` new tokens (the mean over the batch's sequences)."""
+        fresh = not candidate.seconds
+        candidate.add(rows, seconds, tokens_per_sequence)
         candidate.last_round = self.round
         self.round += 1
-        if len(candidate.seconds) == 1 and candidate.tree is not None:  # (re)measured from scratch
-            behind = candidate.rate() < COMPETITIVE * self.best().rate()
+        if fresh and candidate.tree is not None:  # (re)measured from scratch
+            behind = self.rate(candidate, rows) < COMPETITIVE * self.rate(self.best(rows), rows)
             candidate.forget_after = min(2 * candidate.forget_after, MAX_FORGET_AFTER) if behind else FORGET_AFTER
-        if self.forget_costs is not None and self.rows == self.batch:
-            ratio = statistics.median(candidate.seconds) / candidate.expected_seconds
-            allowed = COSTS_DISAGREE if candidate.measured else COSTS_DISAGREE ** 2  # one round: a wider margin
+        if self.forget_costs is not None and rows == self.batch:
+            ratio = statistics.median(candidate.seconds[rows]) / candidate.expected_seconds
+            allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
             if not 1 / allowed <= ratio <= allowed:
                 self.forget_costs()
                 self.forget_costs = None  # once

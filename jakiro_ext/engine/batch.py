@@ -159,11 +159,12 @@ class DecodeBatch:
             if self.chooser is None:
                 self._round(self.drafter)
             else:
-                candidate = self.chooser.choose(len(self.state.rows))
+                rows = len(self.state.rows)
+                candidate = self.chooser.choose(rows)
                 t0 = time.perf_counter()
                 accepted = self._round(self.drafters[id(candidate)])
                 if accepted:
-                    self.chooser.record(candidate, time.perf_counter() - t0, 1 + statistics.fmean(accepted))
+                    self.chooser.record(candidate, rows, time.perf_counter() - t0, 1 + statistics.fmean(accepted))
         finally:
             for listen in ROUND_LISTENERS:
                 listen(False)

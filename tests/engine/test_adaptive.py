@@ -27,16 +27,16 @@ def run(chooser, rounds, seconds_of, tokens_of=lambda c: c.expected_tokens, rows
     ran = []
     for _ in range(rounds):
         c = chooser.choose(rows)
-        chooser.record(c, seconds_of(c), tokens_of(c))
+        chooser.record(c, rows, seconds_of(c), tokens_of(c))
         ran.append(c.tree)
     return ran
 
 
 def test_measures_plain_decoding_and_the_competitive_trees_first():
     chooser = TreeChooser(candidates(), batch=1)
-    ran = run(chooser, 6, lambda c: c.expected_seconds)
-    assert ran == [BIG, BIG, SMALL, SMALL, None, None]  # FAR: a third of the best rate, never tried
-    assert run(chooser, 10, lambda c: c.expected_seconds) == [BIG] * 9 + [SMALL]  # the costs were right; a probe
+    ran = run(chooser, 4, lambda c: c.expected_seconds)
+    assert ran == [None, None, BIG, SMALL]  # FAR: a third of the best rate, never tried
+    assert run(chooser, 12, lambda c: c.expected_seconds) == [BIG] * 11 + [SMALL]  # the costs were right; a probe
 
 
 def test_falls_back_to_plain_decoding_when_speculation_is_slower():
@@ -60,7 +60,9 @@ def test_follows_a_change_within_a_window_of_rounds():
 def test_a_new_row_count_is_measured_again():
     chooser = TreeChooser(candidates(), batch=1)
     run(chooser, 20, lambda c: c.expected_seconds)
-    assert run(chooser, 6, lambda c: c.expected_seconds, rows=4)[:2] == [BIG, BIG]
+    # Four rows: plain decoding first, then the trees at its live scale of the cost model.
+    assert run(chooser, 5, lambda c: c.expected_seconds * 4, rows=4) == [None, None, BIG, SMALL, BIG]
+    assert run(chooser, 3, lambda c: c.expected_seconds) == [BIG] * 3  # one row again: known
 
 
 def test_forgets_cached_costs_that_disagree_with_live_timing():

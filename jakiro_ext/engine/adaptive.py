@@ -9,8 +9,8 @@ trees and plain decoding (no drafting: a one-node tree), and times every round a
 seconds per round (per number of batch rows) and new tokens per sequence, per candidate, over a
 window of its last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At
 the start, and at each new number of batch rows, it measures plain decoding first, then every
-tree the cost model (scaled by plain decoding's live time) puts within :data:`COMPETITIVE` of the
-best; it re-measures the close ones now and then, and forgets what it measured of a candidate it
+tree estimated within :data:`COMPETITIVE` of the best (from plain decoding's live time and the
+tree's own ratio to it at other row counts, or the cost model's); it re-measures the close ones now and then, and forgets what it measured of a candidate it
 has not run for a while, so that within a few rounds of a change it follows the machine and the
 prompt. A chooser lives as long as its head, across calls (one per method, batch-size bucket and
 machine setting), so a call starts from what the last ones measured.
@@ -68,12 +68,12 @@ class Candidate:
     def measured(self, rows: int) -> bool:
         return self.samples(rows) >= (MIN_SAMPLES if self.tree is None else 1)
 
-    def rate(self, rows: int, scale: float = 1.0) -> float:
-        """New tokens per sequence per second at ``rows`` rows: live where measured, else with the
-        cost model's seconds times ``scale`` (and its tokens until measured)."""
+    def rate(self, rows: int, seconds: float) -> float:
+        """New tokens per sequence per second at ``rows`` rows: live where measured, else with
+        ``seconds`` a round (an estimate; and the cost model's tokens until measured)."""
         tokens = (sum(self.tokens) + PRIOR_ROUNDS * self.expected_tokens) / (len(self.tokens) + PRIOR_ROUNDS)
-        seconds = self.seconds.get(rows)
-        return tokens / (statistics.median(seconds) if seconds else self.expected_seconds * scale)
+        measured = self.seconds.get(rows)
+        return tokens / (statistics.median(measured) if measured else seconds)
 
     def add(self, rows: int, seconds: float, tokens: float) -> None:
         self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
@@ -102,10 +102,19 @@ class TreeChooser:
         return [c.tree for c in self.candidates if c.tree is not None]
 
     def rate(self, c: Candidate, rows: int) -> float:
-        """``c``'s rate at ``rows`` rows; where it has not run at that many, the cost model's
-        seconds are scaled as plain decoding's live seconds there are to the cost model's."""
+        """``c``'s rate at ``rows`` rows. Where it has not run at that many, its seconds are
+        estimated from plain decoding's live seconds there: times its own ratio to them at the
+        nearest number of rows where both ran, else times the cost model's ratio."""
         plain = self.plain.seconds.get(rows)
-        return c.rate(rows, statistics.median(plain) / self.plain.expected_seconds if plain else 1.0)
+        if not plain:
+            return c.rate(rows, c.expected_seconds)
+        both = [r for r in c.seconds if r in self.plain.seconds]
+        if both:
+            r = min(both, key=lambda r: abs(r - rows))
+            ratio = statistics.median(c.seconds[r]) / statistics.median(self.plain.seconds[r])
+        else:
+            ratio = c.expected_seconds / self.plain.expected_seconds
+        return c.rate(rows, statistics.median(plain) * ratio)
 
     def best(self, rows: int) -> Candidate:
         return max(self.candidates, key=lambda c: self.rate(c, rows))

@@ -8,9 +8,10 @@ left to the engine on a CPU, a :class:`TreeChooser` holds a few candidates, the 
 trees and plain decoding (no drafting: a one-node tree), and times every round as it runs: wall
 seconds per round (per number of batch rows) and new tokens per sequence, per candidate, over a
 window of its last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At
-the start, and at each new number of batch rows, it measures plain decoding first, then every
-tree estimated within :data:`COMPETITIVE` of the best (from plain decoding's live time and the
-tree's own ratio to it at other row counts, or the cost model's); it re-measures the close ones now and then, and forgets what it measured of a candidate it
+the start it measures plain decoding first, then every tree the cost model (scaled by plain
+decoding's live time) puts within :data:`COMPETITIVE` of the best; at a new number of batch rows,
+plain decoding and the best again, the others estimated from their ratio to plain decoding at
+other row counts; it re-measures the close ones now and then, and forgets what it measured of a candidate it
 has not run for a while, so that within a few rounds of a change it follows the machine and the
 prompt. A chooser lives as long as its head, across calls (one per method, batch-size bucket and
 machine setting), so a call starts from what the last ones measured.
@@ -42,7 +43,7 @@ TOKEN_WINDOW = 16   # ... its tokens per round, the mean of its last TOKEN_WINDO
 PRIOR_ROUNDS = 2    # counting the cost model's expectation as this many rounds)
 MIN_SAMPLES = 2     # rounds plain decoding is measured for before it competes (a tree: one)
 PROBE_EVERY = 16    # every PROBE_EVERY rounds the stalest other candidate within COMPETITIVE of
-COMPETITIVE = 0.75  # the best rate is re-measured
+COMPETITIVE = 0.85  # the best rate is re-measured
 FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
 MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
 COSTS_DISAGREE = 1.4  # live / cached seconds of a round beyond this (or below its inverse)
@@ -130,8 +131,8 @@ class TreeChooser:
             return self.plain
         best = self.best(rows)
         close = [c for c in self.candidates if self.rate(c, rows) >= COMPETITIVE * self.rate(best, rows)]
-        for c in close:
-            if not c.measured(rows):
+        for c in close:  # (a tree run at other row counts has its estimate from there: probed, not explored)
+            if not c.measured(rows) and (c is best or not c.seconds):
                 return c
         if self.round % PROBE_EVERY == PROBE_EVERY - 1 and len(close) > 1:
             return min((c for c in close if c is not best), key=lambda c: c.last_round)

@@ -60,8 +60,10 @@ def test_follows_a_change_within_a_window_of_rounds():
 def test_a_new_row_count_is_measured_again():
     chooser = TreeChooser(candidates(), batch=1)
     run(chooser, 20, lambda c: c.expected_seconds)
-    # Four rows: plain decoding first, then the trees at its live scale of the cost model.
-    assert run(chooser, 5, lambda c: c.expected_seconds * 4, rows=4) == [None, None, BIG, SMALL, BIG]
+    # Four rows: plain decoding first, then the best tree; the other is estimated from its ratio to
+    # plain decoding at one row (and probed later).
+    assert run(chooser, 5, lambda c: c.expected_seconds * 4, rows=4) == [None, None, BIG, BIG, BIG]
+    assert chooser.rate(chooser.candidates[1], 4) == pytest.approx(chooser.rate(chooser.candidates[1], 1) / 4)
     assert run(chooser, 3, lambda c: c.expected_seconds) == [BIG] * 3  # one row again: known
 
 

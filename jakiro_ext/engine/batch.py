@@ -180,8 +180,8 @@ class DecodeBatch:
             return []
         seqs, B = state.rows, len(state.rows)
         nodes = drafter.tree.max_nodes_for(self.method) if drafter.drafts else 1
-        if drafter.drafts:
-            state.catch_up_pending()  # what rounds of plain decoding left to the draft
+        # What rounds of plain decoding left to the draft (a forward, counted with the round's).
+        caught_up = int(drafter.drafts and state.catch_up_pending())
         state.prepare_round(nodes)
         self._drafting = drafter
         inputs = [ops.to_device(torch.tensor([seq.root if seq else 0 for seq in seqs]), self.device)]
@@ -212,7 +212,7 @@ class DecodeBatch:
         state.commit(path, counts, step)
         if deferred:
             state.defer_catch_up(tokens[:, :1], features)
-        drafted += self.drafter.forwards - forwards
+        drafted += self.drafter.forwards - forwards + caught_up
         for b, (seq, a, new) in enumerate(zip(seqs, back.accepted, back.tokens)):
             if seq is None:
                 continue

@@ -129,8 +129,9 @@ class TreeChooser:
         # then every competitive tree.
         if not self.plain.measured(rows):
             return self.plain
-        best = self.best(rows)
-        close = [c for c in self.candidates if self.rate(c, rows) >= COMPETITIVE * self.rate(best, rows)]
+        rates = [self.rate(c, rows) for c in self.candidates]
+        best = self.candidates[rates.index(max(rates))]
+        close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)]
         for c in close:  # (a tree run at other row counts has its estimate from there: probed, not explored)
             if not c.measured(rows) and (c is best or not c.seconds):
                 return c

@@ -65,7 +65,6 @@ class BatchState:
     def make_room(self, count: int, bound: int) -> List[int]:
         """At least ``count`` free rows (new ones after the current rows) and room for ``bound``
         committed positions per row; returns the free rows."""
-        self.catch_up_pending()
         extra = count - len(self.free)
         if extra > 0:
             self._select(list(range(len(self.rows))) + [-1] * extra, bound)  # -1: a new row

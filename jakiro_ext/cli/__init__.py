@@ -120,6 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=0, help="train this many steps instead of --epochs")
     p.add_argument("--minutes", type=float, default=0.0, help="train for about this long instead (the steps are set "
                                                                "from the first ones' time; needs --warmup-steps >= 10)")
+    p.add_argument("--max-epochs", type=float, default=0.0, help="with --minutes: stop at this many epochs if that comes first (0: no cap)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warm-up, then cosine decay to 0 at the "
                                                           "end; 2e-3: what every measured recipe used)")
     p.add_argument("--warmup-steps", type=int, default=50)

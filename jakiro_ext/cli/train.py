@@ -25,7 +25,7 @@ def train_config(args) -> TrainConfig:
     return TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                        batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                        w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
-                       ttt_steps=args.ttt_steps, minutes=args.minutes, mlp_input=args.mlp_input,
+                       ttt_steps=args.ttt_steps, minutes=args.minutes, max_epochs=args.max_epochs, mlp_input=args.mlp_input,
                        compute_dtype=args.compute_dtype, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, eval_doublings=args.eval_doublings)
 

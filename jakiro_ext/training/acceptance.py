@@ -28,7 +28,7 @@ def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, r
     def add(table, count, s, rows):
         pred, tokens = rows.pred[rows.mask], rows.tokens[rows.mask]
         top = head.target_ids((pred @ head.lm_head_weight.T).topk(ranks, -1).indices)  # [n, ranks]
-        table[s] += (top == tokens.unsqueeze(-1)).double().sum(0)
+        table[s] += (top == tokens.unsqueeze(-1)).double().sum(0).cpu()  # (the table is the host's)
         count[s] += tokens.numel()
 
     was_training = head.training

@@ -33,6 +33,7 @@ class TrainConfig:
     ttt_decay: float = 0.8  # step s's loss weight is ttt_decay ** s
     token_loss_top: int = 32  # the token loss's soft labels: the target's top tokens (renormalised)
     minutes: float = 0.0  # > 0: a wall-clock budget; the steps are set from the first warm-up steps' time
+    max_epochs: float = 0.0  # > 0 with a budget in minutes: at most this many epochs (a fast machine's cap)
     # Gumiho's MLP heads learn from "teacher" inputs (both halves from step 0, run on the target's
     # features: the released recipe) or "drafted" ones (the leaf's half from the serial part's
     # own second step, as drafting computes it: the training-time test's idea).

@@ -20,7 +20,12 @@ from jakiro_ext.training.examples import Batch, Example, batch_length, collate
 from jakiro_ext.training.loss import batch_loss, batch_noise, evaluate, scored_rows
 from jakiro_ext.training.settings import TrainConfig, compute_dtype
 
-BUDGET_PROBE_STEPS = 10  # with a budget in minutes, the steps are set from these first steps' time
+# With a budget in minutes, the steps are set from the time of the first BUDGET_PROBE_STEPS (less
+# the first BUDGET_SKIP_STEPS: allocations, a GPU's lazy start), then set again every
+# BUDGET_REPLAN_STEPS from the latest rate.
+BUDGET_PROBE_STEPS = 10
+BUDGET_SKIP_STEPS = 2
+BUDGET_REPLAN_STEPS = 100
 
 
 def shuffled_batches(examples: Sequence[Example], cfg: TrainConfig, epoch: int) -> List[List[int]]:
@@ -157,6 +162,7 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     epoch_batches, epoch_of = None, -1
     head.train()
     step, t_start = start, time.perf_counter()
+    window = None  # a budget in minutes: where the rate of the steps is measured from
     saved = [start]
 
     def save(at: int) -> None:
@@ -168,9 +174,20 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
 
     try:
         while step < total:
-            if cfg.minutes and total == UNSET and step >= BUDGET_PROBE_STEPS and step > start:
-                per_step = ranks.max((time.perf_counter() - t_start) / (step - start))  # (one total for all)
-                total = step + max(1, int((cfg.minutes * 60 - per_step * step) / per_step))
+            if cfg.minutes and step == start + BUDGET_SKIP_STEPS:
+                window = (time.perf_counter(), step, 0.0)  # (start time, step, evaluation seconds within)
+            if cfg.minutes and step >= start + BUDGET_PROBE_STEPS and (
+                    total == UNSET or (step - window[1] >= BUDGET_REPLAN_STEPS and step < 0.9 * total)):
+                # The steps that fit in what is left of the budget, at the rate of the steps since the
+                # last plan (evaluations left out: their time counts in what is spent); again every
+                # BUDGET_REPLAN_STEPS until the last tenth, for a rate that changes (a shared GPU).
+                now = time.perf_counter()
+                per_step = ranks.max((now - window[0] - window[2]) / (step - window[1]))  # (one total for all)
+                spent = now - t_start + start * per_step  # (an earlier segment's steps at this rate)
+                total = step + max(1, int((cfg.minutes * 60 - spent) / per_step))
+                if cfg.max_epochs:
+                    total = min(total, max(step + 1, math.ceil(cfg.max_epochs * len(examples) / cfg.batch_sequences)))
+                window = (now, step, 0.0)
             epoch = step // per_epoch
             if epoch != epoch_of:
                 epoch_batches, epoch_of = shuffled_batches(examples, cfg, epoch), epoch
@@ -211,7 +228,10 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
             last = step == total
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or last
                                   or doubling(cfg.eval_doublings, seen) > doubling(cfg.eval_doublings, seen_before)):
+                t_eval = time.perf_counter()
                 record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg, ranks=ranks).items()})
+                if cfg.minutes and window is not None:
+                    window = (window[0], window[1], window[2] + time.perf_counter() - t_eval)
             if on_step and ranks.rank == 0:
                 on_step(step - 1, record)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or last:

@@ -294,3 +294,8 @@ def test_training_for_a_budget_in_minutes(target):
     assert 0.3 * 3 < seconds < 3 * 3  # loose: the first steps are slower (allocation), and machines are noisy
     with pytest.raises(ValueError, match="warmup_steps >= 10"):
         train_head(head, examples, TrainConfig(minutes=1, warmup_steps=5))
+    # A cap in epochs ends a budget that would run longer: 4 examples, 2 a step, 7 epochs = 14
+    # steps (the budget's hour would be thousands), the schedule decayed to zero at the last.
+    capped = train_head(head, examples, TrainConfig(minutes=60, max_epochs=7, lr=1e-3, warmup_steps=10,
+                                                    batch_sequences=2))
+    assert len(capped) == 14 and capped[-1]["lr"] == 0.0

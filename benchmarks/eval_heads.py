@@ -1,0 +1,70 @@
+"""Draft heads side by side on the same held-out answers: every n-th conversation of a token
+corpus (the ``train`` command's held-out rule, so no head here trained on them when it was
+trained on that corpus with the same n), the target's features computed for those sequences
+alone. Per head: held-out acc1..acc4 drafting from its own features as the engine does
+(Jakiro: also its contrastive branch), and the acceptance of its rank-0..3 candidates by depth.
+
+    python benchmarks/eval_heads.py --heads old-jakiro=jakiro_ext/heads/SmolLM2-135M-Instruct-jakiro new-jakiro=DIR
+
+Results: ``results/heads_held_out.csv`` (``--tag`` appended)."""
+import argparse
+import os
+import time
+
+import torch
+
+from common import RESULTS, write_csv
+
+from jakiro_ext.cli.common import load_target
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.acceptance import acceptance_profile
+from jakiro_ext.training.corpus import read_corpus_meta, read_shard
+from jakiro_ext.training.examples import Example
+from jakiro_ext.training.features import prefill_features
+from jakiro_ext.training.loss import evaluate
+from jakiro_ext.training.settings import TrainConfig
+
+
+def held_out_examples(target, corpus: str, every_nth: int):
+    sequences = []
+    for shard in read_corpus_meta(corpus)["shards"]:
+        sequences += [q for q in read_shard(os.path.join(corpus, shard["name"]), shard.get("sha256"))
+                      if q.conversation % every_nth == 0]
+    features = prefill_features(target, [q.tokens for q in sequences])
+    return [Example(q.tokens, f.to(torch.bfloat16), torch.arange(q.tokens.numel()) >= q.prompt_length, q.conversation)
+            for q, f in zip(sequences, features)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", nargs="+", required=True, help="NAME=DIRECTORY of each head")
+    ap.add_argument("--data", default="corpus/SmolLM2-135M-Instruct")
+    ap.add_argument("--eval-every-nth", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target, _, _ = load_target("float32")
+    t0 = time.perf_counter()
+    examples = held_out_examples(target, args.data, args.eval_every_nth)
+    learned = sum(int(ex.loss_mask.sum()) for ex in examples)
+    print(f"{len(examples)} held-out sequences ({learned} learned tokens), features in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    rows = []
+    for spec in args.heads:
+        name, path = spec.split("=", 1)
+        head = DraftHead.load(path, target)
+        accs = evaluate(head, examples, TrainConfig())
+        profile = acceptance_profile(head, examples, depth=4, ranks=4)
+        row = dict(head=name, path=path, kind=head.config.kind, sequences=len(examples), learned_tokens=learned,
+                   **{k: round(v, 4) for k, v in accs.items()},
+                   **{f"p_d{d + 1}_r{r}": round(p, 4) for d, ranks in enumerate(profile["depth_rank"])
+                      for r, p in enumerate(ranks)})
+        rows.append(row)
+        print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in accs.items()), flush=True)
+    columns = list(dict.fromkeys(k for row in rows for k in row))  # (a Jakiro head adds its contrastive columns)
+    write_csv(os.path.join(RESULTS, f"heads_held_out{args.tag}.csv"), rows, columns, restval="")
+
+
+if __name__ == "__main__":
+    main()

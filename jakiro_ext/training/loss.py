@@ -195,13 +195,16 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
     return loss, metrics
 
 
-def batch_noise(cfg: TrainConfig, step: int, rows: int, length: int, hidden: int) -> Optional[torch.Tensor]:
+def batch_noise(cfg: TrainConfig, step: int, rows: int, length: int, hidden: int,
+                device="cpu") -> Optional[torch.Tensor]:
     """Step ``step``'s uniform noise on the input features of a batch of ``rows`` sequences
-    ``length`` long: width cfg.noise * 512 / length, a function of (seed, step) alone."""
+    ``length`` long: width cfg.noise * 512 / length, a function of (seed, step, the device's
+    kind) alone. Drawn where the batch is: on a GPU, drawing it on the host took a quarter of a
+    step (13 ms of a 57 ms EAGLE-2 step of 16 sequences, H200)."""
     if not cfg.noise:
         return None
-    g = torch.Generator().manual_seed(cfg.seed * 7_919 + step)
-    return (torch.rand((rows, length - 1, hidden), generator=g) - 0.5) * (cfg.noise * 512 / length)
+    g = torch.Generator(device).manual_seed(cfg.seed * 7_919 + step)
+    return (torch.rand((rows, length - 1, hidden), generator=g, device=device) - 0.5) * (cfg.noise * 512 / length)
 
 
 @torch.no_grad()

@@ -202,13 +202,13 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
             share = share or [0]
             with scope("data"):
                 batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(device)
-                noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1])
+                noise = batch_noise(cfg, step, len(chosen), length, batch.features.shape[-1], device)
             rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
                                                                 head.config.num_mlp_heads).items()}
             names = sorted(rows)
             totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                loss, metrics = model(batch, cfg, None if noise is None else noise[share].to(batch.features.device),
+                loss, metrics = model(batch, cfg, None if noise is None else noise[share],
                                       totals)
             if idle:
                 loss, metrics = loss * 0.0, {k: 0 for k in metrics}

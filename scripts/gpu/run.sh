@@ -101,10 +101,13 @@ stage_train() {
   local left=$(( budget - ($(date +%s) - t0) - 90 ))  # 90 s: evaluations, profiles, saving, packing
   [ "$left" -ge 60 ] || { say "train: only ${left} s left for training"; return 1; }
   say "train: $heads side by side for $(( left / 60 )) min $(( left % 60 )) s each"
-  local pids=() kind
+  # The cores shared out between the runs: two runs of 16 threads each on 16 cores took 360-420 ms
+  # a step (H200), where one alone on random data took 57 ms (scripts/gpu/profile_training.py).
+  local pids=() kind runs threads
+  runs=$(echo $heads | wc -w); threads=$(( $(nproc) / runs )); [ "$threads" -ge 1 ] || threads=1
   for kind in $heads; do
     "$PY" -m jakiro_ext train --kind "$kind" --out "$dir/$kind" "${common[@]}" --minutes "$(awk "BEGIN{print $left/60}")" \
-      --max-epochs 12 > "$dir/$kind.log" 2>&1 &
+      --max-epochs 12 --threads "$threads" > "$dir/$kind.log" 2>&1 &
     pids+=($!)
   done
   local failed=0

@@ -16,6 +16,7 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.kv_cache import KVCache, TreeKV, causal_tree_mask, packed_bit_ranges
 from jakiro_ext.methods import Method
+from jakiro_ext.models.llama import PREFILL_CHUNK
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.step import DraftStep, take_rows
 
@@ -242,9 +243,13 @@ class Drafter:
             return None, None
         n = tokens.numel()
         one = self.new_cache(1, n)
-        step = self.catch_up(one, tokens.unsqueeze(0), features.unsqueeze(0))
-        one.commit(n)
-        return one, step.rows(torch.full((1, 1), n - 1, device=tokens.device))
+        # In chunks, as the target runs a prompt (LlamaModel.prefill_chunk): a long prompt's
+        # attention is then the chunk's tree after a prefix, not one n x n tree.
+        for start in range(0, n, PREFILL_CHUNK):
+            step = self.catch_up(one, tokens[start: start + PREFILL_CHUNK].unsqueeze(0),
+                                 features[start: start + PREFILL_CHUNK].unsqueeze(0))
+            one.commit(min(PREFILL_CHUNK, n - start))
+        return one, step.rows(torch.full((1, 1), (n - 1) % PREFILL_CHUNK, device=tokens.device))
 
     # ------------------------------------------------------------------ the tree
     def draft(self, roots: torch.Tensor, cache: Optional[KVCache], root_step: Optional[DraftStep]) -> VerifyTree:

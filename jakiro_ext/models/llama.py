@@ -167,10 +167,16 @@ class Block(nn.Module):
                                  self.eps)
 
 
+# A prompt (a chain of tokens) longer than this runs as chunks of this many tokens
+# (LlamaModel.prefill_chunk; 0: one forward): measured on a 2-core Xeon, fp32, see docs/benchmarks.md.
+PREFILL_CHUNK = 512
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.config = config
+        self.prefill_chunk = PREFILL_CHUNK
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -215,6 +221,8 @@ class LlamaModel(nn.Module):
             raise ValueError(f"{T} new tokens after a prefix of {max(cache.host_lengths)} need {longest} cache "
                              f"positions, beyond the cache capacity {cache.max_capacity}")
         cache.reserve(longest)
+        if tree_mask is None and depths is None and 0 < self.prefill_chunk < T:
+            return self._chunked(tokens, cache, last_logits_only, feature_layers)
         device = tokens.device
         if tree_mask is None:
             tree_mask = causal_tree_mask(B, T, device)
@@ -233,6 +241,32 @@ class LlamaModel(nn.Module):
             found = dict(streams)
             hidden = torch.cat([found[i] for i in feature_layers], -1)
         return logits, hidden
+
+    def _chunked(self, tokens: torch.Tensor, cache: KVCache, last_logits_only: bool,
+                 feature_layers: Optional[Sequence[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """A chain longer than ``prefill_chunk`` (a prompt) as consecutive forwards of at most
+        ``prefill_chunk`` tokens, each after the ones before: the attention of a chunk reads the
+        earlier ones as its prefix, and only its own tokens as a tree, so the work and scratch
+        memory of the tree part stay those of one chunk. The cache ends as one forward leaves it
+        (the keys and values written, none committed)."""
+        chunk, T = self.prefill_chunk, tokens.shape[1]
+        logits, hidden, done = [], [], 0
+        try:
+            for start in range(0, T, chunk):
+                part = tokens[:, start: start + chunk]
+                last = start + chunk >= T
+                part_logits, part_hidden = self.forward(part, cache, last_logits_only=last_logits_only,
+                                                        feature_layers=feature_layers)
+                if last or not last_logits_only:
+                    logits.append(part_logits)
+                hidden.append(part_hidden)
+                if not last:
+                    cache.commit(part.shape[1])
+                    done += part.shape[1]
+        finally:
+            if done:
+                cache.commit(-done)
+        return torch.cat(logits, 1), torch.cat(hidden, 1)
 
     def _rope(self, positions: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] at positions [B, T] (< capacity), gathered from a table of

@@ -11,7 +11,7 @@ from helpers import (DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES,
                      verified_token_p)
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
-from jakiro_ext.methods import MethodName, method_for_head
+from jakiro_ext.methods import METHODS, MethodName, method_for_head
 from jakiro_ext.models import LlamaModel
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
@@ -86,6 +86,35 @@ def test_plain_decoding_equals_transformers_greedy(target):
     with torch.no_grad():
         want = hf.generate(ids.unsqueeze(0), max_new_tokens=30, do_sample=False, pad_token_id=0)[0, ids.numel():]
     assert speculative_generate(ours, None, ids, 30).token_ids == want.tolist()
+
+
+@pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("gumiho", "gumiho")])
+def test_a_prompt_prefilled_in_chunks(monkeypatch, kind, method):
+    """Prompts longer than the prefill chunk (the target's and the draft's): the tokens are plain
+    decoding's, also of plain decoding with the prompt in one forward, and the draft's cache after
+    its chunked prefill holds what one forward writes."""
+    from jakiro_ext.engine import drafter
+
+    target = tiny_target()
+    head = copy_head(target, kind)
+    ids = prompt(45, seed=4)
+    whole = speculative_generate(target, None, ids, 30).token_ids
+    monkeypatch.setattr(target, "prefill_chunk", 8)
+    monkeypatch.setattr(drafter, "PREFILL_CHUNK", 8)
+    plain = speculative_generate(target, None, ids, 30)
+    spec = speculative_generate(target, head, ids, 30, method=method)
+    assert spec.token_ids == plain.token_ids == whole
+    assert spec.stats.tau > 2.0
+    features = torch.randn(ids.numel(), target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    one = drafter.Drafter(head, METHODS[method], TreeConfig(8, 3, 2))
+    chunked_kv, chunked_root = one.prefill(ids, features)
+    assert one.forwards == 6  # 45 tokens in chunks of 8
+    monkeypatch.setattr(drafter, "PREFILL_CHUNK", 1000)
+    whole_kv, whole_root = one.prefill(ids, features)
+    assert one.forwards == 7
+    assert chunked_kv.host_lengths == whole_kv.host_lengths == [ids.numel()]
+    torch.testing.assert_close(chunked_kv.kv[..., :ids.numel(), :], whole_kv.kv[..., :ids.numel(), :], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(chunked_root.feature, whole_root.feature, atol=1e-5, rtol=1e-5)
 
 
 def test_stops_at_eos_and_includes_it(target):

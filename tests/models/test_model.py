@@ -46,6 +46,38 @@ def test_model_prompt_logits_match_transformers(kind):
     torch.testing.assert_close(hidden, hf_hidden, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("chunk", [1, 7, 16, 36])
+def test_a_prompt_in_chunks_is_the_prompt_in_one_forward(chunk):
+    """A chain longer than prefill_chunk runs as chunks after each other: the same logits, hidden
+    states, EAGLE-3 feature streams and cache entries as one forward (and as transformers), after a
+    committed prefix too, and the cache's lengths left as one forward leaves them."""
+    hf = hf_model("llama")
+    ours = LlamaModel.from_hf(hf)
+    tokens = torch.randint(0, 211, (2, 37), generator=gen(3))
+    results = {}
+    for size in (0, chunk):
+        ours.prefill_chunk = size
+        cache = ours.new_cache(batch=2, capacity=16, max_capacity=64)  # (grows once, before the chunks)
+        ours(tokens[:, :5], cache)
+        cache.commit(5)
+        full = ours(tokens[:, 5:], cache)
+        last = ours(tokens[:, 5:], cache, last_logits_only=True)
+        streams = ours(tokens[:, 5:], cache, feature_layers=[0, 2])[1]
+        assert cache.host_lengths == [5, 5] and cache.lengths.tolist() == [5, 5]
+        results[size] = (full, last, streams, cache.kv[..., :37, :].clone())
+    (full0, last0, streams0, kv0), (full1, last1, streams1, kv1) = results[0], results[chunk]
+    for a, b in [(full0[0], full1[0]), (full0[1], full1[1]), (last0[0], last1[0]), (streams0, streams1), (kv0, kv1)]:
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert last1[0].shape == (2, 1, 211)
+    torch.testing.assert_close(full1[0], reference_logits(hf, tokens)[:, 5:], atol=1e-4, rtol=1e-4)
+    ours.prefill_chunk = chunk  # a prompt beyond the cache is refused before any chunk runs
+    cache = ours.new_cache(batch=1, capacity=16)
+    with pytest.raises(ValueError, match="need 17 cache positions, beyond the cache capacity 16"):
+        ours(torch.zeros(1, 17, dtype=torch.int64), cache)
+    assert cache.host_lengths == [0]
+
+
 def test_model_decoding_on_the_cache_matches_transformers():
     hf = hf_model("llama")
     ours = LlamaModel.from_hf(hf)

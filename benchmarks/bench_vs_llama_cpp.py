@@ -8,8 +8,9 @@ that drift hits both alike:
 * plain decoding: llama.cpp's ``tg128`` (128 tokens after an empty context) against this engine's
   plain decoding of 128 tokens after a one-token prompt (the generation loop's tokens/s, prompt
   excluded);
-* prefill: llama.cpp's ``pp{N}`` against one prompt forward of N random tokens here, N in
-  ``--prompt-lengths``;
+* prefill: llama.cpp's ``pp{N}`` against one prompt forward of N random tokens here (in chunks,
+  ``LlamaModel.prefill_chunk``), N in ``--prompt-lengths``, and the time to the first token's
+  logits that each rate gives (N over it);
 * speculative decoding with the shipped heads (``--methods``, default Jakiro and EAGLE-2, the tree
   the engine chooses) and plain decoding on the first ``--prompts`` packaged prompts (greedy,
   ``--max-new-tokens``): tokens/s of the generation loop, against llama.cpp's tg128 above;
@@ -72,7 +73,7 @@ def main():
     ap.add_argument("--llama-bench", required=True, help="llama.cpp's llama-bench, or the folder holding it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--prompt-lengths", default="512,2048,4096")
+    ap.add_argument("--prompt-lengths", default="128,512,2048,4096,8192")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each side, alternating")
     ap.add_argument("--methods", default="jakiro,eagle2", help="speculative methods with the shipped heads ('' none)")
@@ -149,8 +150,10 @@ def main():
     rows = []
     for name in [tg] + [f"pp{n}" for n in lengths]:
         a, b = statistics.median(ours[name]), statistics.median(theirs[name])
+        prompt = int(name[2:]) if name.startswith("pp") else 0
         rows.append(dict(test=name, dtype=args.dtype, ours_tokens_per_s=round(a, 1), llama_cpp_tokens_per_s=round(b, 1),
-                         ratio=round(a / b, 3)))
+                         ratio=round(a / b, 3), ours_ttft_ms=round(1e3 * prompt / a, 1) if prompt else "",
+                         llama_cpp_ttft_ms=round(1e3 * prompt / b, 1) if prompt else ""))
     for m, value in speculative.items():
         rows.append(dict(test=f"{m}, {len(prompts)} packaged prompts", dtype=args.dtype,
                          ours_tokens_per_s=round(value, 1), llama_cpp_tokens_per_s=round(statistics.median(theirs[tg]), 1),
@@ -158,12 +161,13 @@ def main():
     floor = bw * 1e9 / weight_bytes
     for row in rows:
         row.update(machine=machine(), threads=args.threads, read_gbs=round(bw, 1), decode_floor_tokens_per_s=round(floor, 1))
-    write_csv(args.out, rows)
+    write_csv(args.out, rows, list(dict.fromkeys(k for row in rows for k in row)), restval="")
     print(f"\n{machine()}, {args.threads} threads, read bandwidth {bw:.1f} GB/s "
           f"(decoding floor {floor:.0f} tokens/s for {weight_bytes / 1e6:.0f} MB of weights)")
     for row in rows:
+        ttft = f"  first token {row['ours_ttft_ms']:.0f} vs {row['llama_cpp_ttft_ms']:.0f} ms" if row.get("ours_ttft_ms") else ""
         print(f"  {row['test']:34s} ours {row['ours_tokens_per_s']:8.1f}  llama.cpp {row['llama_cpp_tokens_per_s']:8.1f}"
-              f"  ratio {row['ratio']:.2f}x")
+              f"  ratio {row['ratio']:.2f}x{ttft}")
 
 
 if __name__ == "__main__":

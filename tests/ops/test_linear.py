@@ -52,6 +52,20 @@ def test_linear_short_sequences_do_not_depend_on_their_batch():
     torch.testing.assert_close(ops.linear(prompt, w), reference.linear(prompt, w), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_many_rows_go_to_blas_where_it_wins(dtype):
+    """Beyond 64 rows of one sequence (a prompt), float32 is torch's BLAS product, bit for bit; bf16
+    too where the CPU multiplies bf16 natively (AMX / AVX512-BF16), else the weight is streamed 64
+    rows at a time (each chunk what it gives alone)."""
+    x = randn(150, 96, seed=33, dtype=dtype)
+    w = randn(70, 96, seed=34, dtype=dtype, scale=96**-0.5)
+    got = ops.linear(x, w)
+    if dtype == torch.float32 or ops.cpu_bf16_dot():
+        assert torch.equal(got, torch.nn.functional.linear(x, w))
+    else:
+        assert torch.equal(got, torch.cat([ops.linear(x[i: i + 64], w) for i in range(0, 150, 64)]))
+
+
 def test_linear_noncontiguous_inputs():
     x = randn(40, 6, seed=6).t()  # [6, 40]
     w = randn(40, 30, seed=7).t()  # [30, 40]

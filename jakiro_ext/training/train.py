@@ -120,6 +120,9 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         raise ValueError(f"mlp_input must be 'teacher' or 'drafted', got {cfg.mlp_input!r}")
     if cfg.ttt_steps < 0 or not cfg.ttt_decay > 0:
         raise ValueError(f"ttt_steps must be >= 0 and ttt_decay > 0, got {cfg.ttt_steps} and {cfg.ttt_decay}")
+    if cfg.max_epochs < 0 or (cfg.max_epochs and not cfg.minutes):
+        raise ValueError(f"max_epochs caps a budget in minutes (set minutes, or give the length as epochs or "
+                         f"steps), got max_epochs={cfg.max_epochs} with minutes={cfg.minutes}")
     if cfg.minutes and cfg.warmup_steps < BUDGET_PROBE_STEPS:
         raise ValueError(f"a budget in minutes needs warmup_steps >= {BUDGET_PROBE_STEPS} (the steps are set from "
                          f"their time, before the schedule depends on them), got {cfg.warmup_steps}")

@@ -299,3 +299,5 @@ def test_training_for_a_budget_in_minutes(target):
     capped = train_head(head, examples, TrainConfig(minutes=60, max_epochs=7, lr=1e-3, warmup_steps=10,
                                                     batch_sequences=2))
     assert len(capped) == 14 and capped[-1]["lr"] == 0.0
+    with pytest.raises(ValueError, match="max_epochs caps a budget in minutes"):
+        train_head(head, examples, TrainConfig(steps=5, max_epochs=7))

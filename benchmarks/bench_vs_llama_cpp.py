@@ -161,7 +161,7 @@ def main():
     floor = bw * 1e9 / weight_bytes
     for row in rows:
         row.update(machine=machine(), threads=args.threads, read_gbs=round(bw, 1), decode_floor_tokens_per_s=round(floor, 1))
-    write_csv(args.out, rows, list(dict.fromkeys(k for row in rows for k in row)), restval="")
+    write_csv(args.out, rows)
     print(f"\n{machine()}, {args.threads} threads, read bandwidth {bw:.1f} GB/s "
           f"(decoding floor {floor:.0f} tokens/s for {weight_bytes / 1e6:.0f} MB of weights)")
     for row in rows:

@@ -142,14 +142,16 @@ class Table:
 
 
 def write_csv(path: str, rows: List[Dict[str, object]], fieldnames=None, **options) -> None:
-    """A results table, written atomically (a kill leaves the previous one whole)."""
+    """A results table, written atomically (a kill leaves the previous one whole). Its columns: every
+    key of any row, in order of appearance (a row without one leaves it empty)."""
     from jakiro_ext import atomic
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def write(tmp):
         with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=fieldnames or list(rows[0]), **options)
+            columns = fieldnames or list(dict.fromkeys(k for row in rows for k in row))
+            w = csv.DictWriter(f, fieldnames=columns, **{"restval": "", **options})
             w.writeheader()
             w.writerows(rows)
     atomic.write_file(path, write)

@@ -62,8 +62,7 @@ def main() -> None:
                       for r, p in enumerate(ranks)})
         rows.append(row)
         print(f"{name}: " + ", ".join(f"{k} {v:.3f}" for k, v in accs.items()), flush=True)
-    columns = list(dict.fromkeys(k for row in rows for k in row))  # (a Jakiro head adds its contrastive columns)
-    write_csv(os.path.join(RESULTS, f"heads_held_out{args.tag}.csv"), rows, columns, restval="")
+    write_csv(os.path.join(RESULTS, f"heads_held_out{args.tag}.csv"), rows)  # (Jakiro adds contrastive columns)
 
 
 if __name__ == "__main__":

@@ -222,7 +222,15 @@ class LlamaModel(nn.Module):
                              f"positions, beyond the cache capacity {cache.max_capacity}")
         cache.reserve(longest)
         if tree_mask is None and depths is None and 0 < self.prefill_chunk < T:
-            return self._chunked(tokens, cache, last_logits_only, feature_layers)
+            normed, hidden = self._chunked(tokens, cache, feature_layers)
+        else:
+            normed, hidden = self._layers(tokens, cache, tree_mask, depths, feature_layers)
+        return project(self.lm_head, normed[:, -1:] if last_logits_only else normed), hidden
+
+    def _layers(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor],
+                depths: Optional[torch.Tensor], feature_layers: Optional[Sequence[int]]):
+        """(the final hidden states after the norm, what the forward returns as hidden states)."""
+        B, T = tokens.shape
         device = tokens.device
         if tree_mask is None:
             tree_mask = causal_tree_mask(B, T, device)
@@ -235,38 +243,34 @@ class LlamaModel(nn.Module):
             if feature_layers is not None and i in feature_layers:
                 streams.append((i, delta if residual is None else residual + delta))
             residual, delta = layer(residual, delta, cos, sin, cache, tree_mask)
-        hidden, _ = self.norm.add_and_norm(delta, residual)
-        logits = project(self.lm_head, hidden[:, -1:] if last_logits_only else hidden)
-        if feature_layers is not None:
-            found = dict(streams)
-            hidden = torch.cat([found[i] for i in feature_layers], -1)
-        return logits, hidden
+        normed, _ = self.norm.add_and_norm(delta, residual)
+        if feature_layers is None:
+            return normed, normed
+        found = dict(streams)
+        return normed, torch.cat([found[i] for i in feature_layers], -1)
 
-    def _chunked(self, tokens: torch.Tensor, cache: KVCache, last_logits_only: bool,
-                 feature_layers: Optional[Sequence[int]]) -> Tuple[torch.Tensor, torch.Tensor]:
-        """A chain longer than ``prefill_chunk`` (a prompt) as consecutive forwards of at most
-        ``prefill_chunk`` tokens, each after the ones before: the attention of a chunk reads the
-        earlier ones as its prefix, and only its own tokens as a tree, so the work and scratch
+    def _chunked(self, tokens: torch.Tensor, cache: KVCache, feature_layers: Optional[Sequence[int]]):
+        """:meth:`_layers` of a chain longer than ``prefill_chunk`` (a prompt) as consecutive runs of
+        at most ``prefill_chunk`` tokens, each after the ones before: the attention of a chunk reads
+        the earlier ones as its prefix, and only its own tokens as a tree, so the work and scratch
         memory of the tree part stay those of one chunk. The cache ends as one forward leaves it
         (the keys and values written, none committed)."""
         chunk, T = self.prefill_chunk, tokens.shape[1]
-        logits, hidden, done = [], [], 0
+        normed, hidden, done = [], [], 0
         try:
             for start in range(0, T, chunk):
                 part = tokens[:, start: start + chunk]
-                last = start + chunk >= T
-                part_logits, part_hidden = self.forward(part, cache, last_logits_only=last_logits_only,
-                                                        feature_layers=feature_layers)
-                if last or not last_logits_only:
-                    logits.append(part_logits)
+                part_normed, part_hidden = self._layers(part, cache, None, None, feature_layers)
+                normed.append(part_normed)
                 hidden.append(part_hidden)
-                if not last:
+                if start + chunk < T:
                     cache.commit(part.shape[1])
                     done += part.shape[1]
         finally:
             if done:
                 cache.commit(-done)
-        return torch.cat(logits, 1), torch.cat(hidden, 1)
+        normed = torch.cat(normed, 1)
+        return normed, normed if feature_layers is None else torch.cat(hidden, 1)
 
     def _rope(self, positions: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] at positions [B, T] (< capacity), gathered from a table of

@@ -149,6 +149,9 @@ def main(argv=None) -> int:
     p.add_argument("--compute-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="the training step's products (master weights, optimizer and losses stay fp32); auto: bf16 "
                         "on a GPU and on a CPU with native bf16 dot products, else fp32")
+    p.add_argument("--feature-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="what the target computes a token corpus's features in (bfloat16: about 2.3x faster on a "
+                        "CPU with AMX, rows within ~1.5%% of fp32's; cached apart)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p = sub.add_parser("corpus", help="generate a self-distilled token corpus (the target's greedy answers to "

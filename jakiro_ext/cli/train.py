@@ -52,7 +52,8 @@ def cmd_train(args) -> int:
     activity.now = ("reading the corpus and computing its missing features" if is_corpus(args.data)
                     else "building or reading the training set")
     data = read_training_data(args.data, target, tokenizer, name, ranks, args.shards, args.source, args.max_tokens,
-                              args.max_prompt_tokens, args.max_new_tokens, args.generation_batch, args.corpus)
+                              args.max_prompt_tokens, args.max_new_tokens, args.generation_batch, args.corpus,
+                              getattr(torch, args.feature_dtype))
     train, held_out = data.split(args.eval_every_nth)
     meta = data.meta
     say(f"training set {data.directory}: {meta['sequences']} sequences, {meta['tokens']} tokens "

@@ -14,13 +14,15 @@ from jakiro_ext import atomic
 from jakiro_ext.paths import cache_root
 
 
-def feature_cache_dir(corpus_dir) -> Path:
+def feature_cache_dir(corpus_dir, dtype: torch.dtype = torch.float32) -> Path:
     """Where the features of a token corpus are cached: $JAKIRO_CACHE/features/<corpus name>-<hash of
-    its absolute path> (a cached shard also records its tokens, so a stale one is detected)."""
-
+    its absolute path> (a cached shard also records its tokens, so a stale one is detected), with
+    a ``-bf16`` suffix for features the target computed in bf16 (kept apart from fp32's)."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"features are computed in float32 or bfloat16, got {dtype}")
     corpus_dir = Path(corpus_dir).resolve()
     tag = hashlib.sha256(str(corpus_dir).encode()).hexdigest()[:10]
-    return cache_root() / "features" / f"{corpus_dir.name}-{tag}"
+    return cache_root() / "features" / f"{corpus_dir.name}-{tag}{'-bf16' if dtype == torch.bfloat16 else ''}"
 
 
 def save_feature_shard(path, sequences, features: Sequence[torch.Tensor]) -> None:

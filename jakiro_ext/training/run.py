@@ -32,11 +32,12 @@ class TrainingData:
     meta: dict
     directory: Path
     corpus: bool
+    feature_dtype: torch.dtype = torch.float32
 
     @property
     def feature_dir(self) -> Optional[Path]:
         """Where a corpus's features (and the token loss's cached labels) are kept."""
-        return feature_cache_dir(self.directory) if self.corpus else None
+        return feature_cache_dir(self.directory, self.feature_dtype) if self.corpus else None
 
     def split(self, every_nth: int) -> Tuple[List[Example], List[Example]]:
         """(training, held-out) examples: every n-th conversation held out (none for n = 0), by
@@ -53,22 +54,25 @@ def is_corpus(data: Optional[str]) -> bool:
 def read_training_data(data: Optional[str], target: LlamaModel, tokenizer, target_name: str, ranks: Ranks,
                        shards: Optional[int] = None, source: str = "self_distill", max_tokens: int = 0,
                        max_prompt_tokens: int = 0, max_new_tokens: int = 0, generation_batch: int = 0,
-                       conversations: Optional[str] = None) -> TrainingData:
+                       conversations: Optional[str] = None, feature_dtype: torch.dtype = torch.float32) -> TrainingData:
     """The examples of ``data``: a token corpus (its first ``shards``; the features not yet cached
     computed, after checking there is room for them), else an older feature set, built first
-    (by rank 0; the others wait) when missing, from ``source`` and the build settings."""
+    (by rank 0; the others wait) when missing, from ``source`` and the build settings.
+    ``feature_dtype``: what a corpus's features are computed in (:func:`corpus_examples`)."""
     progress = ranks.rank == 0
     if is_corpus(data):
         directory = Path(data)
-        missing = uncached_feature_tokens(directory, shards=shards)
+        missing = uncached_feature_tokens(directory, shards=shards, dtype=feature_dtype)
         if missing and progress:
-            atomic.check_output_dir(feature_cache_dir(directory), 2 * target.config.hidden_size * missing,
+            atomic.check_output_dir(feature_cache_dir(directory, feature_dtype), 2 * target.config.hidden_size * missing,
                                     f"the bf16 features of {missing} corpus tokens not yet in the cache")
-        examples, corpus_meta = corpus_examples(directory, target, progress=progress, ranks=ranks, shards=shards)
+        examples, corpus_meta = corpus_examples(directory, target, progress=progress, ranks=ranks, shards=shards,
+                                                dtype=feature_dtype)
         meta = dict(settings=dict(corpus_meta["settings"], corpus=str(directory)), shards=len(corpus_meta["shards"]),
                     sequences=len(examples), tokens=sum(int(ex.tokens.numel()) for ex in examples),
-                    learned_tokens=sum(int(ex.loss_mask.sum()) for ex in examples))
-        return TrainingData(examples, meta, directory, True)
+                    learned_tokens=sum(int(ex.loss_mask.sum()) for ex in examples),
+                    feature_dtype=str(feature_dtype).replace("torch.", ""))
+        return TrainingData(examples, meta, directory, True, feature_dtype)
     directory = Path(data or cache_root() / "trainsets" / f"{target_name}-{source}")
     if progress:
         build_trainset(directory, target, tokenizer, target_name, source, max_tokens, max_prompt_tokens,
@@ -86,7 +90,8 @@ def new_head(target: LlamaModel, target_name: str, kind: str, train: Sequence[Ex
     vocabulary covers). Default widths: a dense MLP as wide as the target's, N experts that
     together hold the same parameters (each target_intermediate / N wide), so both heads are the
     same size. A reduced draft vocabulary is the ``draft_vocab`` tokens most learned in ``train``
-    (and ``eos``). ``init_from``: continue from a trained head of the same config and vocabulary."""
+    (and ``eos``). ``init_from``: continue from a trained head of the same config, keeping its draft
+    vocabulary (the data may be other than the one it was trained on)."""
     width = intermediate_size or (target.config.intermediate_size // (experts if kind in MOE_KINDS else 1))
     config = DraftConfig.for_target(target.config, kind, num_experts=experts, intermediate_size=width,
                                     target_name=target_name, num_layers=layers, num_mlp_heads=mlp_heads,
@@ -94,17 +99,24 @@ def new_head(target: LlamaModel, target_name: str, kind: str, train: Sequence[Ex
     config.draft_vocab_size = draft_vocab
     head = DraftHead(config).init_weights(seed=seed)
     coverage = 1.0
+    start = DraftHead.load(init_from) if init_from else None
     if draft_vocab:
-        ids, coverage = select_draft_vocab(train, draft_vocab, list(eos))
+        if start is not None and start.config.draft_vocab_size == draft_vocab:
+            # Continuing a head keeps the vocabulary its LM head rows were trained on, whatever
+            # this run's data would select.
+            ids = start.draft_to_target.cpu()
+            learned = torch.cat([ex.tokens[ex.loss_mask] for ex in train])
+            coverage = float(torch.isin(learned, ids).double().mean())
+        else:
+            ids, coverage = select_draft_vocab(train, draft_vocab, list(eos))
         head.set_draft_vocab(ids)
     if init_from_target:
         head.init_from_target(target)
-    if init_from:
-        start = DraftHead.load(init_from)
-        if start.config != head.config or not torch.equal(start.state_dict().get("draft_to_target", torch.zeros(0)),
-                                                          head.state_dict().get("draft_to_target", torch.zeros(0))):
-            raise ValueError(f"--init-from {init_from}: its config or draft vocabulary differs from this run's "
-                             f"(there: {start.config}; here: {head.config}); train it on the same data and options")
+    if start is not None:
+        if start.config != head.config:
+            raise ValueError(f"--init-from {init_from}: its config differs from this run's "
+                             f"(there: {start.config}; here: {head.config}); give the same kind, widths and "
+                             "draft vocabulary size")
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in start.state_dict().items()})
     return head.bind(target), coverage
 
@@ -118,7 +130,7 @@ def training_summary(kind: str, target_name: str, data: TrainingData, train: Seq
     return dict(kind=kind, target=target_name,
                 data=dict(meta["settings"], sequences=meta["sequences"], tokens=meta["tokens"],
                           learned_tokens=meta["learned_tokens"], held_out_sequences=len(held_out),
-                          **({"shards": meta["shards"]} if "shards" in meta else {})),
+                          **{k: meta[k] for k in ("shards", "feature_dtype") if k in meta}),
                 train=dict(asdict(cfg), total_steps=total, epochs_seen=round(total * cfg.batch_sequences / len(train), 2),
                            tokens_seen=history[-1]["tokens_seen"], seconds=round(seconds, 1),
                            threads=torch.get_num_threads(), processes=ranks.world,

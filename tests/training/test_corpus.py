@@ -97,6 +97,31 @@ def test_corpus_features_cached_or_recomputed_are_the_targets(tmp_path, default)
         s["name"].replace(".npz", ".safetensors") for s in read_corpus_meta(tmp_path / "c")["shards"])
 
 
+def test_bf16_features_are_close_and_cached_apart(tmp_path, default, monkeypatch):
+    from jakiro_ext.training.feature_cache import feature_cache_dir
+
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path / "cache"))
+    target, _ = default
+    generate(default, tmp_path / "c", 10_000)
+    fp32, _ = corpus_examples(tmp_path / "c", target, progress=False)
+    bf16, _ = corpus_examples(tmp_path / "c", target, progress=False, dtype=torch.bfloat16)
+    assert target.lm_head.weight.dtype == torch.float32  # the caller's target is not cast
+    assert feature_cache_dir(tmp_path / "c", torch.bfloat16).name == feature_cache_dir(tmp_path / "c").name + "-bf16"
+    names = sorted(s["name"].replace(".npz", ".safetensors") for s in read_corpus_meta(tmp_path / "c")["shards"])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert sorted(p.name for p in feature_cache_dir(tmp_path / "c", dtype).iterdir()) == names
+    differ = False
+    for a, b in zip(fp32, bf16):
+        assert torch.equal(a.tokens, b.tokens)
+        want, got = a.features[:-1].float(), b.features[:-1].float()
+        rel = (got - want).norm(dim=1) / want.norm(dim=1)
+        assert rel.max() < 0.1, rel.max()  # bf16's rounding through 30 layers, not another token's row
+        differ |= not torch.equal(want, got)
+    assert differ, "the bf16 features are the fp32 ones: the target was not run in bf16"
+    with pytest.raises(ValueError, match="float32 or bfloat16, got torch.float16"):
+        feature_cache_dir(tmp_path / "c", torch.float16)
+
+
 def test_training_on_the_first_shards_of_a_corpus(tmp_path, default):
     target, _ = default
     meta = generate(default, tmp_path / "c", 10_000, feature_dir=tmp_path / "f")
@@ -201,3 +226,31 @@ def test_corpus_train_calibrate_commands(tmp_path):
     assert main(["train", "--kind", "jakiro", "--out", str(tmp_path / "phase2"), "--ttt-steps", "3", *common]) == 0
     assert json.loads((tmp_path / "phase2" / "training.json").read_text())["init_from"] == str(head_dir)
     assert main(["train", "--kind", "eagle2", "--out", str(tmp_path / "other"), *common]) == 2
+    # Continuing with features computed in bf16 keeps the head's draft vocabulary.
+    assert main(["train", "--kind", "jakiro", "--out", str(tmp_path / "phase3"), "--feature-dtype", "bfloat16",
+                 *common]) == 0
+    assert json.loads((tmp_path / "phase3" / "training.json").read_text())["data"]["feature_dtype"] == "bfloat16"
+    assert torch.equal(DraftHead.load(tmp_path / "phase3").draft_to_target, DraftHead.load(head_dir).draft_to_target)
+
+
+def test_continuing_a_head_on_other_data_keeps_its_draft_vocabulary(tmp_path, default):
+    from jakiro_ext.training.examples import Example
+    from jakiro_ext.training.run import new_head
+
+    target, _ = default
+
+    def examples(low):  # learned tokens low..low+99, prompts elsewhere
+        tokens = torch.cat([torch.arange(500, 520), torch.arange(low, low + 100)])
+        return [Example(tokens, torch.zeros(120, 576), torch.arange(120) >= 20, 0, "")]
+
+    first, _ = new_head(target, "SmolLM2", "jakiro", examples(1000), draft_vocab=64)
+    first.save(tmp_path / "h", torch.float32)
+    fresh, _ = new_head(target, "SmolLM2", "jakiro", examples(3000), draft_vocab=64)
+    kept, coverage = new_head(target, "SmolLM2", "jakiro", examples(3000), draft_vocab=64, init_from=str(tmp_path / "h"))
+    assert not torch.equal(fresh.draft_to_target, first.draft_to_target)
+    assert torch.equal(kept.draft_to_target, first.draft_to_target) and coverage == 0.0
+    torch.testing.assert_close(kept.lm_head_weight, first.lm_head_weight)
+    for name, value in first.state_dict().items():
+        assert torch.equal(kept.state_dict()[name], value), name
+    with pytest.raises(ValueError, match="its config differs"):
+        new_head(target, "SmolLM2", "jakiro", examples(3000), draft_vocab=32, init_from=str(tmp_path / "h"))

@@ -28,12 +28,13 @@
 
 #define JAKIRO_DEVICE __device__ __forceinline__
 
-// Dynamic shared memory of a kernel as a `T*` named `name` (16-byte aligned).
+// Dynamic shared memory of a kernel as a `T*` named `name`: 128-byte aligned, as WMMA's fragment
+// loads and stores need (32 bytes at least; 16 is what a plain declaration is promised).
 #if defined(SIMT_EMU)
 #define JAKIRO_DYNAMIC_SMEM(T, name) T* name = reinterpret_cast<T*>(::simt::dynamic_shared_memory())
 #else
-#define JAKIRO_DYNAMIC_SMEM(T, name)                              \
-  extern __shared__ __align__(16) unsigned char jakiro_smem_[]; \
+#define JAKIRO_DYNAMIC_SMEM(T, name)                               \
+  extern __shared__ __align__(128) unsigned char jakiro_smem_[]; \
   T* name = reinterpret_cast<T*>(jakiro_smem_)
 #endif
 
@@ -47,6 +48,15 @@
 namespace jakiro::gpu {
 
 constexpr int kWarp = JAKIRO_WARP_SIZE;
+
+// The most blocks a launch's grid may have along y or z (CUDA rejects more). Kernels whose z
+// grows with the input launch in chunks of this many; the emulated build uses 3 so that every
+// test with more row blocks than that runs the chunked launches.
+#if defined(SIMT_EMU)
+constexpr int64_t kMaxGridYZ = 3;
+#else
+constexpr int64_t kMaxGridYZ = 65535;
+#endif
 
 JAKIRO_DEVICE int lane_id() { return static_cast<int>(threadIdx.x) % kWarp; }
 JAKIRO_DEVICE int warp_id() { return static_cast<int>(threadIdx.x) / kWarp; }

@@ -63,6 +63,8 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
   TORCH_CHECK(num_splits >= 1, op, ": num_splits must be >= 1, got ", num_splits);
   TORCH_CHECK(sh.head_dim <= kAttnMaxHeadDim, op, ": the GPU kernel supports head dims up to ", kAttnMaxHeadDim,
               ", got ", sh.head_dim);
+  TORCH_CHECK(sh.batch * sh.kv_heads <= 65535, op, ": the GPU kernel supports batch x KV heads up to 65535 (a grid ",
+              "dimension), got ", sh.batch, " x ", sh.kv_heads);
   const DeviceScope device(q);
   auto qc = q.contiguous();
   auto lens = prefix_lens.contiguous();

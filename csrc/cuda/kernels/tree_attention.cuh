@@ -31,6 +31,7 @@ struct TreeAttentionParams {
   float scale;
   int64_t capacity;  // S
   int32_t* errors;   // the device's error word
+  int64_t row_block0 = 0;  // the first row block of this launch (grids of at most kMaxGridYZ in z)
 };
 
 // Query rows of a block: 4 when a KV head has at most 4 (decoding, GQA groups of up to 4),
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
   const int64_t split = blockIdx.x;
   const int64_t b = blockIdx.y / p.kv_heads, kvh = blockIdx.y % p.kv_heads;
   const int64_t group = p.q_heads / p.kv_heads, D = p.head_dim;
-  const int64_t rows = p.tree_len * group, row0 = static_cast<int64_t>(blockIdx.z) * R;
+  const int64_t rows = p.tree_len * group, row0 = (p.row_block0 + blockIdx.z) * R;
   const int warps = num_warps(), warp = warp_id(), lane = lane_id();
 
   JAKIRO_DYNAMIC_SMEM(float, smem);
@@ -224,11 +225,15 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
 
 template <typename kv_t, int R, int kDimsPerLane>
 void launch_tree_attention_partial_with(const TreeAttentionParams<kv_t>& p, cudaStream_t stream) {
-  const int64_t rows = p.tree_len * (p.q_heads / p.kv_heads);
-  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.batch * p.kv_heads),
-                  static_cast<unsigned>(ceil_div(rows, R)));
-  JAKIRO_LAUNCH(grid, kAttnThreads, tree_attention_smem_bytes(p.head_dim, R), stream,
-                tree_attention_partial_kernel<kv_t, R, kDimsPerLane>)(p);
+  const int64_t blocks = ceil_div(p.tree_len * (p.q_heads / p.kv_heads), R);
+  for (int64_t z0 = 0; z0 < blocks; z0 += kMaxGridYZ) {
+    TreeAttentionParams<kv_t> part = p;
+    part.row_block0 = z0;
+    const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.batch * p.kv_heads),
+                    static_cast<unsigned>(blocks - z0 < kMaxGridYZ ? blocks - z0 : kMaxGridYZ));
+    JAKIRO_LAUNCH(grid, kAttnThreads, tree_attention_smem_bytes(p.head_dim, R), stream,
+                  tree_attention_partial_kernel<kv_t, R, kDimsPerLane>)(part);
+  }
 }
 
 template <typename kv_t, int R>

@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   const int64_t b = blockIdx.y / p.kv_heads, kvh = blockIdx.y % p.kv_heads;
   const int64_t group = p.q_heads / p.kv_heads, rows = p.tree_len * group;
   const int warp = warp_id(), lane = lane_id();
-  const int64_t block_row0 = static_cast<int64_t>(blockIdx.z) * kTcRows, row0 = block_row0 + warp * kTcTile;
+  const int64_t block_row0 = (p.row_block0 + blockIdx.z) * kTcRows, row0 = block_row0 + warp * kTcTile;
 
   JAKIRO_DYNAMIC_SMEM(unsigned char, smem);
   const TcSmemLayout L(D);
@@ -234,11 +234,15 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
 
 template <int kDims>
 void launch_tree_attention_partial_wmma_with(const TreeAttentionParams<bf16>& p, cudaStream_t stream) {
-  const int64_t rows = p.tree_len * (p.q_heads / p.kv_heads);
-  const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.batch * p.kv_heads),
-                  static_cast<unsigned>(ceil_div(rows, kTcRows)));
+  const int64_t blocks = ceil_div(p.tree_len * (p.q_heads / p.kv_heads), kTcRows);
   const size_t smem = TcSmemLayout(kDims * kTcTile).total;  // <= 36 KB at 128 dims: no opt-in beyond 48 KB
-  JAKIRO_LAUNCH(grid, kTcWarps * kWarp, smem, stream, tree_attention_partial_wmma_kernel<kDims>)(p);
+  for (int64_t z0 = 0; z0 < blocks; z0 += kMaxGridYZ) {
+    TreeAttentionParams<bf16> part = p;
+    part.row_block0 = z0;
+    const dim3 grid(static_cast<unsigned>(p.splits), static_cast<unsigned>(p.batch * p.kv_heads),
+                    static_cast<unsigned>(blocks - z0 < kMaxGridYZ ? blocks - z0 : kMaxGridYZ));
+    JAKIRO_LAUNCH(grid, kTcWarps * kWarp, smem, stream, tree_attention_partial_wmma_kernel<kDims>)(part);
+  }
 }
 
 // Requires tree_attention_uses_tensor_cores(...) and a device with bf16 WMMA (sm_80+).

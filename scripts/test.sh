@@ -2,11 +2,12 @@
 # Install everything and run the whole test suite:
 #   1. the Python tests against the CPU build (torch 2.13.0 CPU), including the GPU kernels run
 #      under the SIMT emulator at warp widths 32 and 64 (tests/gpu);
-#   2. the C++ tests (CMake + CTest): the framework-free kernel headers, and every GPU kernel
+#   2. the GPU kit's dry run (scripts/gpu/run.sh --dry-run: its stages on the CPU, tiny shapes);
+#   3. the C++ tests (CMake + CTest): the framework-free kernel headers, and every GPU kernel
 #      under the emulator with fibers and with real threads under ThreadSanitizer (race check);
-#   3. the HIP compile check: the kernels hipified offline and compiled with hipcc for gfx90a
+#   4. the HIP compile check: the kernels hipified offline and compiled with hipcc for gfx90a
 #      (installs Debian's hipcc with apt-get; JAKIRO_TEST_HIP_BUILD=0 leaves it out);
-#   4. the CUDA build check: the extension built with its CUDA sources against the CUDA 13 build
+#   5. the CUDA build check: the extension built with its CUDA sources against the CUDA 13 build
 #      of torch 2.14.1 and nvcc, imported on this GPU-less machine, and the test suite run on it.
 #      JAKIRO_TEST_CUDA_BUILD=0 leaves it out (it needs a CUDA toolkit and ~6 GB of disk).
 set -euo pipefail
@@ -15,6 +16,10 @@ cd "$ROOT"
 
 echo "== python tests (CPU build)"
 JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q tests
+
+echo "== the GPU kit, dry run (every stage of scripts/gpu/run.sh on the CPU, tiny shapes)"
+PYTHON="$VENV/bin/python" bash "$ROOT/scripts/gpu/run.sh" --dry-run probe build test e2e bench sanitize profile \
+  check-training train
 
 echo "== C++ tests: kernel headers; GPU kernels under the SIMT emulator (fibers, threads + TSan)"
 cmake -S "$ROOT" -B "$ROOT/build/cmake" -DCMAKE_BUILD_TYPE=Release -DJAKIRO_WITH_TORCH=OFF > /dev/null

@@ -2,39 +2,90 @@
 # Work for a lent GPU machine (its own python3 with torch and CUDA, no network, the working tree
 # copied to it), in stages that each run alone:
 #
-#   bash scripts/gpu/run.sh [STAGE...]        (default: probe check-training)
+#   bash scripts/gpu/run.sh [--dry-run] [STAGE...]      (default: probe build test e2e bench)
 #
-#   probe           the GPU, driver, torch and CUDA versions, copy bandwidth and bf16 matmul rate
+#   probe           the GPU, driver, torch and CUDA versions, Python.h, copy bandwidth and bf16
+#                   matmul rate (buffers larger than the L2)
+#   build           the extension for the machine's GPU against its own torch (in place,
+#                   MAX_JOBS = the cores), unless a library with CUDA already imports; then a
+#                   SASS check that the tensor-core attention (HMMA) is in it
+#   test            the CUDA tests (-k cuda), the attention tests again with the tensor-core path
+#                   off, the non-finite and device-error tests, CUDA graphs in their own process,
+#                   the engine on CUDA against the CPU engine (tests/gpu/test_cuda_engine.py)
+#   e2e             random-weight targets of SmolLM2's and Llama-3-8B's shapes, fp32 and bf16,
+#                   batch 1 and 8, ar / eagle2 / jakiro / gumiho, eager against CUDA graphs:
+#                   a round's cost, host reads per round, predicted tokens/s (scripts/gpu/e2e.py)
+#   bench           the op microbenchmarks on the GPU (benchmarks/bench_*.py --device cuda --quick):
+#                   fractions of HBM bandwidth, tree attention against SDPA
+#   sanitize        compute-sanitizer memcheck, racecheck and synccheck over op tests
+#   profile         ncu over a few decoding rounds: each kernel's share of DRAM bandwidth
 #   check-training  the training path on the GPU with a tiny random target (check_training.py)
 #   train           the default model's heads trained on the whole committed corpus for a wall-clock
-#                   budget: features and labels computed once, then the heads side by side
-#                   (JAKIRO_GPU_HEADS, default "eagle2 jakiro"); the heads, their training
-#                   summaries and logs come back packed in $OUT (heads.tar.part-*)
+#                   budget (JAKIRO_GPU_TRAIN_SECONDS, default 420): features and labels computed
+#                   once, then the heads side by side (JAKIRO_GPU_HEADS, default "eagle2 jakiro");
+#                   the heads come back in $OUT as heads.tar.part-*
+#
+# Planned as three calls of under nine minutes each: "probe build test", "e2e bench",
+# "sanitize profile check-training"; "train" in one or two more. A stage that passed leaves a
+# stamp in $JAKIRO_GPU_WORK/stamps and is skipped when a call names it again on the same machine
+# (JAKIRO_GPU_FORCE=1 reruns it). Each stage runs under a timeout (JAKIRO_GPU_STAGE_SECONDS,
+# default 480). What the stages write is packed into $OUT/results.tgz (at most 16 MiB); a summary
+# table (stage, status, seconds) is printed last and kept as $OUT/summary.txt.
+#
+# --dry-run: the whole driver on a machine without a GPU, so that the kit is tested on every
+# landing: the same stages on the CPU with tiny shapes (the installed library; the build stage
+# only checks that it imports; the tests collected, the new engine test run; e2e on a tiny
+# target with recorded replays; the benchmarks' smoke runs on the CPU; sanitize and profile
+# without their tools), work and outputs in a temporary directory. Exit 0 only when every stage
+# ran and passed.
 #
 # What does not travel with the working tree is carried in $JAKIRO_GPU_CARRY (default .gpu-carry,
 # git-ignored): Python wheels the machine lacks (*.whl: gguf, to read the default model) and the
 # default model's GGUF file in parts (*.gguf.part-*, one or more per call: a call carries at most
 # 64 MiB, the tree counted; make them with scripts/gpu/split_model.sh). Parts are kept in
 # $JAKIRO_GPU_WORK (default /tmp/jakiro-gpu) between calls and joined once all are there.
-#
-# Without the compiled library there (the stages here build nothing) the ops run as their
-# pure-PyTorch references (JAKIRO_USE_REFERENCE=1): the target's prefill and the head's training
-# are torch either way. Budget: JAKIRO_GPU_TRAIN_SECONDS (default 420), the whole train stage's.
 # JAKIRO_GPU_DEVICE=cpu and JAKIRO_GPU_DATA=<a small corpus> run the train stage here, to try it.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
+DRY=0
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+STAGES_ALL="probe build test e2e bench sanitize profile check-training train"
+STAGES=("$@")
+[ ${#STAGES[@]} -gt 0 ] || STAGES=(probe build test e2e bench)
+for stage in "${STAGES[@]}"; do
+  case " $STAGES_ALL " in
+    *" $stage "*) ;;
+    *) echo "unknown stage $stage ($STAGES_ALL)" >&2; exit 2 ;;
+  esac
+done
+if [ "$DRY" = 1 ]; then
+  WORK="$(mktemp -d)"; OUT="$WORK/out"; DEVICE=cpu
+  export JAKIRO_GPU_DEVICE=cpu
+else
+  WORK="${JAKIRO_GPU_WORK:-/tmp/jakiro-gpu}"; OUT="${OUT:-$WORK/out}"; DEVICE="${JAKIRO_GPU_DEVICE:-cuda}"
+fi
 CARRY="${JAKIRO_GPU_CARRY:-$ROOT/.gpu-carry}"
-WORK="${JAKIRO_GPU_WORK:-/tmp/jakiro-gpu}"
-OUT="${OUT:-$WORK/out}"
+RESULTS="$WORK/results"
 PY="${PYTHON:-python3}"
+STAGE_SECONDS="${JAKIRO_GPU_STAGE_SECONDS:-480}"
 START=$(date +%s)
-mkdir -p "$WORK/parts" "$WORK/site" "$OUT"
-export PYTHONPATH="$ROOT:$WORK/site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export JAKIRO_CACHE="${JAKIRO_CACHE:-$WORK/cache}"
-"$PY" -c "import jakiro_ext.ops as o; raise SystemExit(0 if o.compiled_available() else 1)" 2>/dev/null \
-  || export JAKIRO_USE_REFERENCE=1
+mkdir -p "$WORK/parts" "$WORK/site" "$WORK/stamps" "$RESULTS" "$OUT"
+# On the GPU machine the tree itself is the package (built in place by the build stage); a dry
+# run uses the installed one.
+if [ "$DRY" = 1 ]; then
+  export PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$ROOT:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 JAKIRO_CACHE="${JAKIRO_CACHE:-$WORK/cache}"
 say() { echo "[$(( $(date +%s) - START )) s] $*"; }
+compiled() {  # 0: the compiled library imports (with CUDA kernels when $1 is cuda)
+  (cd "$WORK" && "$PY" -c "
+import sys, jakiro_ext.ops as o
+sys.exit(0 if o.compiled_available() and ('$1' != 'cuda' or getattr(o._C, 'with_cuda', 0)) else 1)" 2>/dev/null)
+}
+pytest_() { (cd "$ROOT" && "$PY" -m pytest -q -p no:cacheprovider "$@"); }
 
 # Carried wheels and model parts.
 if compgen -G "$CARRY/*.whl" >/dev/null; then
@@ -59,31 +110,149 @@ model_ready() {  # join the parts once all are there; true when the package's GG
 }
 
 stage_probe() {
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-  "$PY" - <<'EOF'
-import sys, time, torch
-print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-      f"GPU available: {torch.cuda.is_available()}")
-if torch.cuda.is_available():
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" - "$DEVICE" <<'EOF'
+import os, sys, sysconfig, time, torch
+device = sys.argv[1]
+include = sysconfig.get_paths()["include"]
+print(f"python {sys.version.split()[0]} (Python.h: {'yes' if os.path.exists(os.path.join(include, 'Python.h')) else 'MISSING'}), "
+      f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU available: {torch.cuda.is_available()}")
+if device == "cuda" and not torch.cuda.is_available():
+    sys.exit("no CUDA device")
+sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+if device == "cuda":
     p = torch.cuda.get_device_properties(0)
     print(f"{p.name}: {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
-    def timed(fn, reps):
-        fn(); torch.cuda.synchronize(); t = time.perf_counter()
-        for _ in range(reps): fn()
-        torch.cuda.synchronize(); return (time.perf_counter() - t) / reps
-    bufs = [torch.empty(2**28, dtype=torch.float32, device="cuda") for _ in range(4)]  # 1 GiB each: past L2
-    s = timed(lambda: [bufs[(i + 1) % 4].copy_(bufs[i]) for i in range(4)], 5) / 4
-    print(f"device copy: {2 * 2**30 / s / 1e12:.2f} TB/s (bytes read + written)")
-    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    print(f"bf16 matmul 8192^3: {2 * 8192**3 / timed(lambda: a @ b, 10) / 1e12:.0f} TFLOP/s")
+def timed(fn, reps):
+    fn(); sync(); t = time.perf_counter()
+    for _ in range(reps): fn()
+    sync(); return (time.perf_counter() - t) / reps
+elems, n = (2**28, 8192) if device == "cuda" else (2**22, 512)  # 1 GiB buffers on a GPU: past its L2
+bufs = [torch.empty(elems, dtype=torch.float32, device=device) for _ in range(4)]
+s = timed(lambda: [bufs[(i + 1) % 4].copy_(bufs[i]) for i in range(4)], 5) / 4
+print(f"device copy: {2 * elems * 4 / s / 1e12:.3f} TB/s (bytes read + written)")
+a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+print(f"bf16 matmul {n}^3: {2 * n**3 / timed(lambda: a @ b, 10) / 1e12:.2f} TFLOP/s")
+EOF
+}
+
+stage_build() {
+  if compiled "$DEVICE"; then say "build: a compiled library ($DEVICE) imports; not rebuilt"
+  elif [ "$DRY" = 1 ]; then say "build: no compiled library imports (install the package first)"; return 1
+  else
+    say "build: the extension for this GPU against torch $("$PY" -c 'import torch; print(torch.__version__)')"
+    JAKIRO_CUDA=1 MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace > "$RESULTS/build.log" 2>&1 \
+      || { tail -30 "$RESULTS/build.log"; return 1; }
+    compiled cuda || { say "build: built, but the library does not import with CUDA"; return 1; }
+  fi
+  [ "$DRY" = 1 ] && { say "build: SASS check left out (no CUDA library)"; return 0; }
+  local lib hmma
+  lib=$("$PY" -c "import jakiro_ext._C as c; print(c.__file__)")
+  hmma=$(cuobjdump -sass "$lib" 2>/dev/null | grep -c HMMA)
+  say "build: $lib, $hmma HMMA instructions"
+  [ "$hmma" -gt 0 ] || { say "build: no tensor-core instructions in the library"; return 1; }
+}
+
+stage_test() {
+  if [ "$DRY" = 1 ]; then  # the selections resolve to tests; the new engine test runs (it skips without a GPU)
+    local n
+    n=$(pytest_ tests -k cuda --collect-only 2>/dev/null | grep -c "::")
+    say "test: $n tests selected by -k cuda"; [ "$n" -gt 0 ] || return 1
+    pytest_ tests/gpu/test_cuda_engine.py tests/gpu/test_gpu_device_errors.py -k "cuda or simt32" -x > "$RESULTS/test.log" 2>&1
+    local rc=$?; tail -1 "$RESULTS/test.log"; return $rc
+  fi
+  local failed=0
+  pytest_ tests -k "cuda and not graphs" > "$RESULTS/test-cuda.log" 2>&1 || failed=1; tail -1 "$RESULTS/test-cuda.log"
+  JAKIRO_GPU_TENSOR_CORES=0 pytest_ tests/gpu/test_gpu_attention_kv.py -k cuda > "$RESULTS/test-no-tensor-cores.log" 2>&1 \
+    || failed=1; tail -1 "$RESULTS/test-no-tensor-cores.log"
+  pytest_ tests/engine/test_graphs.py -k cuda > "$RESULTS/test-graphs.log" 2>&1 || failed=1; tail -1 "$RESULTS/test-graphs.log"
+  grep -h "split at token" "$RESULTS"/test-*.log || true  # near ties between the CUDA and CPU engines
+  return $failed
+}
+
+stage_e2e() {
+  local args=(--device "$DEVICE" --out "$RESULTS/e2e.csv")
+  [ "$DRY" = 1 ] && args+=(--dry-run --dtypes float32 --batch-sizes 1 2)
+  "$PY" scripts/gpu/e2e.py "${args[@]}" > "$RESULTS/e2e.log" 2>&1 || { tail -20 "$RESULTS/e2e.log"; return 1; }
+  "$PY" - "$RESULTS/e2e.csv" <<'EOF'
+import csv, sys
+rows = list(csv.DictReader(open(sys.argv[1])))
+print("| shape | dtype | batch | method | graphs | tree | round ms | host reads/round | predicted tok/s |")
+for r in rows:
+    print(f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['method']} | {r['graphs']} | {r['tree']} | {r['round_ms']} "
+          f"| {r['host_reads_per_round']} | {r['predicted_tokens_per_s']} |")
+EOF
+}
+
+stage_bench() {
+  local failed=0 b
+  for b in linear tree_attention moe mlp_heads verify_tree contrastive_head compact_kv; do
+    local args=(--quick --out "$RESULTS/bench_$b.csv")
+    [ "$DRY" = 1 ] && args+=(--reps 2) || args+=(--device cuda)
+    (cd benchmarks && timeout 240 "$PY" "bench_$b.py" "${args[@]}") > "$RESULTS/bench_$b.log" 2>&1 \
+      || { failed=1; say "bench: bench_$b failed"; tail -5 "$RESULTS/bench_$b.log"; }
+  done
+  return $failed
+}
+
+stage_sanitize() {
+  local failed=0 tool tests=(tests/gpu/test_gpu_norm_rope.py tests/gpu/test_gpu_attention_kv.py)
+  for tool in memcheck racecheck synccheck; do
+    if [ "$DRY" = 1 ]; then  # the same test selection, without the sanitizer
+      [ "$tool" = memcheck ] || continue
+      pytest_ "${tests[@]}" -k "simt32 and not tensor_cores" -x --maxfail=1 -q > "$RESULTS/sanitize.log" 2>&1 \
+        || failed=1
+      tail -1 "$RESULTS/sanitize.log"; continue
+    fi
+    compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \
+      "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}" -k cuda -x > "$RESULTS/sanitize-$tool.log" 2>&1 || failed=1
+    say "sanitize $tool: $(grep -E 'ERROR SUMMARY|passed|failed' "$RESULTS/sanitize-$tool.log" | tail -2 | tr '\n' ' ')"
+  done
+  return $failed
+}
+
+stage_profile() {
+  local run=(scripts/gpu/e2e.py --device "$DEVICE" --shapes llama3-8b --dtypes bfloat16 --batch-sizes 1
+             --methods ar jakiro --tokens 4 8 --out "$RESULTS/profile-e2e.csv")
+  if [ "$DRY" = 1 ]; then
+    "$PY" scripts/gpu/e2e.py --device cpu --dry-run --dtypes float32 --batch-sizes 1 --methods ar jakiro \
+      --out "$RESULTS/profile-e2e.csv" > "$RESULTS/profile.log" 2>&1 || return 1
+    say "profile: the profiled run ran (no ncu in a dry run)"; return 0
+  fi
+  ncu --target-processes all --launch-skip 200 --launch-count 300 --csv \
+    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
+    "$PY" "${run[@]}" > "$RESULTS/ncu.csv" 2> "$RESULTS/profile.log" || { tail -5 "$RESULTS/profile.log"; return 1; }
+  "$PY" - "$RESULTS/ncu.csv" <<'EOF'
+import collections, csv, sys
+lines = [l for l in open(sys.argv[1]) if l.startswith('"')]
+rows = list(csv.DictReader(lines))
+by = collections.defaultdict(lambda: [0.0, 0.0, 0])  # kernel -> [time-weighted dram %, time, launches]
+time_of = {}
+for r in rows:
+    key = (r["ID"], r["Kernel Name"].split("(")[0][:60])
+    value = float(r["Metric Value"].replace(",", "") or 0)
+    if r["Metric Name"] == "gpu__time_duration.sum":
+        time_of[key] = value
+    else:
+        time_of.setdefault(key, 0.0)
+        by[key[1]][0] += value
+        by[key[1]][2] += 1
+for (i, name), t in time_of.items():
+    by[name][1] += t
+print("| kernel | launches | time share | mean DRAM % of peak |")
+total = sum(v[1] for v in by.values()) or 1
+for name, (dram, t, n) in sorted(by.items(), key=lambda kv: -kv[1][1])[:15]:
+    print(f"| {name} | {n} | {t / total:.1%} | {dram / max(n, 1):.1f} |")
 EOF
 }
 
 stage_check_training() {
-  "$PY" scripts/gpu/check_training.py --device cuda
+  "$PY" scripts/gpu/check_training.py --device "$DEVICE" $([ "$DRY" = 1 ] && echo --steps 30)
 }
 
 stage_train() {
+  if [ "$DRY" = 1 ]; then say "train: left out of a dry run (it trains the default model's heads)"; return 0; fi
+  compiled "$DEVICE" || export JAKIRO_USE_REFERENCE=1  # the pure-PyTorch ops: prefill and training are torch either way
   model_ready || { say "train: the default model has not been carried whole"; return 1; }
   local budget="${JAKIRO_GPU_TRAIN_SECONDS:-420}" heads="${JAKIRO_GPU_HEADS:-eagle2 jakiro}"
   local data="${JAKIRO_GPU_DATA:-corpus/SmolLM2-135M-Instruct}" dir="$WORK/heads" t0
@@ -91,7 +260,7 @@ stage_train() {
   mkdir -p "$dir"
   # The recipe of docs/training.md (today's loss, random initialisation, 8 experts for Jakiro,
   # lr 2e-3, cosine decay to the end of the budget) with 16 sequences a step, at most 12 epochs.
-  local common=(--device "${JAKIRO_GPU_DEVICE:-cuda}" --data "$data" --batch 16 --lr 2e-3 --warmup-steps 100 --eval-every 0
+  local common=(--device "$DEVICE" --data "$data" --batch 16 --lr 2e-3 --warmup-steps 100 --eval-every 0
                 --eval-doublings 1000000 --checkpoint-every 2000)
   say "train: features and labels of $data (one short run computes and caches them)"
   "$PY" -m jakiro_ext train --kind eagle2 --out "$dir/warm-up" "${common[@]}" --steps 10 > "$dir/warm-up.log" 2>&1
@@ -118,16 +287,34 @@ stage_train() {
   return $failed
 }
 
-STAGES=("$@")
-[ ${#STAGES[@]} -gt 0 ] || STAGES=(probe check-training)
 status=0
+summary=()
 for stage in "${STAGES[@]}"; do
-  case "$stage" in
-    probe|check-training|train) ;;
-    *) echo "unknown stage $stage (probe, check-training, train)" >&2; exit 2 ;;
-  esac
+  if [ -f "$WORK/stamps/$stage" ] && [ "${JAKIRO_GPU_FORCE:-0}" != 1 ]; then
+    say "== $stage: passed earlier on this machine (stamp); JAKIRO_GPU_FORCE=1 reruns it"
+    summary+=("$stage|stamped|0"); continue
+  fi
   say "== $stage"
-  "stage_${stage//-/_}" || { status=1; say "== $stage FAILED"; }
+  t0=$(date +%s)
+  # Each stage in a subshell under a timeout, so that one stuck stage leaves time for the others.
+  export -f say compiled pytest_ model_ready "stage_${stage//-/_}"
+  export ROOT DRY WORK OUT DEVICE CARRY RESULTS PY START
+  timeout --kill-after=10 "$STAGE_SECONDS" bash -c "set -uo pipefail; stage_${stage//-/_}"
+  rc=$?
+  seconds=$(( $(date +%s) - t0 ))
+  if [ $rc -eq 0 ]; then touch "$WORK/stamps/$stage"; summary+=("$stage|passed|$seconds")
+  else status=1; summary+=("$stage|FAILED (exit $rc$([ $rc -eq 124 ] && echo ', timed out'))|$seconds"); say "== $stage FAILED"; fi
 done
-say "done (exit $status)"
+tar czf "$OUT/results.tgz" -C "$WORK" results 2>/dev/null
+if [ "$(stat -c %s "$OUT/results.tgz")" -gt $(( 16 * 1024 * 1024 )) ]; then
+  say "results.tgz is over 16 MiB: its logs are cut to their last 2,000 lines"
+  find "$RESULTS" -name '*.log' -exec sh -c 'tail -2000 "$1" > "$1.tail" && mv "$1.tail" "$1"' _ {} \;
+  tar czf "$OUT/results.tgz" -C "$WORK" results
+fi
+{
+  echo "| stage | status | seconds |"; echo "|---|---|---|"
+  for row in "${summary[@]}"; do echo "| ${row//|/ | } |"; done
+  echo "device: $DEVICE$([ "$DRY" = 1 ] && echo ' (dry run)'); total $(( $(date +%s) - START )) s; exit $status"
+} | tee "$OUT/summary.txt"
+[ "$DRY" = 1 ] && rm -rf "$WORK"
 exit $status

@@ -5,10 +5,10 @@ acceptance the shipped heads reach (measured on the CPU).
 For each shape (``smollm2``: SmolLM2-135M's; ``llama3-8b``: Llama-3-8B's), dtype, batch size and
 method (``ar``, ``eagle2``, ``jakiro``, ``gumiho``, each head random and shaped for the target),
 and each way of launching a round (``eager``; ``cuda`` graphs on a GPU, ``recorded`` replays on
-the CPU), two generations of N1 and N2 tokens a sequence: a round's cost is the difference of
-their decoding times over the difference of their rounds, so the prompt, the first round and a
-graph's capture drop out. Also per round: the host's reads of device values (each a
-synchronisation on a GPU). Predicted tokens/s: per sequence, (1 + the drafted tokens the shipped
+the CPU), one generation: a round's cost is the median time of its rounds after the first two
+(the first captures the graph), each round timed from its start to its end (a round ends with
+its one read of the device, so the device's work is inside it). Also per round: the host's
+reads of device values (each a synchronisation on a GPU). Predicted tokens/s: per sequence, (1 + the drafted tokens the shipped
 head of that kind is expected to have accepted with the round's tree, from its acceptance
 profile) / the round's cost, times the batch; the tree is the one the GPU cost model of
 benchmarks/predict_gpu.py chooses for that profile (the shipped profile stands in for the 8B
@@ -20,6 +20,7 @@ shape's heads too). Random heads accept almost nothing, so what is timed is a ro
 import argparse
 import csv
 import os
+import statistics
 import sys
 import time
 
@@ -28,6 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from jakiro_ext.engine.batch import ROUND_LISTENERS  # noqa: E402
 from jakiro_ext.engine.generate import speculative_generate  # noqa: E402
 from jakiro_ext.engine.host_reads import HostReads, counted_rounds  # noqa: E402
 from jakiro_ext.engine.tree_cost import choose_tree, expected_accepted  # noqa: E402
@@ -89,19 +91,22 @@ def gpu_tree(target, head, method: str):
     return tree
 
 
-def timed_generate(target, head, method, tree, prompts, tokens: int, graphs: str, device: str):
-    """(seconds decoding after the prompt, rounds, host reads in the rounds)."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    with HostReads() as reads, counted_rounds(reads) as rounds:
-        t = time.perf_counter()
-        out = speculative_generate(target, head, prompts, tokens, method=method, tree=tree, graphs=graphs)
-        sync()
-        seconds = time.perf_counter() - t
-    outs = out if isinstance(out, list) else [out]
-    prefill = max(o.stats.prefill_s for o in outs)
-    in_rounds = sum(v for (where, _), v in reads.counts.items() if where == "round")
-    return seconds - prefill, rounds[0], in_rounds
+def timed_rounds(target, head, method, tree, prompts, tokens: int, graphs: str):
+    """(each round's seconds, host reads in the rounds)."""
+    starts, seconds = [], []
+
+    def clock(starting: bool) -> None:
+        if starting:
+            starts.append(time.perf_counter())
+        else:
+            seconds.append(time.perf_counter() - starts[-1])
+    with HostReads() as reads, counted_rounds(reads):
+        ROUND_LISTENERS.append(clock)  # after counted_rounds' listener: the reads are not timed
+        try:
+            speculative_generate(target, head, prompts, tokens, method=method, tree=tree, graphs=graphs)
+        finally:
+            ROUND_LISTENERS.remove(clock)
+    return seconds, sum(v for (where, _), v in reads.counts.items() if where == "round")
 
 
 def main():
@@ -111,13 +116,13 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--methods", nargs="+", default=["ar", "eagle2", "jakiro", "gumiho"])
-    ap.add_argument("--tokens", type=int, nargs=2, default=[16, 80], help="N1 N2: tokens a sequence in the two runs")
+    ap.add_argument("--tokens", type=int, default=48, help="new tokens a sequence")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--dry-run", action="store_true", help="the tiny shape, few tokens (checks the script)")
     ap.add_argument("--out", default="e2e.csv")
     args = ap.parse_args()
     if args.dry_run:
-        args.shapes, args.tokens, args.prompt_len = ["tiny"], [4, 12], 8
+        args.shapes, args.tokens, args.prompt_len = ["tiny"], 8, 8
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda, but torch sees no CUDA device")
     modes = ["eager", "cuda" if args.device == "cuda" else "recorded"]
@@ -140,17 +145,16 @@ def main():
                     accepted = 0.0 if head is None else expected_accepted(
                         head.acceptance, tree.total_tokens, tree.depth, tree.top_k, method)
                     for mode in modes:
-                        a = timed_generate(target, head, method, tree, prompts, args.tokens[0], mode, args.device)
-                        b = timed_generate(target, head, method, tree, prompts, args.tokens[1], mode, args.device)
-                        if b[1] <= a[1]:
-                            raise SystemExit(f"error: {b[1]} rounds for {args.tokens[1]} tokens, {a[1]} for "
-                                             f"{args.tokens[0]}: no rounds to time")
-                        per_round = (b[0] - a[0]) / (b[1] - a[1])
+                        seconds, reads = timed_rounds(target, head, method, tree, prompts, args.tokens, mode)
+                        if len(seconds) < 3:
+                            raise SystemExit(f"error: {len(seconds)} rounds for {args.tokens} tokens: too few to time "
+                                             "(the first two are left out)")
+                        per_round = statistics.median(seconds[2:])
                         rows.append(dict(device=args.device, shape=shape, dtype=dtype_name, batch=batch, method=method,
                                          graphs=mode, tree="" if tree is None else
                                          f"{tree.total_tokens}/{tree.depth}/{tree.top_k}",
                                          round_ms=round(per_round * 1e3, 3),
-                                         host_reads_per_round=round(b[2] / b[1], 2),
+                                         rounds=len(seconds), host_reads_per_round=round(reads / len(seconds), 2),
                                          expected_tokens_per_round=round(1 + accepted, 3),
                                          predicted_tokens_per_s=round(batch * (1 + accepted) / per_round, 1)))
                         print(rows[-1], flush=True)

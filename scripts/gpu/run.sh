@@ -79,7 +79,7 @@ if [ "$DRY" = 1 ]; then
 else
   export PYTHONPATH="$ROOT:$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONUNBUFFERED=1 JAKIRO_CACHE="${JAKIRO_CACHE:-$WORK/cache}"
+export PYTHONUNBUFFERED=1 JAKIRO_CACHE="${JAKIRO_CACHE:-$WORK/cache}" PATH="$WORK/site/bin:$PATH"  # (carried ninja)
 say() { echo "[$(( $(date +%s) - START )) s] $*"; }
 compiled() {  # 0: the compiled library imports (with CUDA kernels when $1 is cuda)
   (cd "$WORK" && "$PY" -c "
@@ -118,8 +118,11 @@ stage_probe() {
 import os, sys, sysconfig, time, torch
 device = sys.argv[1]
 include = sysconfig.get_paths()["include"]
+import shutil
 print(f"python {sys.version.split()[0]} (Python.h: {'yes' if os.path.exists(os.path.join(include, 'Python.h')) else 'MISSING'}), "
-      f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU available: {torch.cuda.is_available()}")
+      f"torch {torch.__version__}, CUDA {torch.version.cuda}, GPU available: {torch.cuda.is_available()}, "
+      f"ninja: {shutil.which('ninja') or 'MISSING (the build compiles one file at a time)'}, "
+      f"nvcc: {shutil.which('nvcc') or os.path.exists('/usr/local/cuda/bin/nvcc') or 'MISSING'}")
 if device == "cuda" and not torch.cuda.is_available():
     sys.exit("no CUDA device")
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

@@ -10,8 +10,8 @@ buffers given to it, and depend on the host only through values fixed for the ca
 settings), which are part of its key.
 
 Two ways to replay, with the same rules:
-- ``"cuda"``: ``torch.cuda.CUDAGraph`` (warm-up on a side stream, capture into a memory pool
-  shared by the engine's graphs, replay);
+- ``"cuda"``: ``torch.cuda.CUDAGraph`` (warm-up on a side stream, capture into a memory pool of
+  its own, replay);
 - ``"recorded"``: every op the function dispatches (aten ops and ``torch.ops.jakiro`` alike) is
   recorded with its arguments, and a replay runs the recorded ops again, on the same static
   tensors, with no Python of the function in between. It runs anywhere, the CPU included: it is
@@ -73,14 +73,16 @@ class _CudaGraph:
     ``first``: the outputs of the eager warm-up run (a capture runs nothing), this call's result:
     the call's effects happen once, so the device's error word is read (and cleared) once."""
 
-    def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor], pool):
+    def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor]):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy allocations, handles and tables outside the capture
             self.first = tuple(fn(*inputs)[0])
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # A pool of its own: capturing into the pool of a graph already freed trips the caching
+        # allocator's assertion (use_count > 0), as a re-capture for a new key would.
+        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()):
             self.outputs, self.host = fn(*inputs)
 
     def replay(self):
@@ -105,13 +107,12 @@ class Replay:
         self.static: Tuple[torch.Tensor, ...] = ()
         self.captured = None
         self.captures = 0  # how many times it captured (tests, statistics)
-        self.pool = torch.cuda.graph_pool_handle() if mode == "cuda" else None
 
     def __call__(self, key: Hashable, inputs: Sequence[torch.Tensor]):
         if key != self.key or self.captured is None:
             self.captured = None  # (frees the old capture's memory first)
             self.static = tuple(t.clone() for t in inputs)
-            self.captured = (_CudaGraph(self.fn, self.static, self.pool) if self.mode == "cuda"
+            self.captured = (_CudaGraph(self.fn, self.static) if self.mode == "cuda"
                              else _Recorded(self.fn, self.static))
             self.key = key
             self.captures += 1

@@ -29,10 +29,11 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.counts = collections.Counter()
         self.where = "start"  # or "round"
+        self.in_method = 0  # inside tolist() / numpy(), already counted: its own copy to the host is not
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kind = VALUE_READS.get(func) or _value_dependent(func, args, kwargs or {})
-        if kind:
+        if kind and not self.in_method:
             self.counts[self.where, kind] += 1
         return func(*args, **(kwargs or {}))
 
@@ -58,9 +59,16 @@ class _MethodReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in ("tolist", "numpy"):
-            self.reads.counts[self.reads.where, name] += 1
-        return func(*args, **(kwargs or {}))
+        if name not in ("tolist", "numpy"):
+            return func(*args, **(kwargs or {}))
+        # One read: on a GPU, tolist() copies the tensor to the host through a dispatched op,
+        # which must not count as a second.
+        self.reads.counts[self.reads.where, name] += 1
+        self.reads.in_method += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.reads.in_method -= 1
 
 
 def _value_dependent(func, args, kwargs) -> str:

@@ -91,15 +91,22 @@ def gpu_tree(target, head, method: str):
     return tree
 
 
-def timed_rounds(target, head, method, tree, prompts, tokens: int, graphs: str):
-    """(each round's seconds, host reads in the rounds)."""
+def timed_rounds(target, head, method, tree, prompts, tokens: int, graphs: str, profile_rounds: int = 0):
+    """(each round's seconds, host reads in the rounds). With ``profile_rounds``, the CUDA profiler
+    (ncu --profile-from-start off) collects that many rounds after the first two, nothing else."""
     starts, seconds = [], []
+    profiled = range(2, 2 + profile_rounds)
 
     def clock(starting: bool) -> None:
         if starting:
             starts.append(time.perf_counter())
+            if len(starts) - 1 in profiled:
+                torch.cuda.cudart().cudaProfilerStart()
         else:
             seconds.append(time.perf_counter() - starts[-1])
+            if len(starts) - 1 in profiled:
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
     with HostReads() as reads, counted_rounds(reads):
         ROUND_LISTENERS.append(clock)  # after counted_rounds' listener: the reads are not timed
         try:
@@ -107,6 +114,14 @@ def timed_rounds(target, head, method, tree, prompts, tokens: int, graphs: str):
         finally:
             ROUND_LISTENERS.remove(clock)
     return seconds, sum(v for (where, _), v in reads.counts.items() if where == "round")
+
+
+def write_rows(path: str, rows: list) -> None:
+    with open(path + ".tmp", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(path + ".tmp", path)
 
 
 def main():
@@ -118,6 +133,10 @@ def main():
     ap.add_argument("--methods", nargs="+", default=["ar", "eagle2", "jakiro", "gumiho"])
     ap.add_argument("--tokens", type=int, default=48, help="new tokens a sequence")
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", choices=["eager", "graphs"], default=["eager", "graphs"],
+                    help="eager launches, and/or replayed graphs (CUDA graphs on a GPU, recorded on the CPU)")
+    ap.add_argument("--profile-rounds", type=int, default=0,
+                    help="rounds after the first two that the CUDA profiler collects (ncu --profile-from-start off)")
     ap.add_argument("--dry-run", action="store_true", help="the tiny shape, few tokens (checks the script)")
     ap.add_argument("--out", default="e2e.csv")
     args = ap.parse_args()
@@ -125,7 +144,9 @@ def main():
         args.shapes, args.tokens, args.prompt_len = ["tiny"], 8, 8
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda, but torch sees no CUDA device")
-    modes = ["eager", "cuda" if args.device == "cuda" else "recorded"]
+    modes = [m if m == "eager" else "cuda" if args.device == "cuda" else "recorded" for m in args.modes]
+    if args.profile_rounds and args.device != "cuda":
+        sys.exit("error: --profile-rounds needs --device cuda")
     profiles = shipped_profiles()
     rows = []
     for shape in args.shapes:
@@ -145,7 +166,8 @@ def main():
                     accepted = 0.0 if head is None else expected_accepted(
                         head.acceptance, tree.total_tokens, tree.depth, tree.top_k, method)
                     for mode in modes:
-                        seconds, reads = timed_rounds(target, head, method, tree, prompts, args.tokens, mode)
+                        seconds, reads = timed_rounds(target, head, method, tree, prompts, args.tokens, mode,
+                                                      args.profile_rounds)
                         if len(seconds) < 3:
                             raise SystemExit(f"error: {len(seconds)} rounds for {args.tokens} tokens: too few to time "
                                              "(the first two are left out)")
@@ -158,14 +180,10 @@ def main():
                                          expected_tokens_per_round=round(1 + accepted, 3),
                                          predicted_tokens_per_s=round(batch * (1 + accepted) / per_round, 1)))
                         print(rows[-1], flush=True)
+                        write_rows(args.out, rows)  # after every row: a stage cut off by its timeout keeps them
             del target
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    with open(args.out + ".tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(args.out + ".tmp", args.out)
     print(f"wrote {args.out} ({len(rows)} rows)")
 
 

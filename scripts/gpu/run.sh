@@ -29,7 +29,8 @@
 # "sanitize profile check-training"; "train" in one or two more. A stage that passed leaves a
 # stamp in $JAKIRO_GPU_WORK/stamps and is skipped when a call names it again on the same machine
 # (JAKIRO_GPU_FORCE=1 reruns it). Each stage runs under a timeout (JAKIRO_GPU_STAGE_SECONDS,
-# default 480). What the stages write is packed into $OUT/results.tgz (at most 16 MiB); a summary
+# default 480), cut to what is left of JAKIRO_GPU_CALL_SECONDS when that is set (the call's own
+# limit: a stage with under 30 s left is not started, the results still packed). What the stages write is packed into $OUT/results.tgz (at most 16 MiB); a summary
 # table (stage, status, seconds) is printed last and kept as $OUT/summary.txt.
 #
 # --dry-run: the whole driver on a machine without a GPU, so that the kit is tested on every
@@ -70,6 +71,7 @@ fi
 CARRY="${JAKIRO_GPU_CARRY:-$ROOT/.gpu-carry}"
 RESULTS="$WORK/results"
 STAGE_SECONDS="${JAKIRO_GPU_STAGE_SECONDS:-480}"
+CALL_SECONDS="${JAKIRO_GPU_CALL_SECONDS:-0}"  # > 0: the whole call's limit (stages cut to fit, packing kept)
 START=$(date +%s)
 mkdir -p "$WORK/parts" "$WORK/site" "$WORK/stamps" "$RESULTS" "$OUT"
 # On the GPU machine the tree itself is the package (built in place by the build stage); a dry
@@ -114,6 +116,16 @@ model_ready() {  # join the parts once all are there; true when the package's GG
 
 stage_probe() {
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  # The C++ toolchain the build uses against the libstdc++ the process loads: on one machine,
+  # formatting a number into an error message crashed inside the extension (g++ in /opt/gcc).
+  local cxx="${CXX:-c++}" tmp
+  echo "c++: $(command -v "$cxx") ($("$cxx" --version | head -1)), its libstdc++: $("$cxx" -print-file-name=libstdc++.so.6)"
+  echo "libstdc++ loaded with torch: $("$PY" -c 'import torch; print(*sorted({l.split()[-1] for l in open("/proc/self/maps") if "libstdc++" in l}))')"
+  tmp=$(mktemp -d)
+  printf '#include <sstream>\n#include <cstdio>\nint main() { std::ostringstream s; s << 42L << " " << 1.5; std::puts(s.str().c_str()); }\n' > "$tmp/fmt.cpp"
+  if "$cxx" -O2 "$tmp/fmt.cpp" -o "$tmp/fmt" 2>/dev/null; then echo "a number formatted by a program c++ built: $("$tmp/fmt" 2>&1 || echo "CRASHED (exit $?)")"
+  else echo "c++ could not build a test program"; fi
+  rm -rf "$tmp"
   "$PY" - "$DEVICE" <<'EOF'
 import os, sys, sysconfig, time, torch
 device = sys.argv[1]
@@ -168,11 +180,17 @@ stage_test() {
     pytest_ tests/gpu/test_cuda_engine.py -x > "$RESULTS/test.log" 2>&1
     local rc=$?; tail -1 "$RESULTS/test.log"; return $rc
   fi
-  local failed=0
-  pytest_ tests -k "cuda and not graphs" > "$RESULTS/test-cuda.log" 2>&1 || failed=1; tail -1 "$RESULTS/test-cuda.log"
-  JAKIRO_GPU_TENSOR_CORES=0 pytest_ tests/gpu/test_gpu_attention_kv.py -k cuda > "$RESULTS/test-no-tensor-cores.log" 2>&1 \
+  local failed=0 workers=()
+  # Worker processes where pytest-xdist is there: a test that crashes its process (as formatting
+  # an error message once did with torch 2.11) fails alone, and the GPU is shared out.
+  "$PY" -c "import xdist" 2>/dev/null && workers=(-n 4)
+  pytest_ tests -k "cuda and not graphs and not test_cuda_engine" "${workers[@]}" > "$RESULTS/test-cuda.log" 2>&1 || failed=1
+  tail -1 "$RESULTS/test-cuda.log"
+  JAKIRO_GPU_TENSOR_CORES=0 pytest_ tests/gpu/test_gpu_attention_kv.py -k cuda "${workers[@]}" > "$RESULTS/test-no-tensor-cores.log" 2>&1 \
     || failed=1; tail -1 "$RESULTS/test-no-tensor-cores.log"
   pytest_ tests/engine/test_graphs.py -k cuda > "$RESULTS/test-graphs.log" 2>&1 || failed=1; tail -1 "$RESULTS/test-graphs.log"
+  pytest_ tests/gpu/test_cuda_engine.py -rP > "$RESULTS/test-engine.log" 2>&1 || failed=1  # -rP: the near ties it reports
+  tail -1 "$RESULTS/test-engine.log"
   grep -h "split at token" "$RESULTS"/test-*.log || true  # near ties between the CUDA and CPU engines
   return $failed
 }
@@ -180,8 +198,10 @@ stage_test() {
 stage_e2e() {
   local args=(--device "$DEVICE" --out "$RESULTS/e2e.csv")
   [ "$DRY" = 1 ] && args+=(--dry-run --dtypes float32 --batch-sizes 1 2)
-  "$PY" scripts/gpu/e2e.py "${args[@]}" > "$RESULTS/e2e.log" 2>&1 || { tail -20 "$RESULTS/e2e.log"; return 1; }
-  "$PY" - "$RESULTS/e2e.csv" <<'EOF'
+  local rc=0
+  "$PY" scripts/gpu/e2e.py "${args[@]}" > "$RESULTS/e2e.log" 2>&1 || { rc=1; tail -20 "$RESULTS/e2e.log"; }
+  [ -f "$RESULTS/e2e.csv" ] || return 1
+  "$PY" - "$RESULTS/e2e.csv" <<'EOF' || return 1
 import csv, sys
 rows = list(csv.DictReader(open(sys.argv[1])))
 print("| shape | dtype | batch | method | graphs | tree | round ms | host reads/round | predicted tok/s |")
@@ -189,11 +209,12 @@ for r in rows:
     print(f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['method']} | {r['graphs']} | {r['tree']} | {r['round_ms']} "
           f"| {r['host_reads_per_round']} | {r['predicted_tokens_per_s']} |")
 EOF
+  return $rc
 }
 
 stage_bench() {
   local failed=0 b
-  for b in linear tree_attention moe mlp_heads verify_tree contrastive_head compact_kv; do
+  for b in ${JAKIRO_GPU_BENCHES:-tree_attention linear moe mlp_heads verify_tree contrastive_head compact_kv}; do
     local args=(--quick --out "$RESULTS/bench_$b.csv")
     [ "$DRY" = 1 ] && args+=(--reps 2) || args+=(--device cuda)
     (cd benchmarks && timeout 240 "$PY" "bench_$b.py" "${args[@]}") > "$RESULTS/bench_$b.log" 2>&1 \
@@ -219,13 +240,14 @@ stage_sanitize() {
 
 stage_profile() {
   local run=(scripts/gpu/e2e.py --device "$DEVICE" --shapes llama3-8b --dtypes bfloat16 --batch-sizes 1
-             --methods ar jakiro --tokens 8 --out "$RESULTS/profile-e2e.csv")
+             --methods ar jakiro --modes eager --tokens 8 --profile-rounds 1 --out "$RESULTS/profile-e2e.csv")
   if [ "$DRY" = 1 ]; then
     "$PY" scripts/gpu/e2e.py --device cpu --dry-run --dtypes float32 --batch-sizes 1 --methods ar jakiro \
       --out "$RESULTS/profile-e2e.csv" > "$RESULTS/profile.log" 2>&1 || return 1
     say "profile: the profiled run ran (no ncu in a dry run)"; return 0
   fi
-  ncu --target-processes all --launch-skip 200 --launch-count 300 --csv \
+  # Only the profiled rounds (one a method, after the first two: e2e.py starts and stops the profiler).
+  ncu --target-processes all --profile-from-start off --launch-count 2000 --csv \
     --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
     "$PY" "${run[@]}" > "$RESULTS/ncu.csv" 2> "$RESULTS/profile.log" || { tail -5 "$RESULTS/profile.log"; return 1; }
   "$PY" - "$RESULTS/ncu.csv" <<'EOF'
@@ -300,12 +322,20 @@ for stage in "${STAGES[@]}"; do
     say "== $stage: passed earlier on this machine (stamp); JAKIRO_GPU_FORCE=1 reruns it"
     summary+=("$stage|stamped|0"); continue
   fi
+  limit=$STAGE_SECONDS
+  if [ "$CALL_SECONDS" -gt 0 ]; then  # leave 20 s for packing the results
+    left=$(( CALL_SECONDS - ($(date +%s) - START) - 20 ))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 30 ]; then
+      say "== $stage: left out, the call's $CALL_SECONDS s are spent"; status=1; summary+=("$stage|not run (no time left)|0"); continue
+    fi
+  fi
   say "== $stage"
   t0=$(date +%s)
   # Each stage in a subshell under a timeout, so that one stuck stage leaves time for the others.
   export -f say compiled pytest_ model_ready "stage_${stage//-/_}"
   export ROOT DRY WORK OUT DEVICE CARRY RESULTS PY START
-  timeout --kill-after=10 "$STAGE_SECONDS" bash -c "set -uo pipefail; stage_${stage//-/_}"
+  timeout --kill-after=10 "$limit" bash -c "set -uo pipefail; stage_${stage//-/_}"
   rc=$?
   seconds=$(( $(date +%s) - t0 ))
   if [ $rc -eq 0 ]; then touch "$WORK/stamps/$stage"; summary+=("$stage|passed|$seconds")

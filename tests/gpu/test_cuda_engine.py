@@ -47,3 +47,17 @@ def test_cuda_greedy_tokens_equal_the_cpu_engine(kind, method, batch):
             assert margin < NEAR_TIE, (f"{method}: the CUDA engine's token {position} differs from the CPU "
                                        f"engine's where the target's top-2 margin is {margin:.3g}")
             print(f"{method}, batch {batch}: split at token {position}, a near tie (top-2 margin {margin:.3g})")
+
+
+@pytest.mark.parametrize("kind,method", [(None, "ar"), ("jakiro", "jakiro")])
+def test_a_round_reads_the_device_once_on_cuda(kind, method):
+    # On the CPU a round's one tolist() is one read; on a GPU it also dispatches the copy to the
+    # host, which must not be counted as a second read.
+    from jakiro_ext.engine.host_reads import HostReads, counted_rounds
+
+    target = tiny_target().to("cuda")
+    head = None if kind is None else copy_head(target, kind)
+    with HostReads() as reads, counted_rounds(reads) as rounds:
+        speculative_generate(target, head, PROMPTS[0], NEW_TOKENS, method=method)
+    in_rounds = sum(v for (where, _), v in reads.counts.items() if where == "round")
+    assert rounds[0] >= 3 and in_rounds == rounds[0], (rounds[0], dict(reads.counts))

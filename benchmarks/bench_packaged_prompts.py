@@ -35,7 +35,9 @@ def main():
                *(["--top-p", str(args.top_p)] if temperature > 0 else []),
                *(["--limit", str(args.limit)] if args.limit else []), *[a for m in args.methods for a in ("--method", m)]]
         print(" ".join(cmd), flush=True)
-        run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+        # From the benchmarks' folder: run from a checkout's root, `-m jakiro_ext` would import the
+        # source tree (no compiled library) instead of the installed package.
+        run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=os.path.dirname(os.path.abspath(__file__)))
         result = json.loads(run.stdout)
         config = result["config"]
         for method, s in result["methods"].items():

@@ -12,6 +12,7 @@ namespace jakiro {
 
 struct TreeAttentionShape {
   int64_t batch, tree_len, q_heads, kv_heads, head_dim, capacity;
+  int64_t longest_prefix = -1;  // max(prefix_lens), when the check could read them (on the host); else -1
   int64_t group() const { return q_heads / kv_heads; }
 };
 

@@ -68,9 +68,11 @@ TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, con
   if (host_readable(prefix_lens)) {
     auto lens = prefix_lens.contiguous();
     const int64_t* p = lens.data_ptr<int64_t>();
+    s.longest_prefix = 0;
     for (int64_t b = 0; b < s.batch; ++b) {
       TORCH_CHECK(p[b] >= 0 && p[b] <= s.capacity - s.tree_len, op, ": prefix_lens[", b, "] + tree tokens = ", p[b],
                   " + ", s.tree_len, " must be within [0, cache capacity ", s.capacity, " (k_cache.shape[2])]");
+      s.longest_prefix = std::max(s.longest_prefix, p[b]);
     }
   }
   return s;

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import RESULTS, write_csv
+from common import CLI_CWD, RESULTS, write_csv
 
 TTT = ["--ttt-steps", "1"]
 # name: (kind, [(fraction of the budget, extra train options, starts from the previous phase)])
@@ -93,10 +93,7 @@ def main():
     ap.add_argument("--report-only", action="store_true", help="only collect the finished variants' results")
     ap.add_argument("--no-report", action="store_true", help="only train (collect later with --report-only)")
     args = ap.parse_args()
-    # The runs start in the benchmarks' folder (from a checkout's root, `-m jakiro_ext` would import
-    # the source tree, without the compiled library, instead of the installed package), so the
-    # paths given are made absolute first.
-    here = os.path.dirname(os.path.abspath(__file__))
+    # The runs start in CLI_CWD, so the paths given are made absolute first.
     args.out, args.data = os.path.abspath(args.out), os.path.abspath(args.data)
     pending = [] if args.report_only else list(args.variants)
     running = {}
@@ -118,7 +115,7 @@ def main():
                 commands.append(" ".join(shlex.quote(c) for c in cmd))
                 previous = out
             log = open(os.path.join(args.out, f"{name}.log"), "w")
-            running[name] = (subprocess.Popen(["bash", "-c", " && ".join(commands)], cwd=here, stdout=log,
+            running[name] = (subprocess.Popen(["bash", "-c", " && ".join(commands)], cwd=CLI_CWD, stdout=log,
                                               stderr=subprocess.STDOUT), log)
             print(f"started {name}: {' && '.join(commands)}", flush=True)
         time.sleep(5)

@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 
-from common import RESULTS, machine, write_csv
+from common import CLI_CWD, RESULTS, machine, write_csv
 
 METHODS = ("ar", "eagle2", "jakiro", "jakiro_star", "gumiho")
 
@@ -35,9 +35,7 @@ def main():
                *(["--top-p", str(args.top_p)] if temperature > 0 else []),
                *(["--limit", str(args.limit)] if args.limit else []), *[a for m in args.methods for a in ("--method", m)]]
         print(" ".join(cmd), flush=True)
-        # From the benchmarks' folder: run from a checkout's root, `-m jakiro_ext` would import the
-        # source tree (no compiled library) instead of the installed package.
-        run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=os.path.dirname(os.path.abspath(__file__)))
+        run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True, cwd=CLI_CWD)
         result = json.loads(run.stdout)
         config = result["config"]
         for method, s in result["methods"].items():

@@ -15,7 +15,11 @@ from typing import Callable, Dict, List
 
 import torch
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HERE = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(HERE, "results")
+# Where the benchmarks start `python -m jakiro_ext`: from a checkout's root it would import the
+# source tree (without the compiled library) instead of the installed package.
+CLI_CWD = HERE
 DEVICE = torch.device("cpu")  # set by parse_args
 
 # Rated HBM bandwidth (GB/s) of the GPUs the targets are stated for (SXM parts).

@@ -261,11 +261,9 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const
     splits = *num_splits;
   } else {
     const auto sh = check_tree_attention("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask);
-    // The longest prefix as the check read it (an ATen max() and item() here cost ~5 us a call,
-    // once per layer and token).
-    const int64_t longest = sh.longest_prefix >= 0 ? sh.longest_prefix
-                            : prefix_lens.numel() ? prefix_lens.max().item<int64_t>() : 0;
-    const int64_t max_kv = longest + sh.tree_len;
+    // The longest prefix as the check read it (the CPU's lengths are always on the host); an
+    // ATen max().item() here cost ~5 us a call, once per layer and token.
+    const int64_t max_kv = sh.longest_prefix + sh.tree_len;
     if (sh.tree_len <= kFixedSplitTreeLen) {
       split_len = kMinSplitLen;
       splits = std::max<int64_t>(1, (max_kv + split_len - 1) / split_len);

@@ -18,7 +18,6 @@ shape's heads too). Random heads accept almost nothing, so what is timed is a ro
     python scripts/gpu/e2e.py --device cpu --dry-run      (tiny shapes: the script itself, in seconds)
 """
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from common import write_csv  # noqa: E402
 from jakiro_ext.engine.batch import ROUND_LISTENERS  # noqa: E402
 from jakiro_ext.engine.generate import speculative_generate  # noqa: E402
 from jakiro_ext.engine.host_reads import HostReads, counted_rounds  # noqa: E402
@@ -116,14 +116,6 @@ def timed_rounds(target, head, method, tree, prompts, tokens: int, graphs: str, 
     return seconds, sum(v for (where, _), v in reads.counts.items() if where == "round")
 
 
-def write_rows(path: str, rows: list) -> None:
-    with open(path + ".tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(path + ".tmp", path)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -180,7 +172,7 @@ def main():
                                          expected_tokens_per_round=round(1 + accepted, 3),
                                          predicted_tokens_per_s=round(batch * (1 + accepted) / per_round, 1)))
                         print(rows[-1], flush=True)
-                        write_rows(args.out, rows)  # after every row: a stage cut off by its timeout keeps them
+                        write_csv(args.out, rows)  # after every row: a stage cut off by its timeout keeps them
             del target
             if args.device == "cuda":
                 torch.cuda.empty_cache()

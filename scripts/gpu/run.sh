@@ -30,8 +30,9 @@
 # stamp in $JAKIRO_GPU_WORK/stamps and is skipped when a call names it again on the same machine
 # (JAKIRO_GPU_FORCE=1 reruns it). Each stage runs under a timeout (JAKIRO_GPU_STAGE_SECONDS,
 # default 480), cut to what is left of JAKIRO_GPU_CALL_SECONDS when that is set (the call's own
-# limit: a stage with under 30 s left is not started, the results still packed). What the stages write is packed into $OUT/results.tgz (at most 16 MiB); a summary
-# table (stage, status, seconds) is printed last and kept as $OUT/summary.txt.
+# limit: a stage with under 30 s left is not started, the results still packed). What the stages
+# write is packed into $OUT/results.tgz (at most 16 MiB); a summary table (stage, status,
+# seconds) is printed last and kept as $OUT/summary.txt.
 #
 # --dry-run: the whole driver on a machine without a GPU, so that the kit is tested on every
 # landing: the same stages on the CPU with tiny shapes (the installed library; the build stage

@@ -15,6 +15,7 @@ from torch import nn
 
 from jakiro_ext import ops
 from jakiro_ext.kv_cache import KVCache, causal_tree_mask
+from jakiro_ext.memory import move_to_huge_pages
 from jakiro_ext.ops import reference
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -287,7 +288,8 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":
-        """The same network as a transformers ``*ForCausalLM`` of a supported type, weights copied."""
+        """The same network as a transformers ``*ForCausalLM`` of a supported type, weights copied
+        (on the CPU into huge pages: :func:`jakiro_ext.memory.move_to_huge_pages`)."""
         config = LlamaConfig.from_hf(hf_model.config)
         model = cls(config)
         src = hf_model.state_dict()
@@ -313,7 +315,9 @@ class LlamaModel(nn.Module):
                 local, prefix = module, "model."
             dst[name] = torch.cat([weight(f"{prefix}{part}.{kind}") for part in fused.get(local, (local,))])
         model.load_state_dict(dst)
-        return model.to(dtype or next(hf_model.parameters()).dtype).eval()
+        model = model.to(dtype or next(hf_model.parameters()).dtype).eval()
+        move_to_huge_pages(model)  # on the CPU: the decoding weight stream reads faster from 2 MiB pages
+        return model
 
 
 _CONVERTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transformers model -> LlamaModel

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from conftest import gen, random_parents
-from jakiro_ext import ops
+from jakiro_ext import memory, ops
 from jakiro_ext.models import LlamaConfig, LlamaModel
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
@@ -202,3 +202,47 @@ def test_llama3_rope_scaling_matches_transformers():
         cfg.rope_parameters = {"rope_theta": 1e4, **bad}  # (set after transformers' own validation)
         with pytest.raises(ValueError, match=message):
             LlamaConfig.from_hf(cfg)
+
+
+def _huge_page_advice(tensor) -> bool:
+    """Whether the mapping holding ``tensor`` carries the huge-page advice (VmFlags ``hg``)."""
+    address, inside = tensor.data_ptr(), False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()
+    return False
+
+
+@pytest.mark.skipif(not memory.huge_pages_enabled(), reason="the kernel offers no transparent huge pages")
+def test_from_hf_places_the_weights_in_huge_pages_and_computes_the_same():
+    hf = hf_model("llama")
+    tokens = torch.randint(0, 211, (1, 9), generator=gen(1))
+    placed = LlamaModel.from_hf(hf)
+    params = list(placed.parameters())
+    # One 2 MiB-aligned buffer, advised for huge pages, holds every weight; the tied LM head is
+    # still the embedding.
+    assert placed.lm_head.weight is placed.embed_tokens.weight
+    first = min(p.data_ptr() for p in params)
+    assert first % memory.HUGE_PAGE == 0
+    assert all(p.untyped_storage().data_ptr() == params[0].untyped_storage().data_ptr() for p in params)
+    assert _huge_page_advice(placed.lm_head.weight)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JAKIRO_HUGE_PAGES", "0")
+        unplaced = LlamaModel.from_hf(hf)
+    for (name, p), q in zip(placed.state_dict().items(), unplaced.state_dict().values()):
+        assert torch.equal(p, q), name
+    logits, _ = placed(tokens, placed.new_cache(1, 16))
+    assert torch.equal(logits, unplaced(tokens, unplaced.new_cache(1, 16))[0])
+
+
+def test_huge_pages_are_off_when_asked(monkeypatch):
+    monkeypatch.setenv("JAKIRO_HUGE_PAGES", "0")
+    assert not memory.huge_pages_enabled()
+    model = LlamaModel.from_hf(hf_model("llama"))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(weights) > 1  # each weight its own allocation, as torch made them
+    assert memory.move_to_huge_pages(model) == 0

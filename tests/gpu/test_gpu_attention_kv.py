@@ -105,6 +105,7 @@ TENSOR_CORE_SHAPES = [
 @pytest.mark.parametrize("shape", TENSOR_CORE_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
 @pytest.mark.parametrize("num_splits", [None, 3])
 def test_gpu_tree_attention_on_tensor_cores_matches_reference(gpu_backend, shape, num_splits, monkeypatch):
+    monkeypatch.delenv("JAKIRO_GPU_TENSOR_CORES", raising=False)  # (a run may have switched them off)
     q, k, v, lens, mask = make_inputs(*shape, dtype=torch.bfloat16, seed=50)
     out, lse = gpu_backend.run("tree_attention", q, k, v, lens, mask, num_splits=num_splits)
     ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)

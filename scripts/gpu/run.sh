@@ -161,7 +161,11 @@ stage_build() {
   if compiled "$DEVICE"; then say "build: a compiled library ($DEVICE) imports; not rebuilt"
   elif [ "$DRY" = 1 ]; then say "build: no compiled library imports (install the package first)"; return 1
   else
-    say "build: the extension for this GPU against torch $("$PY" -c 'import torch; print(torch.__version__)')"
+    # The library must use the process's libstdc++: built by /opt/gcc's g++ (the H100 images' c++)
+    # it carried its own copy, whose ostreams crashed at the first error message (a CPU op's too;
+    # cuda-gdb's backtrace: docs/gpu.md). The system's g++ (and gcc as nvcc's host compiler) first.
+    if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CXX=/usr/bin/g++ CC=/usr/bin/gcc; fi
+    say "build: the extension for this GPU against torch $("$PY" -c 'import torch; print(torch.__version__)') with ${CXX:-$(command -v c++)}"
     JAKIRO_CUDA=1 MAX_JOBS="$(nproc)" "$PY" setup.py build_ext --inplace > "$RESULTS/build.log" 2>&1 \
       || { tail -30 "$RESULTS/build.log"; return 1; }
     compiled cuda || { say "build: built, but the library does not import with CUDA"; return 1; }
@@ -170,6 +174,10 @@ stage_build() {
   command -v cuobjdump >/dev/null || { say "build: no cuobjdump on the PATH: the SASS check is left out"; return 0; }
   local lib hmma
   lib=$("$PY" -c "import jakiro_ext._C as c; print(c.__file__)")
+  if command -v nm >/dev/null && ! nm -D "$lib" | grep -q " U _ZNSo9_M_insert"; then
+    say "build: $lib carries its own libstdc++ (ostream's inserters are not imported): its error messages crash"
+    return 1
+  fi
   hmma=$(cuobjdump -sass "$lib" 2>/dev/null | grep -c HMMA)
   say "build: $lib, $hmma HMMA instructions"
   [ "$hmma" -gt 0 ] || { say "build: no tensor-core instructions in the library"; return 1; }

@@ -6,11 +6,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <vector>
 
 #include "cpu/kernels.h"
-#include "cpu/vec_utils.h"
+#include "cpu/layer_rows.h"
 #include "decoder_layer.h"
 #include "ops.h"
 
@@ -18,28 +17,6 @@ namespace jakiro::cpu {
 namespace {
 
 constexpr int64_t kSiluRowsPerTask = 8;
-
-// out[i] = SiLU(gate[i]) * up[i] = gate[i] / (1 + exp(-gate[i])) * up[i], float32, the accurate
-// (1 ulp) exp. The vector/scalar split depends on I only: every row is computed alike.
-void silu_mul_row(const float* gate, const float* up, int64_t I, float* out) {
-  const Vec one(1.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= I; i += Vec::size()) {
-    const Vec g = Vec::loadu(gate + i);
-    (g / (one + g.neg().exp()) * Vec::loadu(up + i)).store(out + i);
-  }
-  for (; i < I; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
-}
-
-// One row [gate | up] -> out: float32 in place, bf16 widened into scratch (3 I floats) and rounded once.
-void silu_mul_row(const float* row, int64_t I, float* out, std::vector<float>&) { silu_mul_row(row, row + I, I, out); }
-void silu_mul_row(const c10::BFloat16* row, int64_t I, c10::BFloat16* out, std::vector<float>& scratch) {
-  scratch.resize(3 * I);
-  float *gate = scratch.data(), *up = gate + I, *result = up + I;
-  to_float(row, gate, 2 * I);
-  silu_mul_row(gate, up, I, result);
-  from_float(result, out, I);
-}
 
 struct CpuOps {
   std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
@@ -84,7 +61,7 @@ at::Tensor silu_mul_cpu(const at::Tensor& gate_up) {
     scalar_t* po = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, kSiluRowsPerTask, [&](int64_t r0, int64_t r1) {
       std::vector<float> scratch;
-      for (int64_t r = r0; r < r1; ++r) silu_mul_row(px + r * 2 * I, I, po + r * I, scratch);
+      for (int64_t r = r0; r < r1; ++r) silu_mul_row(px + r * 2 * I, px + r * 2 * I + I, I, po + r * I, scratch);
     });
   });
   return out;

@@ -11,6 +11,7 @@
 
 #include <vector>
 
+#include "cpu/linear.h"
 #include "cpu/skinny_avx512.h"
 #include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
@@ -18,14 +19,38 @@
 #include "ops.h"
 
 namespace jakiro::cpu {
-namespace {
+template <typename scalar_t>
+void linear_columns(StreamedRows x, int64_t rows, int64_t K, const scalar_t* w, const scalar_t* bias, int64_t j0,
+                    int64_t j1, scalar_t* y, int64_t ldy, float* scratch) {
+  constexpr bool is_float = std::is_same_v<scalar_t, float>;
+  const int64_t n = j1 - j0;
+  // The products land in float32: in y itself when it is float32, else in scratch.
+  float* acc = is_float ? reinterpret_cast<float*>(y) + j0 : scratch;
+  const int64_t lda = is_float ? ldy : n;
+  if constexpr (!is_float) {
+    if (x.bf16 != nullptr) {
+      skinny_gemm_nt_bf16_dot(x.bf16, rows, K, w, K, K, j0, j1, acc, lda);
+      x.f = nullptr;
+    }
+  }
+  if (x.f != nullptr) {  // float32 products, bf16 weights widened: 512-bit vectors where the CPU has AVX-512
+    if (avx512_enabled())
+      skinny_gemm_nt_avx512(x.f, rows, K, w, K, K, j0, j1, acc, lda);
+    else
+      skinny_gemm_nt(x.f, rows, K, w, K, K, j0, j1, acc, lda);
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // the bias, then one rounding to y's dtype
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = bias == nullptr ? acc[r * lda + j] : acc[r * lda + j] + static_cast<float>(bias[j0 + j]);
+      y[r * ldy + j0 + j] = static_cast<scalar_t>(v);
+    }
+  }
+}
 
-// Output columns per unit of the split (a multiple of the 4-row W block). Each thread takes one
-// contiguous run of units and streams it in one call, so the unit only sets the balance: a
-// 576-column projection splits 18/18 between two threads in units of 16, 5/4 in units of 64.
-constexpr int64_t kColumnBlock = 16;
-
-}  // namespace
+template void linear_columns<float>(StreamedRows, int64_t, int64_t, const float*, const float*, int64_t, int64_t,
+                                    float*, int64_t, float*);
+template void linear_columns<c10::BFloat16>(StreamedRows, int64_t, int64_t, const c10::BFloat16*,
+                                            const c10::BFloat16*, int64_t, int64_t, c10::BFloat16*, int64_t, float*);
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_linear(x, weight, bias);
@@ -48,53 +73,28 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   auto w = weight.contiguous();
   auto out = at::empty({M, N}, x.options());
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const bool dot = !is_float && bf16_dot_enabled();  // native bf16 dot products (AVX512-BF16)
+  const auto xs = dot ? x2.contiguous() : x2.to(at::kFloat).contiguous();
+  StreamedRows rows_in;
+  if (dot)
+    rows_in.bf16 = reinterpret_cast<const c10::BFloat16*>(xs.data_ptr());
+  else
+    rows_in.f = xs.data_ptr<float>();
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
-  // Each task owns a block of output columns for every row: W is read once, by one thread. The
-  // product lands in float32 (in `out` itself when it is float32), then the bias is added and the
-  // block is rounded to x's dtype, all inside the task: no further pass or call.
-  auto over_column_blocks = [&](auto&& product) {
-    JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "linear_cpu_out", [&] {
-      scalar_t* po = out.data_ptr<scalar_t>();
-      const scalar_t* pb = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += kLinearStreamRows) {
-        const int64_t rows = std::min(kLinearStreamRows, M - m0);
-        at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-          const int64_t j0 = b0 * kColumnBlock, j1 = std::min(N, b1 * kColumnBlock), n = j1 - j0;
-          std::vector<float> scratch(is_float ? 0 : rows * n);
-          float* y = is_float ? reinterpret_cast<float*>(po) + m0 * N + j0 : scratch.data();
-          const int64_t ldy = is_float ? N : n;
-          product(m0, rows, j0, j1, y, ldy);
-          for (int64_t r = 0; r < rows; ++r) {
-            for (int64_t j = 0; j < n; ++j) {
-              const float v = pb == nullptr ? y[r * ldy + j] : y[r * ldy + j] + static_cast<float>(pb[j0 + j]);
-              po[(m0 + r) * N + j0 + j] = static_cast<scalar_t>(v);
-            }
-          }
-        });
-      }
-    });
-  };
-  if (!is_float && bf16_dot_enabled()) {  // native bf16 dot products (AVX512-BF16)
-    auto xb = x2.contiguous();
-    const auto* px = reinterpret_cast<const c10::BFloat16*>(xb.data_ptr());
-    const auto* pw = reinterpret_cast<const c10::BFloat16*>(w.data_ptr());
-    over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
-      skinny_gemm_nt_bf16_dot(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
-    });
-  } else {  // float32 products, bf16 weights widened: on 512-bit vectors where the CPU has AVX-512
-    auto xf = x2.to(at::kFloat).contiguous();
-    const float* px = xf.data_ptr<float>();
-    const bool wide = avx512_enabled();
-    JAKIRO_DISPATCH_FLOAT_BF16(weight.scalar_type(), "linear_cpu", [&] {
-      const scalar_t* pw = w.data_ptr<scalar_t>();
-      over_column_blocks([&](int64_t m0, int64_t rows, int64_t j0, int64_t j1, float* y, int64_t ldy) {
-        if (wide)
-          skinny_gemm_nt_avx512(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
-        else
-          skinny_gemm_nt(px + m0 * K, rows, K, pw, K, K, j0, j1, y, ldy);
+  // Each task owns a block of output columns for every row: W is read once, by one thread.
+  JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "linear_cpu", [&] {
+    const scalar_t* pw = w.data_ptr<scalar_t>();
+    const scalar_t* pb = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
+    scalar_t* po = out.data_ptr<scalar_t>();
+    for (int64_t m0 = 0; m0 < M; m0 += kLinearStreamRows) {
+      const int64_t rows = std::min(kLinearStreamRows, M - m0);
+      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+        const int64_t j0 = b0 * kColumnBlock, j1 = std::min(N, b1 * kColumnBlock);
+        std::vector<float> scratch(is_float ? 0 : rows * (j1 - j0));
+        linear_columns(rows_in.at(m0 * K), rows, K, pw, pb, j0, j1, po + m0 * N, N, scratch.data());
       });
-    });
-  }
+    }
+  });
   return out.view(out_shape);
 }
 

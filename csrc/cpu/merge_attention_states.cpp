@@ -7,12 +7,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <vector>
 
-#include "cpu/vec_utils.h"
-#include "jakiro/common.h"
-#include "jakiro/softmax.h"
 #include "ops.h"
 
 namespace jakiro::cpu {
@@ -34,26 +30,7 @@ std::tuple<at::Tensor, at::Tensor> merge_attention_states_cpu(const at::Tensor& 
     at::parallel_for(0, B * T * H, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> acc(D);
       for (int64_t row = begin; row < end; ++row) {
-        const float* lses = pl + row * S;
-        float max_lse = neg_inf();
-        bool poisoned = false;
-        for (int64_t s = 0; s < S; ++s) {
-          poisoned |= poisons(lses[s]);
-          max_lse = lses[s] > max_lse ? lses[s] : max_lse;
-        }
-        std::fill(acc.begin(), acc.end(), poisoned ? quiet_nan() : 0.f);
-        float total = 0.f;
-        if (!poisoned && max_lse != neg_inf()) {
-          for (int64_t s = 0; s < S; ++s) {
-            if (lses[s] == neg_inf()) continue;  // an empty split: its output is not read
-            const float w = merge_weight(lses[s], max_lse);
-            total += w;
-            axpy(acc.data(), po + (row * S + s) * D, D, w);
-          }
-          scale_in_place(acc.data(), D, 1.f / total);
-        }
-        from_float(acc.data(), pout + row * D, D);
-        plse[row] = poisoned ? quiet_nan() : total > 0.f ? max_lse + std::log(total) : neg_inf();
+        merge_attention_row(po + row * S * D, pl + row * S, S, D, acc.data(), pout + row * D, plse + row);
       }
     });
   });

@@ -9,7 +9,7 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu/vec_utils.h"
+#include "cpu/layer_rows.h"
 #include "cpu/kernels.h"
 #include "ops.h"
 
@@ -17,29 +17,6 @@ namespace jakiro::cpu {
 namespace {
 
 constexpr int64_t kRowsPerTask = 16;
-
-template <typename scalar_t>
-void rms_norm_row(const scalar_t* x, const scalar_t* residual, const scalar_t* weight, int64_t H, float eps,
-                  scalar_t* out, scalar_t* sum, float* s) {
-  for (int64_t i = 0; i < H; ++i) {
-    const scalar_t v = residual == nullptr ? x[i] : static_cast<scalar_t>(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
-    sum[i] = v;
-    s[i] = static_cast<float>(v);
-  }
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + Vec::size() <= H; i += Vec::size()) {
-    const Vec v = Vec::loadu(s + i);
-    acc = at::vec::fmadd(v, v, acc);
-  }
-  float squares = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-  for (; i < H; ++i) squares = std::fma(s[i], s[i], squares);
-  const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + eps);
-  for (int64_t j = 0; j < H; ++j) {
-    const scalar_t normed = static_cast<scalar_t>(s[j] * inv);
-    out[j] = static_cast<scalar_t>(static_cast<float>(normed) * static_cast<float>(weight[j]));
-  }
-}
 
 }  // namespace
 

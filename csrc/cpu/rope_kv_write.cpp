@@ -7,27 +7,11 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <cstring>
-
 #include "cpu/kernels.h"
+#include "cpu/layer_rows.h"
 #include "ops.h"
 
 namespace jakiro::cpu {
-namespace {
-
-// dst[i] = src[i] * cos[i] + rotate_half(src)[i] * sin[i], rotate_half(x) = (-x[half:], x[:half]).
-template <typename scalar_t>
-void rotate(const scalar_t* src, const scalar_t* cos, const scalar_t* sin, int64_t D, scalar_t* dst) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < D; ++i) {
-    const float partner = i < half ? -static_cast<float>(src[i + half]) : static_cast<float>(src[i - half]);
-    const scalar_t a = static_cast<scalar_t>(static_cast<float>(src[i]) * static_cast<float>(cos[i]));
-    const scalar_t b = static_cast<scalar_t>(partner * static_cast<float>(sin[i]));
-    dst[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
-  }
-}
-
-}  // namespace
 
 at::Tensor rope_kv_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& kv_cache, const at::Tensor& lengths) {
@@ -41,19 +25,22 @@ at::Tensor rope_kv_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const
     scalar_t* pq = q.data_ptr<scalar_t>();
     scalar_t* keys = kv_cache[0].data_ptr<scalar_t>();
     scalar_t* values = kv_cache[1].data_ptr<scalar_t>();
-    const int64_t batch_stride = kv_cache.stride(1), head_stride = kv_cache.stride(2);
+    const RopeKvWrite<scalar_t> rope{px,
+                                     c.data_ptr<scalar_t>(),
+                                     sn.data_ptr<scalar_t>(),
+                                     len,
+                                     pq,
+                                     keys,
+                                     values,
+                                     T,
+                                     Hq,
+                                     Hkv,
+                                     D,
+                                     kv_cache.stride(1),
+                                     kv_cache.stride(2)};
     at::parallel_for(0, B * T, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
-        const int64_t b = r / T, t = r % T, slot = len[b] + t;
-        const scalar_t* row = px + r * (Hq + 2 * Hkv) * D;
-        const scalar_t* cr = c.data_ptr<scalar_t>() + r * D;
-        const scalar_t* sr = sn.data_ptr<scalar_t>() + r * D;
-        for (int64_t h = 0; h < Hq; ++h) rotate(row + h * D, cr, sr, D, pq + (r * Hq + h) * D);
-        for (int64_t h = 0; h < Hkv; ++h) {
-          const int64_t at_slot = b * batch_stride + h * head_stride + slot * D;
-          rotate(row + (Hq + h) * D, cr, sr, D, keys + at_slot);
-          std::memcpy(values + at_slot, row + (Hq + Hkv + h) * D, D * sizeof(scalar_t));
-        }
+        for (int64_t h = 0; h < rope.units_per_row(); ++h) rope.unit(r, h);
       }
     });
   });

@@ -17,6 +17,7 @@
 
 #include "cpu/gemm.h"
 #include "cpu/merge_attention_states.h"
+#include "cpu/tree_attention.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/common.h"
 #include "jakiro/softmax.h"
@@ -26,32 +27,10 @@
 namespace jakiro::cpu {
 namespace {
 
-constexpr int64_t kBlock = 512;        // keys per GEMM block: the [G*T, kBlock] scores stay in L2
-constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this many keys long
-// Up to this many tree tokens per sequence (decoding, draft trees), the automatic splits are
-// kMinSplitLen keys each, counted from each sequence's first key: a sequence's result depends
-// on its own length only, never on the batch it shares a call with. Longer runs (a prompt's
-// prefill) split evenly, a few splits per worker, to bound the partial buffers.
-constexpr int64_t kFixedSplitTreeLen = 64;
 // Up to this many query rows (G * T) per task the products are bound by reading K/V: they
 // stream it (skinny_gemm.h) instead of calling a BLAS GEMM, which is for the many-row
 // (compute-bound) case of a large tree.
 constexpr int64_t kStreamingRows = 8;
-
-// Per-thread buffers. k and v hold a block of bf16 keys/values widened to float32; a float32
-// cache is read in place, so they stay empty (zeroing 2 x 128 KB a call cost more than the
-// attention of a decoding step).
-struct SplitScratch {
-  std::vector<float> q, scores, acc, k, v;
-  std::vector<OnlineSoftmax> state;
-  SplitScratch(int64_t rows, int64_t dim, bool widens)
-      : q(rows * dim),
-        scores(rows * kBlock),
-        acc(rows * dim),
-        k(widens ? kBlock * dim : 0),
-        v(widens ? kBlock * dim : 0),
-        state(rows) {}
-};
 
 // The float32 rows [start, start + n) of one head's [S, D] cache: the cache itself when it
 // is float32, else widened into `buffer`.
@@ -110,17 +89,7 @@ void accumulate_pv_visible(const float* p, int64_t rows, int64_t n, const float*
   }
 }
 
-struct PartialArgs {
-  TreeAttentionShape shape;
-  int64_t num_splits;
-  int64_t split_len;  // keys per split; 0: each sequence's keys in num_splits even parts
-  float scale;
-  const int64_t* prefix_lens;
-  const int64_t* tree_mask;  // [B, T, mask_stride] contiguous
-  int64_t mask_stride;
-  float* out_partial;  // [B, T, Hq, splits, D]
-  float* lse_partial;  // [B, T, Hq, splits]
-};
+}  // namespace
 
 template <typename scalar_t>
 void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
@@ -209,6 +178,14 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   }
 }
 
+template void attend_one_split<float>(const PartialArgs&, const float*, const float*, const float*, int64_t, int64_t,
+                                      int64_t, int64_t, int64_t, SplitScratch&);
+template void attend_one_split<c10::BFloat16>(const PartialArgs&, const c10::BFloat16*, const c10::BFloat16*,
+                                              const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                              SplitScratch&);
+
+namespace {
+
 std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                                      const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                                      const at::Tensor& tree_mask, int64_t num_splits,
@@ -266,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const
     const int64_t max_kv = sh.longest_prefix + sh.tree_len;
     if (sh.tree_len <= kFixedSplitTreeLen) {
       split_len = kMinSplitLen;
-      splits = std::max<int64_t>(1, (max_kv + split_len - 1) / split_len);
+      splits = fixed_splits(max_kv);
     } else {
       splits = default_num_splits(sh.batch, sh.kv_heads, max_kv, at::get_num_threads(), kMinSplitLen);
     }

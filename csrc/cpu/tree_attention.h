@@ -1,0 +1,62 @@
+// The CPU tree attention's split-KV task, shared by jakiro::tree_attention (tree_attention.cpp)
+// and the CPU decoder layer, which runs the tasks inside its own parallel region.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "jakiro/softmax.h"
+#include "ops.h"
+
+namespace jakiro::cpu {
+
+constexpr int64_t kBlock = 512;        // keys per GEMM block: the [G*T, kBlock] scores stay in L2
+constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this many keys long
+// Up to this many tree tokens per sequence (decoding, draft trees), the automatic splits are
+// kMinSplitLen keys each, counted from each sequence's first key: a sequence's result depends
+// on its own length only, never on the batch it shares a call with. Longer runs (a prompt's
+// prefill) split evenly, a few splits per worker, to bound the partial buffers.
+constexpr int64_t kFixedSplitTreeLen = 64;
+
+// Splits of kMinSplitLen keys over the longest sequence's max_kv keys (trees of at most
+// kFixedSplitTreeLen tokens).
+inline int64_t fixed_splits(int64_t max_kv) { return std::max<int64_t>(1, (max_kv + kMinSplitLen - 1) / kMinSplitLen); }
+
+// Per-thread buffers. k and v hold a block of bf16 keys/values widened to float32; a float32
+// cache is read in place, so they stay empty (zeroing 2 x 128 KB a call cost more than the
+// attention of a decoding step).
+struct SplitScratch {
+  std::vector<float> q, scores, acc, k, v;
+  std::vector<OnlineSoftmax> state;
+  SplitScratch(int64_t rows, int64_t dim, bool widens)
+      : q(rows * dim),
+        scores(rows * kBlock),
+        acc(rows * dim),
+        k(widens ? kBlock * dim : 0),
+        v(widens ? kBlock * dim : 0),
+        state(rows) {}
+};
+
+struct PartialArgs {
+  TreeAttentionShape shape;
+  int64_t num_splits;
+  int64_t split_len;  // keys per split; 0: each sequence's keys in num_splits even parts
+  float scale;
+  const int64_t* prefix_lens;
+  const int64_t* tree_mask;  // [B, T, mask_stride] contiguous
+  int64_t mask_stride;
+  float* out_partial;  // [B, T, Hq, splits, D]
+  float* lse_partial;  // [B, T, Hq, splits]
+};
+
+// One task: sequence b, KV head kvh, split `split` of its keys, for the G query heads sharing the
+// KV head and the T tree tokens; writes their rows of a.out_partial and a.lse_partial.
+template <typename scalar_t>
+void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+                      int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
+                      SplitScratch& s);
+
+}  // namespace jakiro::cpu

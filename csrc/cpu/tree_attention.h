@@ -31,13 +31,16 @@ inline int64_t fixed_splits(int64_t max_kv) { return std::max<int64_t>(1, (max_k
 struct SplitScratch {
   std::vector<float> q, scores, acc, k, v;
   std::vector<OnlineSoftmax> state;
-  SplitScratch(int64_t rows, int64_t dim, bool widens)
-      : q(rows * dim),
-        scores(rows * kBlock),
-        acc(rows * dim),
-        k(widens ? kBlock * dim : 0),
-        v(widens ? kBlock * dim : 0),
-        state(rows) {}
+  SplitScratch() = default;
+  SplitScratch(int64_t rows, int64_t dim, bool widens) { resize(rows, dim, widens); }
+  void resize(int64_t rows, int64_t dim, bool widens) {
+    q.resize(rows * dim);
+    scores.resize(rows * kBlock);
+    acc.resize(rows * dim);
+    k.resize(widens ? kBlock * dim : 0);
+    v.resize(widens ? kBlock * dim : 0);
+    state.resize(rows);
+  }
 };
 
 struct PartialArgs {

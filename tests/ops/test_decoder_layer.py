@@ -135,12 +135,29 @@ def test_decoder_layer_matches_reference(shape, dtype, bias, residual):
     check_decoder_layer_matches_reference(GpuBackend("cpu"), shape, dtype, bias, residual)
 
 
+# (B, T, H, Hq, Hkv, D, I, prefixes, bias, residual): one token (decoding), a tree, prefixes over
+# several 512-key splits of the attention, odd widths (partial column blocks, a SiLU tail), a
+# batch of 64 rows (the most one parallel region takes), and beyond it (the ops composed).
+COMPOSED_SHAPES = [(1, 1, 48, 4, 2, 16, 40, (9,), True, True), (2, 6, 48, 4, 2, 16, 40, (9, 3), True, True),
+                   (2, 3, 64, 6, 2, 16, 96, (1100, 513), False, True), (1, 2, 17, 3, 1, 6, 41, (0,), False, False),
+                   (4, 16, 40, 4, 4, 8, 50, (0, 5, 600, 2), True, True), (5, 13, 32, 2, 1, 8, 24, (3,), False, True)]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoder_layer_equals_its_parts_composed(dtype):
-    # Bit for bit: the layer is the composition of the ops the unfused model called one by one.
-    layer = Layer(B=2, T=6, dtype=dtype)
+@pytest.mark.parametrize("shape", COMPOSED_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
+def test_decoder_layer_equals_its_parts_composed(shape, dtype, threads):
+    # Bit for bit: the layer (one parallel region for up to 64 rows, whatever the threads) is the
+    # composition of the ops the unfused model called one by one.
+    B, T, H, Hq, Hkv, D, I, prefix, bias, residual = shape
+    layer = Layer(B, T, H, Hq, Hkv, D, I, dtype=dtype, bias=bias, residual=residual, prefix=prefix)
     cache = layer.kv_cache.clone()
-    got = ops.decoder_layer(*layer.args(cache))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ops.decoder_layer(*layer.args(cache))
+    finally:
+        torch.set_num_threads(before)
     w, B, T = layer.weights, layer.B, layer.T
     parts_cache = layer.kv_cache.clone()
     h, stream = ops.rms_norm(layer.delta, w["input_norm"], 1e-5, layer.residual)

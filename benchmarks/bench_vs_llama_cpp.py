@@ -132,7 +132,7 @@ def main():
                if line.strip()][:args.prompts]
     methods = [m for m in args.methods.split(",") if m]
     speculative = {}
-    for m in ["ar"] + methods:
+    for m in ["ar"] + methods if prompts else []:  # (--prompts 0: decoding and prefill only)
         head = load_head(METHODS[m].shipped_head, None, target, DEFAULT_MODEL) if METHODS[m].drafts else None
         tree = default_tree(target, head, m)
         tokens = seconds = 0.0

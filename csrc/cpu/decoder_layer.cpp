@@ -142,8 +142,9 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
   float *lse_partial = out_partial + n_partial, *lse = lse_partial + M * Hq * splits;
   // The cache positions and the mask, checked as rope_kv_write and tree_attention check them.
   check_rope_kv_write(at::from_blob(qkv, {B, T, Hq + 2 * Hkv, D}, options), c, sn, kv_cache, lens);
-  const auto attention_shape = check_tree_attention("jakiro::tree_attention", at::from_blob(q, {B, T, Hq, D}, options),
-                                                    kv_cache.select(0, 0), kv_cache.select(0, 1), lens, mask);
+  const auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
+  const auto attention_shape =
+      check_tree_attention("jakiro::tree_attention", at::from_blob(q, {B, T, Hq, D}, options), k_cache, v_cache, lens, mask);
 
   // Returned: the residual stream after the attention block, and the MLP's output.
   auto stream2 = at::empty({B, T, H}, options), mlp = at::empty({B, T, H}, options);
@@ -171,8 +172,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
                  *wd = w_down.data_ptr<scalar_t>(), *win = w_in.data_ptr<scalar_t>(),
                  *wpost = w_post.data_ptr<scalar_t>();
   scalar_t *pstream2 = stream2.data_ptr<scalar_t>(), *pmlp = mlp.data_ptr<scalar_t>();
-  scalar_t* keys = kv_cache.select(0, 0).data_ptr<scalar_t>();
-  scalar_t* values = kv_cache.select(0, 1).data_ptr<scalar_t>();
+  scalar_t *keys = k_cache.data_ptr<scalar_t>(), *values = v_cache.data_ptr<scalar_t>();
   const int64_t batch_stride = kv_cache.stride(1), head_stride = kv_cache.stride(2);
   const RopeKvWrite<scalar_t> rope{qkv, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), len, q, keys, values, T, Hq,
                                    Hkv, D, batch_stride, head_stride};

@@ -25,6 +25,7 @@ depends on the machine (the c_*) and on the head (E):
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
@@ -179,23 +180,42 @@ def costs_path(target, head, method: str, batch: int = 1, cache_dir: Optional[Pa
     return Path(cache_dir or cache_root() / "costs") / (costs_key(target, head, method, batch_bucket(batch)) + ".json")
 
 
+def build_id() -> str:
+    """What else the costs depend on: this package's version and its compiled kernels (the
+    library file's size and modification time; "reference" without it). Costs measured with
+    another build are measured again: a faster kernel changes which tree wins."""
+    import jakiro_ext
+    from jakiro_ext.ops import _C
+
+    try:
+        stat = os.stat(_C.__file__)
+        return f"{jakiro_ext.__version__}-{stat.st_size}-{int(stat.st_mtime)}"
+    except (AttributeError, TypeError, OSError):
+        return f"{jakiro_ext.__version__}-reference"
+
+
 def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True,
                batch: int = 1) -> dict:
     """The cached costs of this machine and setting for ``batch`` sequences (its
-    :func:`batch_bucket`), measured (seconds to a minute) when missing."""
+    :func:`batch_bucket`), measured (seconds to a minute) when missing or measured with another
+    build (:func:`build_id`)."""
     path = costs_path(target, head, method, batch, cache_dir)
     batch = batch_bucket(batch)
+    build = build_id()
     if path.exists():
         try:
             costs = json.loads(path.read_text())
-            if isinstance(costs, dict) and {"verify", "draft", "catch_up"} <= set(costs):
+            if not (isinstance(costs, dict) and {"verify", "draft", "catch_up"} <= set(costs)):
+                raise ValueError("not a cost table")
+            if costs.get("build") == build:
                 return costs
-            raise ValueError("not a cost table")
+            print(f"the cached costs {path} were measured with another build ({costs.get('build')}, this one "
+                  f"{build}); measuring them again", file=sys.stderr)
         except (ValueError, UnicodeDecodeError) as exc:  # a cache: measured again
             print(f"warning: the cached costs {path} are damaged ({exc}); measuring them again", file=sys.stderr)
     if progress:
         print(f"measuring this machine's round costs once for the tree choice (cached in {path})", file=sys.stderr)
-    costs = measure_costs(target, head, method, repeats=5 if batch == 1 else 3, batch=batch)
+    costs = dict(measure_costs(target, head, method, repeats=5 if batch == 1 else 3, batch=batch), build=build)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(path, json.dumps(costs, indent=1) + "\n")
     return costs

@@ -85,6 +85,21 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert load_costs(target, head, "jakiro", tmp_path, progress=False) == costs
 
 
+def test_costs_of_another_build_are_measured_again(tmp_path, monkeypatch, capsys):
+    # Costs measured with other kernels (another build of the library) say nothing of these.
+    from jakiro_ext.engine import tree_cost
+
+    monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
+    measured = {"verify": {"1": 0.01}, "draft": {}, "catch_up": {"1": 0.01}}
+    calls = []
+    monkeypatch.setattr(tree_cost, "measure_costs", lambda *a, **k: calls.append(1) or measured)
+    (tmp_path / "k.json").write_text(json.dumps(dict(measured, build="0.0.1-123-456")))
+    costs = load_costs(None, None, "jakiro", tmp_path, progress=False)
+    assert calls == [1] and costs["build"] == tree_cost.build_id() != "0.0.1-123-456"
+    assert "measured with another build" in capsys.readouterr().err
+    assert load_costs(None, None, "jakiro", tmp_path, progress=False) == costs and calls == [1]
+
+
 def test_costs_of_a_batch_are_measured_at_its_bucket(tmp_path, monkeypatch):
     # A batch of 3 uses the costs of 2 sequences (the power of two at or below), measured with 2
     # rows everywhere and cached apart from batch 1's; its verify curve stops at 1024 rows.

@@ -70,8 +70,11 @@ class RoleBarrier {
       generation_.fetch_add(1, std::memory_order_release);
       return;
     }
-    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation; ++spins) {
-      if (spins > 4096) std::this_thread::yield();  // (more threads than free cores)
+    for (int spins = 0; generation_.load(std::memory_order_acquire) == generation;) {
+      if (spins < 4096)
+        ++spins;
+      else
+        std::this_thread::yield();  // (more threads than free cores)
     }
   }
 

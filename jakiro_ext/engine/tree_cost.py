@@ -36,6 +36,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+import jakiro_ext
 from jakiro_ext import atomic, ops
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser, forget_cost_file
@@ -184,11 +185,8 @@ def build_id() -> str:
     """What else the costs depend on: this package's version and its compiled kernels (the
     library file's size and modification time; "reference" without it). Costs measured with
     another build are measured again: a faster kernel changes which tree wins."""
-    import jakiro_ext
-    from jakiro_ext.ops import _C
-
     try:
-        stat = os.stat(_C.__file__)
+        stat = os.stat(ops._C.__file__)
         return f"{jakiro_ext.__version__}-{stat.st_size}-{int(stat.st_mtime)}"
     except (AttributeError, TypeError, OSError):
         return f"{jakiro_ext.__version__}-reference"

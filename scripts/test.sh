@@ -18,7 +18,7 @@ echo "== python tests (CPU build)"
 JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q tests
 
 echo "== the GPU kit, dry run (every stage of scripts/gpu/run.sh on the CPU, tiny shapes)"
-PYTHON="$VENV/bin/python" bash "$ROOT/scripts/gpu/run.sh" --dry-run probe build test e2e bench sanitize profile \
+PYTHON="$VENV/bin/python" bash "$ROOT/scripts/gpu/run.sh" --dry-run probe build errors test e2e bench sanitize profile \
   check-training train
 
 echo "== C++ tests: kernel headers; GPU kernels under the SIMT emulator (fibers, threads + TSan)"

@@ -11,8 +11,8 @@ that drift hits both alike:
 * prefill: llama.cpp's ``pp{N}`` against one prompt forward of N random tokens here (in chunks,
   ``LlamaModel.prefill_chunk``), N in ``--prompt-lengths``, and the time to the first token's
   logits that each rate gives (N over it);
-* speculative decoding with the shipped heads (``--methods``, default Jakiro and EAGLE-2, the tree
-  the engine chooses) and plain decoding on the first ``--prompts`` packaged prompts (greedy,
+* speculative decoding with the shipped heads (``--methods``, default Jakiro and EAGLE-2; each with
+  the cost model's tree and with the engine's default, the tree chosen live) and plain decoding on the first ``--prompts`` packaged prompts (greedy,
   ``--max-new-tokens``): tokens/s of the generation loop, against llama.cpp's tg128 above;
 * the machine's read bandwidth (a 512 MiB sum), with the weights' bytes over it as the decoding
   floor.
@@ -131,10 +131,9 @@ def main():
     prompts = [json.loads(line) for line in (Path(HEADS_DIR).parent / "data" / "prompts.jsonl").read_text().splitlines()
                if line.strip()][:args.prompts]
     methods = [m for m in args.methods.split(",") if m]
-    speculative = {}
-    for m in ["ar"] + methods if prompts else []:  # (--prompts 0: decoding and prefill only)
-        head = load_head(METHODS[m].shipped_head, None, target, DEFAULT_MODEL) if METHODS[m].drafts else None
-        tree = default_tree(target, head, m)
+    speculative = {}  # (method, tree label) -> tokens/s
+
+    def packaged(m, head, tree) -> float:
         tokens = seconds = 0.0
         for p in prompts:
             ids = chat_ids(tokenizer, p["prompt"], True)
@@ -142,8 +141,20 @@ def main():
                                        eos_token_id=tokenizer.eos_token_id)
             tokens += out.stats.new_tokens - 1
             seconds += out.stats.wall_time_s - out.stats.prefill_s
-        speculative[m] = tokens / seconds
-        print(f"{m}: {speculative[m]:.1f} tokens/s on {len(prompts)} packaged prompts", flush=True)
+        return tokens / seconds
+
+    for m in ["ar"] + methods if prompts else []:  # (--prompts 0: decoding and prefill only)
+        if not METHODS[m].drafts:
+            speculative[m, ""] = packaged(m, None, None)
+            continue
+        head = load_head(METHODS[m].shipped_head, None, target, DEFAULT_MODEL)
+        fixed = default_tree(target, head, m)
+        # The cost model's tree, then the engine's default: chosen round by round from live timing
+        # (plain decoding among the candidates), one head across the prompts as a user's would be.
+        speculative[m, f"{fixed.total_tokens}/{fixed.depth}/{fixed.top_k}"] = packaged(m, head, fixed)
+        speculative[m, "live"] = packaged(m, head, None)
+    for (m, tree), value in speculative.items():
+        print(f"{m} {tree}: {value:.1f} tokens/s on {len(prompts)} packaged prompts", flush=True)
 
     bw = statistics.median(bandwidth)
     tg = f"tg{args.decode_tokens}"
@@ -154,8 +165,8 @@ def main():
         rows.append(dict(test=name, dtype=args.dtype, ours_tokens_per_s=round(a, 1), llama_cpp_tokens_per_s=round(b, 1),
                          ratio=round(a / b, 3), ours_ttft_ms=round(1e3 * prompt / a, 1) if prompt else "",
                          llama_cpp_ttft_ms=round(1e3 * prompt / b, 1) if prompt else ""))
-    for m, value in speculative.items():
-        rows.append(dict(test=f"{m}, {len(prompts)} packaged prompts", dtype=args.dtype,
+    for (m, tree), value in speculative.items():
+        rows.append(dict(test=f"{m}, {len(prompts)} packaged prompts", tree=tree, dtype=args.dtype,
                          ours_tokens_per_s=round(value, 1), llama_cpp_tokens_per_s=round(statistics.median(theirs[tg]), 1),
                          ratio=round(value / statistics.median(theirs[tg]), 3)))
     floor = bw * 1e9 / weight_bytes
@@ -166,7 +177,7 @@ def main():
           f"(decoding floor {floor:.0f} tokens/s for {weight_bytes / 1e6:.0f} MB of weights)")
     for row in rows:
         ttft = f"  first token {row['ours_ttft_ms']:.0f} vs {row['llama_cpp_ttft_ms']:.0f} ms" if row.get("ours_ttft_ms") else ""
-        print(f"  {row['test']:34s} ours {row['ours_tokens_per_s']:8.1f}  llama.cpp {row['llama_cpp_tokens_per_s']:8.1f}"
+        print(f"  {row['test'] + (' ' + row['tree'] if row.get('tree') else ''):40s} ours {row['ours_tokens_per_s']:8.1f}  llama.cpp {row['llama_cpp_tokens_per_s']:8.1f}"
               f"  ratio {row['ratio']:.2f}x{ttft}")
 
 

@@ -103,21 +103,3 @@ def move_to_huge_pages(module: torch.nn.Module) -> int:
             offset += size
     return offset
 
-
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """How many bytes of the mapping that holds ``tensor`` the kernel backs with huge pages now
-    (``AnonHugePages`` in /proc/self/smaps; 0 where that cannot be read)."""
-    address = tensor.data_ptr()
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return 0
-    inside = False
-    for line in lines:
-        head = line.split(maxsplit=1)[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1]) * 1024
-    return 0

@@ -130,24 +130,23 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
   const auto w_qkv = qkv_weight.contiguous(), w_o = o_weight.contiguous(), w_gu = gate_up_weight.contiguous(),
              w_down = down_weight.contiguous(), w_in = input_norm.contiguous(), w_post = post_norm.contiguous();
 
-  // The buffers the stages share, in one allocation kept by the calling thread.
-  const int64_t* len = lens.data_ptr<int64_t>();
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, len[b]);
-  const int64_t splits = fixed_splits(longest + T);  // (a bad length is refused by the checks below)
-  const int64_t n_qkv = M * QKV, n_q = M * Hq * D, n_act = M * I, n_partial = M * Hq * splits * D;
+  // The buffers the stages share, kept by the calling thread from call to call.
+  const int64_t n_qkv = M * QKV, n_q = M * Hq * D;
   thread_local std::vector<char> shared;
-  const int64_t scalar_bytes = ((n_qkv + 2 * n_q + 2 * M * H + n_act) * sizeof(scalar_t) + 63) / 64 * 64;
-  shared.resize(scalar_bytes + (n_partial + M * Hq * (splits + 1)) * sizeof(float));
+  shared.resize((n_qkv + 2 * n_q + 2 * M * H + M * I) * sizeof(scalar_t));
   scalar_t* qkv = as<scalar_t>(shared);
   scalar_t *q = qkv + n_qkv, *attn = q + n_q, *o = attn + n_q, *stream = o + M * H, *act = stream + M * H;
-  float* out_partial = reinterpret_cast<float*>(shared.data() + scalar_bytes);
-  float *lse_partial = out_partial + n_partial, *lse = lse_partial + M * Hq * splits;
   // The cache positions and the mask, checked as rope_kv_write and tree_attention check them.
   check_rope_kv_write(at::from_blob(qkv, {B, T, Hq + 2 * Hkv, D}, options), c, sn, kv_cache, lens);
   const auto k_cache = kv_cache.select(0, 0), v_cache = kv_cache.select(0, 1);
   const auto attention_shape =
       check_tree_attention("jakiro::tree_attention", at::from_blob(q, {B, T, Hq, D}, options), k_cache, v_cache, lens, mask);
+  // The attention's partial results: splits of kMinSplitLen keys over the longest sequence's keys.
+  const int64_t splits = fixed_splits(attention_shape.longest_prefix + T), n_partial = M * Hq * splits * D;
+  thread_local std::vector<float> partials;
+  partials.resize(n_partial + M * Hq * (splits + 1));
+  float *out_partial = partials.data(), *lse_partial = out_partial + n_partial, *lse = lse_partial + M * Hq * splits;
+  const int64_t* len = lens.data_ptr<int64_t>();
 
   // Returned: the residual stream after the attention block, and the MLP's output.
   auto stream2 = at::empty({B, T, H}, options), mlp = at::empty({B, T, H}, options);

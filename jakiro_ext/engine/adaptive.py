@@ -11,9 +11,11 @@ window of its last rounds. It runs the candidate whose live rate (tokens / secon
 the start it measures plain decoding first, then every tree the cost model (scaled by plain
 decoding's live time) puts within :data:`COMPETITIVE` of the best; at a new number of batch rows,
 plain decoding and the best again, the others estimated from their ratio to plain decoding at
-other row counts; it re-measures the close ones now and then, and forgets what it measured of a candidate it
-has not run for a while, so that within a few rounds of a change it follows the machine and the
-prompt. A chooser lives as long as its head, across calls (one per method, batch-size bucket and
+other row counts. It re-measures the close ones now and then (a probe), less often each time a
+probe finds the candidate still behind, and forgets what it measured of a candidate it has not run
+for a while (keeping its last live ratio to plain decoding's seconds, not the cost model's, as
+the estimate until it is measured again), so that within a few rounds of a change it follows the
+machine and the prompt, and a tree that keeps losing costs a probe round in a hundred or more. A chooser lives as long as its head, across calls (one per method, batch-size bucket and
 machine setting), so a call starts from what the last ones measured.
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
@@ -42,11 +44,15 @@ WINDOW = 8          # a candidate's live seconds: the median of its last WINDOW 
 TOKEN_WINDOW = 16   # ... its tokens per round, the mean of its last TOKEN_WINDOW (noisier: longer, and
 PRIOR_ROUNDS = 2    # counting the cost model's expectation as this many rounds)
 MIN_SAMPLES = 2     # rounds plain decoding is measured for before it competes (a tree: one)
-PROBE_EVERY = 16    # every PROBE_EVERY rounds the stalest other candidate within COMPETITIVE of
-COMPETITIVE = 0.85  # the best rate is re-measured
+PROBE_EVERY = 16    # a candidate within COMPETITIVE of the best rate is re-measured after this many
+COMPETITIVE = 0.85  # rounds without a run, twice as late each time the probe finds it still behind
+MAX_PROBE_EVERY = 256  # (up to this)
 FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
 MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
 COSTS_DISAGREE = 1.4  # live / cached seconds of a round beyond this (or below its inverse)
+MARGIN = 1.03  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
+# the rates are means of a few noisy rounds, and the candidate that looks best is the one whose noise
+# flattered it most; a tree within a few percent of plain decoding gains nothing worth that risk
 
 
 @dataclass
@@ -61,7 +67,11 @@ class Candidate:
     seconds: Dict[int, deque] = field(default_factory=dict)
     tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
     last_round: int = -1  # the round it last ran
+    probe_every: int = PROBE_EVERY  # rounds without a run after which a probe re-measures it
     forget_after: int = FORGET_AFTER  # rounds without a run after which its measurements are dropped
+    # Its seconds over plain decoding's when its measurements were dropped: the estimate of its
+    # seconds until it is measured again (its tokens: the cost model's again, the text has changed).
+    remembered_ratio: Optional[float] = None
 
     def samples(self, rows: int) -> int:
         return len(self.seconds.get(rows, ()))
@@ -80,7 +90,10 @@ class Candidate:
         self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
         self.tokens.append(tokens)
 
-    def forget(self) -> None:
+    def forget(self, ratio: Optional[float]) -> None:
+        """Drop the measurements, keeping ``ratio`` (its seconds over plain decoding's, None: not
+        known) as the estimate."""
+        self.remembered_ratio = ratio if ratio is not None else self.remembered_ratio
         self.seconds.clear()
         self.tokens.clear()
 
@@ -102,53 +115,65 @@ class TreeChooser:
     def trees(self) -> List[TreeConfig]:
         return [c.tree for c in self.candidates if c.tree is not None]
 
+    def ratio(self, c: Candidate, rows: int) -> Optional[float]:
+        """``c``'s live seconds over plain decoding's at the number of rows nearest ``rows`` where
+        both ran (None: nowhere)."""
+        both = [r for r in c.seconds if r in self.plain.seconds]
+        if not both:
+            return None
+        r = min(both, key=lambda r: abs(r - rows))
+        return statistics.median(c.seconds[r]) / statistics.median(self.plain.seconds[r])
+
     def rate(self, c: Candidate, rows: int) -> float:
         """``c``'s rate at ``rows`` rows. Where it has not run at that many, its seconds are
-        estimated from plain decoding's live seconds there: times its own ratio to them at the
-        nearest number of rows where both ran, else times the cost model's ratio."""
+        estimated from plain decoding's live seconds there: times its own live ratio to them (at
+        the nearest number of rows where both ran, else the one it had when forgotten), else
+        times the cost model's ratio."""
         plain = self.plain.seconds.get(rows)
         if not plain:
             return c.rate(rows, c.expected_seconds)
-        both = [r for r in c.seconds if r in self.plain.seconds]
-        if both:
-            r = min(both, key=lambda r: abs(r - rows))
-            ratio = statistics.median(c.seconds[r]) / statistics.median(self.plain.seconds[r])
-        else:
-            ratio = c.expected_seconds / self.plain.expected_seconds
+        ratio = self.ratio(c, rows)
+        if ratio is None:
+            ratio = c.remembered_ratio or c.expected_seconds / self.plain.expected_seconds
         return c.rate(rows, statistics.median(plain) * ratio)
 
     def best(self, rows: int) -> Candidate:
-        return max(self.candidates, key=lambda c: self.rate(c, rows))
+        """The candidate to run at ``rows`` rows: the highest live rate, a tree's counted
+        :data:`MARGIN` times less than plain decoding's."""
+        return max(self.candidates, key=lambda c: self.rate(c, rows) * (1 if c is self.plain else 1 / MARGIN))
 
     def choose(self, rows: int) -> Candidate:
         """The candidate for a round of ``rows`` batch rows."""
         for c in self.candidates:
-            if self.round - c.last_round >= c.forget_after:
-                c.forget()
+            if c.seconds and self.round - c.last_round >= c.forget_after:
+                c.forget(None if c is self.plain else self.ratio(c, rows))
         # First plain decoding is measured (the cost model may be wrong about it by any factor),
         # then every competitive tree.
         if not self.plain.measured(rows):
             return self.plain
+        best = self.best(rows)
         rates = [self.rate(c, rows) for c in self.candidates]
-        best = self.candidates[rates.index(max(rates))]
         close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)]
-        for c in close:  # (a tree run at other row counts has its estimate from there: probed, not explored)
-            if not c.measured(rows) and (c is best or not c.seconds):
+        for c in close:  # (a tree with a live estimate, from other row counts or forgotten: probed, not explored)
+            if not c.measured(rows) and (c is best or not (c.seconds or c.remembered_ratio)):
                 return c
-        if self.round % PROBE_EVERY == PROBE_EVERY - 1 and len(close) > 1:
-            return min((c for c in close if c is not best), key=lambda c: c.last_round)
-        return best
+        due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every]
+        return min(due, key=lambda c: c.last_round) if due else best
 
     def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float) -> None:
         """A round of ``candidate`` over ``rows`` batch rows took ``seconds`` and gave
         ``tokens_per_sequence`` new tokens (the mean over the batch's sequences)."""
         fresh = not candidate.seconds
+        probe = self.round - candidate.last_round >= candidate.probe_every
         candidate.add(rows, seconds, tokens_per_sequence)
         candidate.last_round = self.round
         self.round += 1
         if fresh and candidate.tree is not None:  # (re)measured from scratch
             behind = self.rate(candidate, rows) < COMPETITIVE * self.rate(self.best(rows), rows)
             candidate.forget_after = min(2 * candidate.forget_after, MAX_FORGET_AFTER) if behind else FORGET_AFTER
+        if probe:  # still behind: probed less often; ahead: as often as at first
+            behind = self.best(rows) is not candidate
+            candidate.probe_every = min(2 * candidate.probe_every, MAX_PROBE_EVERY) if behind else PROBE_EVERY
         if self.forget_costs is not None and rows == self.batch:
             ratio = statistics.median(candidate.seconds[rows]) / candidate.expected_seconds
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider

@@ -263,8 +263,8 @@ def auto_tree(target, head, method: str, batch: int = 1):
 
 # head -> {(cost file, id(target)): its TreeChooser}: a head's live measurements outlive a call.
 _CHOOSERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-CANDIDATES = 3  # the cost model's best trees a TreeChooser runs live, besides plain decoding ...
-SMALL_TREE = 4  # ... and its best tree of at most this many nodes
+CANDIDATES = 3  # the cost model's best trees of distinct sizes a TreeChooser runs live, besides
+SMALL_TREE = 4  # plain decoding, and its best tree of at most this many nodes
 
 
 def tree_chooser(target, head, method: str, batch: int = 1) -> Optional[TreeChooser]:
@@ -280,13 +280,17 @@ def tree_chooser(target, head, method: str, batch: int = 1) -> Optional[TreeChoo
         return kept[path, id(target)]
     costs = load_costs(target, head, method, batch=batch)
     _, ranked = choose_tree(costs, profile, method)
-    picked = ranked[:CANDIDATES] + [next((row for row in ranked if row[2] <= SMALL_TREE), ranked[0])]
-    candidates, seen = [], set()
-    for _, accepted, n, depth, top_k in picked:
-        if (n, depth, top_k) not in seen:
-            seen.add((n, depth, top_k))
-            candidates.append(Candidate(TreeConfig(n, depth, top_k), 1 + accepted,
-                                        round_seconds(costs, n, depth, top_k, accepted)))
+    # One tree of each size (trees of one size and other depths or widths cost and accept about
+    # the same: measuring several of them live buys nothing).
+    sizes = {}
+    for row in ranked:
+        sizes.setdefault(row[2], row)
+    best = list(sizes.values())
+    picked = best[:CANDIDATES] + [next((row for row in best if row[2] <= SMALL_TREE), best[0])]
+    candidates = []
+    for _, accepted, n, depth, top_k in dict.fromkeys(picked):
+        candidates.append(Candidate(TreeConfig(n, depth, top_k), 1 + accepted,
+                                    round_seconds(costs, n, depth, top_k, accepted)))
     candidates.append(Candidate(None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
     chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path))
     return chooser

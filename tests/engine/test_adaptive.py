@@ -22,7 +22,7 @@ def candidates():
             Candidate(None, 1.0, 0.012)]
 
 
-def run(chooser, rounds, seconds_of, tokens_of=lambda c: c.expected_tokens, rows=1):
+def run(chooser, rounds, seconds_of=lambda c: c.expected_seconds, tokens_of=lambda c: c.expected_tokens, rows=1):
     """Drive the chooser with a live machine given as functions of the candidate; returns the trees run."""
     ran = []
     for _ in range(rounds):
@@ -36,7 +36,9 @@ def test_measures_plain_decoding_and_the_competitive_trees_first():
     chooser = TreeChooser(candidates(), batch=1)
     ran = run(chooser, 4, lambda c: c.expected_seconds)
     assert ran == [None, None, BIG, SMALL]  # FAR: a third of the best rate, never tried
-    assert run(chooser, 12, lambda c: c.expected_seconds) == [BIG] * 11 + [SMALL]  # the costs were right; a probe
+    # The costs were right: the best from now on, and a probe of the close one PROBE_EVERY rounds
+    # after it last ran (round 3).
+    assert run(chooser, adaptive.PROBE_EVERY) == [BIG] * (adaptive.PROBE_EVERY - 1) + [SMALL]
 
 
 def test_falls_back_to_plain_decoding_when_speculation_is_slower():
@@ -45,6 +47,33 @@ def test_falls_back_to_plain_decoding_when_speculation_is_slower():
     ran = run(chooser, 400, lambda c: c.expected_seconds * (3 if c.tree else 1))
     assert ran[-1] is None and ran[10:].count(None) / len(ran[10:]) > 0.97  # a probe now and then
     assert ran.count(FAR) <= 1  # far behind by the costs: only when stale
+
+
+def test_a_close_tree_that_stays_behind_is_probed_less_and_less_often():
+    # Live: SMALL 0.9x plain decoding's rate (close: probed), BIG and FAR far behind.
+    chooser = TreeChooser(candidates(), batch=1)
+    ran = run(chooser, 1000, lambda c: c.expected_seconds * (3 if c.tree in (BIG, FAR) else 1),
+              tokens_of=lambda c: 1.0 if c.tree is None else 0.9 * c.expected_seconds / 0.012)
+    runs = [i for i, tree in enumerate(ran) if tree is SMALL]
+    gaps = [b - a for a, b in zip(runs, runs[1:]) if b - a > 1]  # (first a few rounds in a row: its prior)
+    assert gaps[:3] == [adaptive.PROBE_EVERY, 2 * adaptive.PROBE_EVERY, 4 * adaptive.PROBE_EVERY]
+    # Forgotten after FORGET_AFTER rounds, it is tried again for a few rounds (its tokens' prior is
+    # the cost model's again): in all, under a tenth of the rounds at 0.9x.
+    assert ran[100:].count(SMALL) < 0.1 * len(ran[100:]) and ran.count(BIG) + ran.count(FAR) <= 1
+
+
+def test_a_forgotten_tree_keeps_its_live_estimate():
+    # The cost model says BIG is the best by far; live it is three times slower. Forgotten after
+    # FORGET_AFTER rounds, it is estimated from what it measured, not from the cost model: not run again
+    # before its probe is due.
+    chooser = TreeChooser(candidates()[:2] + candidates()[3:], batch=1)
+    slow = lambda c: c.expected_seconds * (3 if c.tree is BIG else 1)
+    run(chooser, 8, slow)
+    big = chooser.candidates[0]
+    assert big.seconds and big.forget_after > adaptive.FORGET_AFTER  # measured, far behind
+    ran = run(chooser, 2 * big.forget_after + 1, slow)
+    assert not big.seconds and big.remembered_ratio == pytest.approx(3 * 0.020 / 0.012)
+    assert ran.count(BIG) == 0
 
 
 def test_follows_a_change_within_a_window_of_rounds():

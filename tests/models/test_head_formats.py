@@ -239,7 +239,10 @@ def test_dense_heads_export_to_the_eagle_format_and_read_back(target, tmp_path):
     head = full_vocabulary_head(target, "eagle2")
     head.save(tmp_path / "eagle", format="eagle")
     config = json.loads((tmp_path / "eagle" / "config.json").read_text())
-    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 1
+    # Each engine takes the first architecture it knows (vLLM's EAGLE class, SGLang's); no "bias"
+    # key, which would give vLLM attention biases that nothing loads.
+    assert config["architectures"] == ["EagleLlamaForCausalLM", "LlamaForCausalLMEagle"]
+    assert config["num_hidden_layers"] == 1 and "bias" not in config and config["attention_bias"] is False
     from safetensors.torch import load_file
     assert set(load_file(str(tmp_path / "eagle" / "model.safetensors"))) == {
         "fc.weight", "fc.bias", "layers.0.post_attention_layernorm.weight",
@@ -250,7 +253,7 @@ def test_dense_heads_export_to_the_eagle_format_and_read_back(target, tmp_path):
     ours = speculative_generate(target, head, ids, 24, method="eagle2", tree=TREE)
     theirs = speculative_generate(target, loaded, ids, 24, method="eagle2", tree=TREE)
     assert theirs.token_ids == ours.token_ids and theirs.stats.accept_lengths == ours.stats.accept_lengths
-    with pytest.raises(ValueError, match=r"the eagle format holds dense heads: a Jakiro \(MoE\) head"):
+    with pytest.raises(ValueError, match=r"the eagle format holds dense heads: save a Jakiro \(MoE\) head with format='serving'"):
         copy_head(target, "jakiro").save(tmp_path / "moe", format="eagle")
     reduced = DraftHead(head.config.__class__(**{**head.config.__dict__, "draft_vocab_size": 50}))
     reduced.init_weights(0).set_draft_vocab(torch.arange(50) * 4)

@@ -39,6 +39,7 @@ from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, CONFIG_FILE, WEIGHT
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project, rope_cos_sin, rotary
 from jakiro_ext.profiling import scope
+from jakiro_ext.serving import format as serving_format
 
 # Released heads of another class than DraftHead, by format: the class's constructor from the
 # released config and tensors (EAGLE-3's, registered by jakiro_ext.models.heads.eagle3).
@@ -208,19 +209,20 @@ class DraftHead(nn.Module):
         ``format="eagle"``: a dense head in the EAGLE-1/2 format that vLLM and SGLang load for
         their ``eagle`` method (:func:`jakiro_ext.models.heads.formats.eagle_files`); a head with a
         reduced draft vocabulary needs ``full_vocabulary=True`` (that format drafts over the whole
-        vocabulary)."""
+        vocabulary). ``format="serving"``: for this package's vLLM and SGLang plugins (:mod:`jakiro_ext.serving`)."""
         if format == "eagle3":
             raise ValueError("the eagle3 format holds EAGLE-3 heads (three target layers in, their own LM head); "
                              f"this head is {self.config.kind}: save it as 'eagle'")
-        if format not in ("jakiro_ext", "eagle"):
-            raise ValueError(f"format must be 'jakiro_ext' or 'eagle', got {format!r}")
+        if format not in ("jakiro_ext", "eagle", "serving"):
+            raise ValueError(f"format must be 'jakiro_ext', 'eagle' or 'serving', got {format!r}")
+        config, state = serving_format.serving_files(self) if format == "serving" else (None, None)
         if format == "eagle":
             head = self
             if full_vocabulary and self.config.draft_vocab_size:
                 head = DraftHead(replace(self.config, draft_vocab_size=0))
                 head.load_state_dict({k: v for k, v in self.state_dict().items() if k != "draft_to_target"})
             config, state = head_formats.eagle_files(head)
-        else:
+        elif format == "jakiro_ext":
             config, state = asdict(self.config), self.state_dict()
         extra = dict(extra_files or {})
         if self.acceptance is not None and format == "jakiro_ext":
@@ -247,7 +249,12 @@ class DraftHead(nn.Module):
         if format is not None and format not in head_formats.FORMATS:
             raise ValueError(f"format must be one of {head_formats.FORMATS}, got {format!r}")
         raw = head_formats.read_config(path)
-        if format == "jakiro_ext" or (format is None and head_formats.is_own(raw)):
+        if format == "serving" or (format is None and serving_format.is_serving(raw)):
+            state, weights = head_formats.read_weights(path)
+            fields, state = serving_format.from_serving(raw, state, str(weights))
+            head = cls(DraftConfig(**fields))
+            head._check_target_of(target, path)
+        elif format == "jakiro_ext" or (format is None and head_formats.is_own(raw)):
             if not (path / WEIGHTS_FILE).is_file():
                 raise FileNotFoundError(f"{path / WEIGHTS_FILE} not found: a draft head directory holds {CONFIG_FILE} "
                                         f"and {WEIGHTS_FILE}")

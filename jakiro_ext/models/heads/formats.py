@@ -32,7 +32,8 @@ import torch
 from jakiro_ext.models.heads.config import DraftConfig
 
 SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
-FORMATS = ("jakiro_ext", "eagle", "jakiro", "gumiho", "eagle3")  # jakiro_ext: this package's own (draft_head.py)
+FORMATS = ("jakiro_ext", "eagle", "jakiro", "gumiho", "eagle3", "serving")  # jakiro_ext: this package's own
+# (draft_head.py); serving: what this package's engine plugins load (jakiro_ext.serving.format)
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # a decoder layer's projections, by their checkpoint names
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -203,24 +204,25 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
 
 def eagle_files(head) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """config.json and the tensors of a dense head in the ``eagle`` format (what vLLM's and
-    SGLang's ``eagle`` methods load: a one-layer ``LlamaForCausalLM`` config, which both engines
-    map to their EAGLE draft model)."""
+    SGLang's ``eagle`` methods load with their own EAGLE draft classes: each engine takes the first
+    architecture it knows, ``EagleLlamaForCausalLM`` vLLM, ``LlamaForCausalLMEagle`` SGLang). No
+    ``bias`` key: vLLM would build attention biases that nothing loads."""
     c = head.config
     if c.num_experts:
-        raise ValueError("the eagle format holds dense heads: a Jakiro (MoE) head, and its contrastive step, need an "
-                         "engine plugin (not written yet)")
+        raise ValueError("the eagle format holds dense heads: save a Jakiro (MoE) head with format='serving', which "
+                         "this package's vLLM and SGLang plugins load (jakiro_ext.serving)")
     if c.num_mlp_heads or c.num_layers > 1:
         raise ValueError(f"the eagle format holds one-layer dense heads: this {c.kind} head has {c.num_layers} layers and "
-                         f"{c.num_mlp_heads} MLP heads, which need an engine plugin (not written yet)")
+                         f"{c.num_mlp_heads} MLP heads, which no serving engine runs")
     if c.draft_vocab_size:
         raise ValueError(f"this head drafts over {c.draft_vocab_size} of the target's tokens, which the eagle format "
                          "cannot say (its drafts would range over the whole vocabulary): save it with "
                          "full_vocabulary=True to accept that")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+    config = {"architectures": ["EagleLlamaForCausalLM", "LlamaForCausalLMEagle"], "model_type": "llama", "hidden_act": "silu",
               "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
               "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
               "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-              "rope_scaling": None, "vocab_size": c.vocab_size, "bias": True, "tie_word_embeddings": False}
+              "rope_scaling": None, "vocab_size": c.vocab_size, "attention_bias": False, "tie_word_embeddings": False}
     mine = head.state_dict()
     state = {"fc.weight": mine["fc.weight"], "fc.bias": mine["fc.bias"],
              "layers.0.post_attention_layernorm.weight": mine["post_attention_layernorm.weight"]}

@@ -190,7 +190,7 @@ def test_released_fp16_heads_load_with_format_forced(target, tmp_path):
             == speculative_generate(target, None, ids, 20).token_ids)
     with pytest.raises(ValueError, match=r"a eagle head needs the tensor 'layers.0.mlp.gate_proj.weight', which is missing"):
         DraftHead.load(path, target, format="eagle")
-    with pytest.raises(ValueError, match=r"format must be one of \('jakiro_ext', 'eagle', 'jakiro', 'gumiho', 'eagle3'\), got 'medusa'"):
+    with pytest.raises(ValueError, match=r"format must be one of \('jakiro_ext', 'eagle', 'jakiro', 'gumiho', 'eagle3', 'serving'\), got 'medusa'"):
         DraftHead.load(path, target, format="medusa")
 
 

@@ -144,4 +144,8 @@ setup(
               "build_py": BuildPyWithKernelSources},
     python_requires=">=3.10",
     install_requires=["numpy"],
+    # The serving engines' plugins (jakiro_ext/serving): each registers the serving format's draft
+    # class when that engine starts; nothing happens without the engine.
+    entry_points={"vllm.general_plugins": ["jakiro = jakiro_ext.serving.plugins:register_vllm"],
+                  "sglang.srt.plugins": ["jakiro = jakiro_ext.serving.plugins:register_sglang"]},
 )

@@ -9,7 +9,9 @@
 #      (installs Debian's hipcc with apt-get; JAKIRO_TEST_HIP_BUILD=0 leaves it out);
 #   5. the CUDA build check: the extension built with its CUDA sources against the CUDA 13 build
 #      of torch 2.14.1 and nvcc, imported on this GPU-less machine, and the test suite run on it.
-#      JAKIRO_TEST_CUDA_BUILD=0 leaves it out (it needs a CUDA toolkit and ~6 GB of disk).
+#      JAKIRO_TEST_CUDA_BUILD=0 leaves it out (it needs a CUDA toolkit and ~6 GB of disk);
+#   6. the vLLM check: vLLM's CPU build serving a Jakiro head through this package's plugin
+#      (scripts/serving/vllm_check.sh; .venv-vllm, ~2 GB). JAKIRO_TEST_VLLM=0 leaves it out.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" pytest scipy
 cd "$ROOT"
@@ -37,4 +39,10 @@ if [ "${JAKIRO_TEST_CUDA_BUILD:-1}" = "0" ]; then
   echo "== CUDA build check: left out (JAKIRO_TEST_CUDA_BUILD=0)"
 else
   bash "$ROOT/scripts/check_cuda_build.sh"
+fi
+
+if [ "${JAKIRO_TEST_VLLM:-1}" = "0" ]; then
+  echo "== vLLM check: left out (JAKIRO_TEST_VLLM=0)"
+else
+  JAKIRO_VENV="$VENV" bash "$ROOT/scripts/serving/vllm_check.sh"
 fi

@@ -1,0 +1,80 @@
+"""The long training run's learning curve, from its checkpoints: tokens seen, the training loss
+and top-1 accuracy (means over the steps since the previous evaluation), the learning rate, and
+the held-out acc1..acc4 with the contrastive branch's acc2..acc4, at every evaluation; one CSV
+row per evaluation and head, and a chart (held-out acc1 and acc2 against tokens seen, all heads
+on one chart, the training acc1 dashed).
+
+    python benchmarks/long_run_curve.py --run jakiro=/work/run/jakiro/checkpoint.pt \\
+        [--run eagle2=...] [--tokens-before jakiro=17.8e6 ...]
+
+``--tokens-before``: what the head had seen before this run (its init), added to the tokens axis
+so that heads continued from different points compare at equal tokens seen. Writes
+``results/long_run_curve.csv`` and ``results/long_run_curve.png``."""
+import argparse
+import os
+
+import torch
+
+from common import RESULTS, save_figure, write_csv
+
+EVAL_KEYS = ("eval_acc1", "eval_acc2", "eval_acc3", "eval_acc4",
+             "eval_acc2_contrastive", "eval_acc3_contrastive", "eval_acc4_contrastive")
+
+
+def curve(history, before: float):
+    """One row per evaluation in ``history`` (the checkpoint's per-step records)."""
+    rows, since = [], []
+    for record in history:
+        since.append(record)
+        if not any(k in record for k in EVAL_KEYS):
+            continue
+        row = dict(step=record["step"], tokens_seen=int(record["tokens_seen"] + before),
+                   run_tokens=int(record["tokens_seen"]), lr=record["lr"],
+                   train_loss=round(sum(r["loss"] for r in since) / len(since), 4),
+                   train_acc1=round(sum(r["acc1"] for r in since) / len(since), 4))
+        row.update({k.replace("eval_", "held_out_"): round(record[k], 4) for k in EVAL_KEYS if k in record})
+        rows.append(row)
+        since = []
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", action="append", required=True, help="NAME=checkpoint.pt")
+    ap.add_argument("--tokens-before", action="append", default=[], help="NAME=tokens the head saw before the run")
+    ap.add_argument("--out", default=os.path.join(RESULTS, "long_run_curve.csv"))
+    args = ap.parse_args()
+    before = {k: float(v) for k, v in (item.split("=", 1) for item in args.tokens_before)}
+    rows = []
+    for item in args.run:
+        name, path = item.split("=", 1)
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        for row in curve(state["history"], before.get(name, 0.0)):
+            rows.append(dict(head=name, total_steps=state["total"], **row))
+    write_csv(args.out, rows)
+    for row in rows:
+        print(row)
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in dict.fromkeys(r["head"] for r in rows):
+        mine = [r for r in rows if r["head"] == name]
+        x = [r["tokens_seen"] / 1e6 for r in mine]
+        line, = ax.plot(x, [r["held_out_acc1"] for r in mine], marker="o", label=f"{name} held-out acc1")
+        ax.plot(x, [r["held_out_acc2"] for r in mine], marker="s", color=line.get_color(), alpha=0.6,
+                label=f"{name} held-out acc2")
+        ax.plot(x, [r["train_acc1"] for r in mine], linestyle="--", color=line.get_color(), alpha=0.5,
+                label=f"{name} training acc1")
+    ax.set_xscale("log")
+    ax.set_xlabel("tokens seen (millions, the init's included)")
+    ax.set_ylabel("top-1 accuracy")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, os.path.splitext(args.out)[0] + ".png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """A training checkpoint's head as a head directory: the weights of ``checkpoint.pt`` (written by
 ``train --checkpoint-every``) in the configuration of the head the run started from, saved (bf16
-by default) with a ``run.json`` saying where the run stands (step of total, tokens seen, the
+by default) with a ``training.json`` saying where the run stands (step of total, tokens seen, the
 learning rate): what a continuation on another machine needs (``train --init-from DIR`` with a
 short warm-up) when the checkpoint itself (fp32 weights and the optimizer's moments) is not kept.
 
@@ -25,9 +25,9 @@ def main():
     head = DraftHead.load(args.init_head).float()
     head.load_state_dict(state["head"])
     last = state["history"][-1]
-    run = {"step": state["step"], "total_steps": state["total"], "tokens_seen_in_run": last["tokens_seen"],
-           "lr": last["lr"], "config": state["config"]}
-    head.save(args.out, dtype=getattr(torch, args.dtype), extra_files={"run.json": json.dumps(run, indent=1) + "\n"})
+    run = {"from_checkpoint": {"step": state["step"], "total_steps": state["total"],
+                               "tokens_seen_in_run": last["tokens_seen"], "lr": last["lr"], "config": state["config"]}}
+    head.save(args.out, dtype=getattr(torch, args.dtype), extra_files={"training.json": json.dumps(run, indent=1) + "\n"})
     print(f"{args.out}: step {state['step']} of {state['total']}, {last['tokens_seen']:,} tokens seen in the run")
 
 

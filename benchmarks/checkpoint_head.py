@@ -24,6 +24,7 @@ def main():
     state = torch.load(args.checkpoint, map_location="cpu", weights_only=False)
     head = DraftHead.load(args.init_head).float()
     head.load_state_dict(state["head"])
+    head.acceptance = None  # the init's profile is not this head's (profile it with train's evaluation)
     last = state["history"][-1]
     run = {"from_checkpoint": {"step": state["step"], "total_steps": state["total"],
                                "tokens_seen_in_run": last["tokens_seen"], "lr": last["lr"], "config": state["config"]}}

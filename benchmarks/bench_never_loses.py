@@ -11,12 +11,14 @@ The live choice runs twice with one head: its first call (``live``: the head's c
 from nothing) and the next (``warm``: it starts from what the first measured). For each, also the
 cost model's fixed tree from the same cache (what the engine ran before the live choice). SmolLM2-135M-Instruct in float32, the packaged prompts (chat template), batches of
 B consecutive prompts through ``generate_many``; tokens/s = new tokens / wall time, prefills
-included; greedy runs check every sequence's tokens against plain decoding. Writes
-``results/never_loses.csv``."""
+included, the median of ``--repeats`` alternating runs of the four (runs of a few seconds move by
+several percent from one to the next); greedy runs check every sequence's tokens against plain
+decoding. Writes ``results/never_loses.csv``."""
 import argparse
 import json
 import multiprocessing
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -40,6 +42,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=8, help="prompts per run (at least the batch size)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each method; medians reported")
     ap.add_argument("--out", default=os.path.join(RESULTS, "never_loses.csv"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -84,14 +87,19 @@ def main():
             measured = path.read_text()
             fixed = default_tree(target, fresh_head(), "jakiro", batch=batch)
             for temperature in args.temperatures:
-                plain, plain_outs = run(None, "ar", batch, temperature)
-                path.write_text(measured)  # as the engine finds it (a live run deletes costs that disagree)
-                head = fresh_head()
-                live, live_outs = run(head, "jakiro", batch, temperature)
-                warm, warm_outs = run(head, "jakiro", batch, temperature)  # the head's chooser from the last call
-                fixed_rate, fixed_outs = run(fresh_head(), "jakiro", batch, temperature, fixed)
-                if temperature == 0:
-                    assert live_outs == warm_outs == plain_outs == fixed_outs, "greedy tokens differ from plain decoding"
+                rates = {"plain": [], "live": [], "warm": [], "fixed": []}
+                for _ in range(args.repeats):  # alternating: machine noise hits every method alike
+                    plain, plain_outs = run(None, "ar", batch, temperature)
+                    path.write_text(measured)  # as the engine finds it (a live run deletes costs that disagree)
+                    head = fresh_head()
+                    live, live_outs = run(head, "jakiro", batch, temperature)
+                    warm, warm_outs = run(head, "jakiro", batch, temperature)  # the head's chooser from the last call
+                    fixed_rate, fixed_outs = run(fresh_head(), "jakiro", batch, temperature, fixed)
+                    if temperature == 0:
+                        assert live_outs == warm_outs == plain_outs == fixed_outs, "greedy tokens differ from plain decoding"
+                    for name, value in zip(rates, (plain, live, warm, fixed_rate)):
+                        rates[name].append(value)
+                plain, live, warm, fixed_rate = (statistics.median(v) for v in rates.values())
                 row = dict(batch=batch, temperature=temperature, costs=cache, ar_tokens_per_s=round(plain, 1),
                            live_tokens_per_s=round(live, 1), live_vs_ar=round(live / plain, 3),
                            warm_tokens_per_s=round(warm, 1), warm_vs_ar=round(warm / plain, 3),

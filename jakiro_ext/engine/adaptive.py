@@ -15,8 +15,10 @@ other row counts. It re-measures the close ones now and then (a probe), less oft
 probe finds the candidate still behind, and forgets what it measured of a candidate it has not run
 for a while (keeping its last live ratio to plain decoding's seconds, not the cost model's, as
 the estimate until it is measured again), so that within a few rounds of a change it follows the
-machine and the prompt, and a tree that keeps losing costs a probe round in a hundred or more. A chooser lives as long as its head, across calls (one per method, batch-size bucket and
-machine setting), so a call starts from what the last ones measured.
+machine and the prompt, and a tree that keeps losing costs a probe round in a hundred or more. A
+tree displaces plain decoding only when its live rate beats plain's by :data:`MARGIN`. A chooser
+lives as long as its head, across calls (one per method, batch-size bucket and machine setting),
+so a call starts from what the last ones measured.
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
 target's above it. (With sampling, which tree a round uses changes which draws it consumes: a

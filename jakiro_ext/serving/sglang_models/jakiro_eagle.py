@@ -39,9 +39,11 @@ class EagleJakiroLlamaForCausalLM(LlamaForCausalLMEagle):
 
     def forward(self, *args, **kwargs):
         out = super().forward(*args, **kwargs)
-        if self.reduced_vocabulary and getattr(out, "next_token_logits", None) is not None:
-            logits = out.next_token_logits
-            out.next_token_logits = logits.masked_fill(self.blocked[: logits.shape[-1]], float("-inf"))
+        logits = getattr(out, "next_token_logits", None)
+        # (Over the whole vocabulary only: with --speculative-token-map the logits are over that
+        # map's tokens, which then decide what is drafted.)
+        if self.reduced_vocabulary and logits is not None and logits.shape[-1] == self.blocked.numel():
+            out.next_token_logits = logits.masked_fill(self.blocked, float("-inf"))
         return out
 
     def load_weights(self, weights):

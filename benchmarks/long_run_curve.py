@@ -56,6 +56,7 @@ def main():
         print(row)
 
     import matplotlib
+    import matplotlib.ticker
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -68,6 +69,8 @@ def main():
         ax.plot(x, [r["train_acc1"] for r in mine], linestyle="--", color=line.get_color(), alpha=0.5,
                 label=f"{name} training acc1")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.ScalarFormatter())
     ax.set_xlabel("tokens seen (millions, the init's included)")
     ax.set_ylabel("top-1 accuracy")
     ax.grid(alpha=0.3)

@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 from jakiro_ext.serving.format import ARCHITECTURE
 
-SUPPORTED = {"vllm": ("0.32.0", "0.33.0"), "sglang": ("0.5.23",)}  # versions whose sources the classes follow
+SUPPORTED = {"vllm": ("0.32.0",), "sglang": ("0.5.23",)}  # the versions whose sources the classes follow
 # "module:attribute" -> the parameters its signature must have (empty: only that it exists)
 HOOKS: Dict[str, Dict[str, Tuple[str, ...]]] = {
     "vllm": {

@@ -29,7 +29,9 @@ When a candidate's live seconds per round disagree with the cached costs by more
 :data:`COSTS_DISAGREE` (at the batch size they were measured for), the cost cache is deleted:
 the next chooser (a new head, or a new process) measures the costs again. Rounds of plain
 decoding leave the draft's catch-up for later: it runs over all their tokens in one draft
-forward before the next drafting round (:meth:`BatchState.defer_catch_up`).
+forward before the next drafting round, timed apart from it (:meth:`BatchState.defer_catch_up`), and
+a draft left behind by more than a window of tokens is rebuilt from the last ones; a prompt
+admitted while plain decoding is the best choice leaves its draft prefill to that round too.
 """
 from __future__ import annotations
 
@@ -143,6 +145,11 @@ class TreeChooser:
         """The candidate to run at ``rows`` rows: the highest live rate, a tree's counted
         :data:`MARGIN` times less than plain decoding's."""
         return max(self.candidates, key=lambda c: self.rate(c, rows) * (1 if c is self.plain else 1 / MARGIN))
+
+    def drafting(self, rows: int) -> bool:
+        """Whether rounds of ``rows`` rows are expected to draft: a tree is the best candidate
+        there (else the draft's work can wait for the next tree round)."""
+        return self.best(rows) is not self.plain
 
     def choose(self, rows: int) -> Candidate:
         """The candidate for a round of ``rows`` batch rows."""

@@ -95,8 +95,9 @@ class DecodeBatch:
         return [] if self.state is None else self.state.seqs
 
     # ------------------------------------------------------------------ a sequence starts
-    def _prefill(self, seq: DecodeSequence) -> Started:
-        """Run the prompt alone and choose the first token."""
+    def _prefill(self, seq: DecodeSequence, draft_later: bool = False) -> Started:
+        """Run the prompt alone and choose the first token; the draft's prefill too, unless
+        ``draft_later`` (its pairs are then the row's to catch up on when it drafts)."""
         seq.t0 = time.perf_counter()
         ids = seq.ids.to(self.device)
         n = ids.numel()
@@ -118,6 +119,8 @@ class DecodeBatch:
         seq.emit([seq.root])
         if seq.done:
             return Started(one, None, None)
+        if draft_later and self.drafter.drafts:
+            return Started(one, None, None, (torch.cat([ids[1:], bonus]), hidden[0]))
         before = self.drafter.forwards
         draft_kv, root_step = self.drafter.prefill(torch.cat([ids[1:], bonus]), hidden[0])
         seq.stats.draft_forwards += self.drafter.forwards - before
@@ -126,7 +129,9 @@ class DecodeBatch:
     def admit(self, pending: List[DecodeSequence]) -> List[DecodeSequence]:
         """Start the sequences ``pending`` (at most the free rows); returns those already done
         (their first token ended them), the others take rows."""
-        started = [(seq, self._prefill(seq)) for seq in pending]
+        # While plain decoding runs at this many rows, the draft's prefill waits for a drafting round.
+        draft_later = self.chooser is not None and not self.chooser.drafting(len(self.seqs) + len(pending))
+        started = [(seq, self._prefill(seq, draft_later)) for seq in pending]
         done = [seq for seq, _ in started if seq.done]
         started = [(seq, state) for seq, state in started if not seq.done]
         if started:
@@ -157,21 +162,30 @@ class DecodeBatch:
             listen(True)
         try:
             if self.chooser is None:
-                self._round(self.drafter)
+                self._round(self.drafter, self._catch_up(self.drafter))
             else:
                 rows = len(self.state.rows)
                 candidate = self.chooser.choose(rows)
+                drafter = self.drafters[id(candidate)]
+                # What the draft is behind (rounds of plain decoding) is not the round's: timed apart.
+                caught_up = self._catch_up(drafter)
                 t0 = time.perf_counter()
-                accepted = self._round(self.drafters[id(candidate)])
+                accepted = self._round(drafter, caught_up)
                 if accepted:
                     self.chooser.record(candidate, rows, time.perf_counter() - t0, 1 + statistics.fmean(accepted))
         finally:
             for listen in ROUND_LISTENERS:
                 listen(False)
 
-    def _round(self, drafter: Drafter) -> List[int]:
+    def _catch_up(self, drafter: Drafter) -> int:
+        """Before a round that drafts with ``drafter``: the draft's catch-up on what it is behind
+        (rounds of plain decoding, prompts admitted without its prefill); the forwards it ran."""
+        return int(drafter.drafts and self.state.catch_up_pending())
+
+    def _round(self, drafter: Drafter, caught_up: int = 0) -> List[int]:
         """The round: draft (with ``drafter``), verify, commit. The host reads the device once (a
-        RoundReadback). Returns the accepted drafts of each sequence in flight (none: no round ran)."""
+        RoundReadback). ``caught_up``: the draft forwards run before it for it (counted with its
+        own). Returns the accepted drafts of each sequence in flight (none: no round ran)."""
         s, state = self.settings, self.state
         for seq, length in zip(state.rows, state.host_lengths):
             if seq is not None and length + self.tree_nodes > seq.bound:  # only a max_cache_len smaller than the need
@@ -180,8 +194,6 @@ class DecodeBatch:
             return []
         seqs, B = state.rows, len(state.rows)
         nodes = drafter.tree.max_nodes_for(self.method) if drafter.drafts else 1
-        # What rounds of plain decoding left to the draft (a forward, counted with the round's).
-        caught_up = int(drafter.drafts and state.catch_up_pending())
         state.prepare_round(nodes)
         self._drafting = drafter
         inputs = [ops.to_device(torch.tensor([seq.root if seq else 0 for seq in seqs]), self.device)]

@@ -17,10 +17,22 @@ from jakiro_ext.models.llama import LlamaModel
 
 class Started(NamedTuple):
     """A sequence run alone over its prompt, to be placed in a row: its own target cache, its own
-    draft cache and root step rows [1, 1, ...] (both None when nothing is drafted)."""
+    draft cache and root step rows [1, 1, ...] (both None when nothing is drafted, or when the
+    draft's prefill is left for later: then ``draft_pairs``, the prompt's (tokens [n], features
+    [n, H]) the draft has not run)."""
     target_kv: KVCache
     draft_kv: Optional[KVCache]
     root_step: Optional[DraftStep]
+    draft_pairs: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+
+# A row's draft left behind by more than this many tokens (rounds of plain decoding, or a prompt
+# whose draft prefill was left for later) is rebuilt from its last DRAFT_WINDOW tokens alone when
+# it drafts again, not caught up on all of them: while plain decoding wins, the draft costs a
+# window's forward per return to drafting, not a forward every few rounds (about 3% of a round at
+# 16 rows, the head's share of the compute). RoPE is relative, so the rebuilt rows attend as a
+# window of the sequence would; only the context the draft sees is shorter.
+DRAFT_WINDOW = 32
 
 
 class BatchState:
@@ -35,10 +47,14 @@ class BatchState:
         self.draft_kv = drafter.new_cache(batch, room, bound)
         self.drafter, self.scratch = drafter, drafter.scratch
         self.root_step: Optional[DraftStep] = None  # [B, 1, ...], made by the first load
-        # Rounds that drafted nothing (plain decoding, chosen live) leave the draft's catch-up for
-        # later: their (token [B, 1], feature [B, 1, H]) pairs, run in one catch-up before the next
-        # drafting round or any change of rows (catch_up_pending).
-        self.pending: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        # Rounds that drafted nothing (plain decoding, chosen live) and prompts whose draft prefill
+        # was left for later leave the draft behind: row b's last DRAFT_WINDOW (token, feature)
+        # pairs it has not run, in a ring (pair i of the row at column i % DRAFT_WINDOW), how many
+        # it is behind, and whether that was ever more than the window (its draft is then rebuilt).
+        self.window_tokens: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW], made by the first use
+        self.window_features: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW, H]
+        self.behind: List[int] = [0] * batch
+        self.rebuild: List[bool] = [False] * batch
 
     @property
     def seqs(self) -> List[DecodeSequence]:
@@ -75,19 +91,26 @@ class BatchState:
         return self.free
 
     def load(self, b: int, seq: Optional[DecodeSequence], started: Started) -> None:
-        """Row ``b`` (free) takes a started sequence: its caches' committed positions and root step."""
-        self.catch_up_pending()
+        """Row ``b`` (free) takes a started sequence: its caches' committed positions and root step
+        (or, its draft prefill left for later, the prompt's pairs as what the draft is behind)."""
         self.target_kv.load(b, started.target_kv)
-        if self.draft_kv is not None:
+        self.behind[b], self.rebuild[b] = 0, False
+        if self.draft_kv is not None and started.draft_kv is None:
+            self.draft_kv.clear([b])
+            tokens, features = started.draft_pairs
+            self._remember(b, tokens, features)
+        elif self.draft_kv is not None:
             self.draft_kv.load(b, started.draft_kv)
             if self.root_step is None:
-                B = len(self.rows)
-                self.root_step = DraftStep(*(None if t is None else t.new_zeros((B, *t.shape[1:]))
-                                             for t in started.root_step))
+                self.root_step = self._new_root_step(started.root_step)
             for mine, new in zip(self.root_step, started.root_step):
                 if mine is not None:
                     mine[b] = new[0]
         self.rows[b] = seq
+
+    def _new_root_step(self, like: DraftStep) -> DraftStep:
+        """A root step of zeros for the batch's rows, shaped as ``like`` (rows [1 or B, 1, ...])."""
+        return DraftStep(*(None if t is None else t.new_zeros((len(self.rows), *t.shape[1:])) for t in like))
 
     def drop_done(self) -> List[DecodeSequence]:
         """Free the rows of the finished sequences; returns them."""
@@ -106,13 +129,16 @@ class BatchState:
     def _select(self, rows: List[int], bound: Optional[int] = None) -> None:
         """The rows become ``rows`` (indices of the current ones, in their new order; -1: a new,
         free one); ``bound`` raises the bound on committed positions."""
-        self.catch_up_pending()
         self.target_kv.select_rows(rows, bound)
         if self.draft_kv is not None:
             self.draft_kv.select_rows(rows, None if bound is None else bound + self.scratch)
             index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.draft_kv.kv.device)
             if self.root_step is not None:
                 self.root_step = self.root_step.of_sequences(index)
+            if self.window_tokens is not None:
+                self.window_tokens, self.window_features = self.window_tokens[index], self.window_features[index]
+        self.behind = [self.behind[r] if r >= 0 else 0 for r in rows]
+        self.rebuild = [self.rebuild[r] if r >= 0 else False for r in rows]
         self.rows = [self.rows[r] if r >= 0 else None for r in rows]
 
     # ------------------------------------------------------------------ a round
@@ -143,25 +169,65 @@ class BatchState:
     def defer_catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """After :meth:`commit` of a round that drafted nothing (one new token per row): the draft
         catches up on ``tokens`` [B, 1] with ``features`` [B, 1, H] later, with the next ones, in one
-        forward (at most a drafting scratch's worth at a time)."""
-        self.pending.append((tokens, features))
-        if len(self.pending) >= self.scratch:
-            self.catch_up_pending()
+        forward (:meth:`catch_up_pending`; beyond DRAFT_WINDOW of them, a rebuild from the last ones)."""
+        if self.draft_kv is None:
+            return
+        self._make_window(features)
+        B, W = len(self.rows), DRAFT_WINDOW
+        column = ops.to_device(torch.tensor([n % W for n in self.behind]), tokens.device).view(B, 1)
+        self.window_tokens.scatter_(1, column, tokens)
+        self.window_features.scatter_(1, column.unsqueeze(-1).expand(B, 1, features.shape[-1]), features)
+        self.behind = [n + 1 for n in self.behind]
+        self.rebuild = [r or n > W for r, n in zip(self.rebuild, self.behind)]
+
+    def _remember(self, b: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
+        """Row ``b``'s draft (empty) is behind by the pairs ``tokens`` [n], ``features`` [n, H]: the
+        last DRAFT_WINDOW of them kept."""
+        self._make_window(features)
+        n, W = tokens.numel(), DRAFT_WINDOW
+        kept = torch.arange(max(n - W, 0), n)
+        column = ops.to_device(kept % W, tokens.device)
+        self.window_tokens[b, column] = tokens[-W:]
+        self.window_features[b, column] = features[-W:].to(self.window_features.dtype)
+        self.behind[b], self.rebuild[b] = n, n > W
+
+    def _make_window(self, features: torch.Tensor) -> None:
+        if self.window_tokens is None:
+            B, W = len(self.rows), DRAFT_WINDOW
+            self.window_tokens = torch.zeros(B, W, dtype=torch.int64, device=features.device)
+            self.window_features = features.new_zeros(B, W, features.shape[-1])
 
     def catch_up_pending(self) -> bool:
-        """Run the draft's deferred catch-up, if any (every row keeps all of it; its last row becomes
-        the root step). Returns whether it ran."""
-        if not self.pending or self.draft_kv is None:
-            self.pending = []
+        """Bring every row's draft up to date before it drafts, in one forward over each row's
+        pairs it is behind (the rows that were behind by more than DRAFT_WINDOW: emptied, then
+        their last DRAFT_WINDOW pairs); each row keeps its own, its last becomes its root step.
+        Returns whether a forward ran."""
+        if self.draft_kv is None or not any(self.behind):
             return False
-        tokens = torch.cat([t for t, _ in self.pending], 1)
-        features = torch.cat([f for _, f in self.pending], 1)
-        self.pending = []
-        n = tokens.shape[1]
+        W = DRAFT_WINDOW
+        behind = [n if seq is not None else 0 for n, seq in zip(self.behind, self.rows)]
+        counts = [min(n, W) for n in behind]
+        rebuilt = [b for b, (r, k) in enumerate(zip(self.rebuild, counts)) if r and k]
+        self.behind, self.rebuild = [0] * len(self.rows), [False] * len(self.rows)
+        n = max(counts)
+        if n == 0:  # (only free rows were behind)
+            return False
+        self.draft_kv.clear(rebuilt)
+        # Row b's kept pairs in order: pairs m - k .. m - 1 (m behind, k kept) at their ring columns,
+        # the last repeated past k (padding: computed, not committed).
+        index = torch.tensor([[(m - k + min(i, max(k - 1, 0))) % W for i in range(n)] for m, k in zip(behind, counts)])
+        index = ops.to_device(index, self.window_tokens.device)
+        tokens = self.window_tokens.gather(1, index)
+        features = self.window_features.gather(1, index.unsqueeze(-1).expand(*index.shape, self.window_features.shape[-1]))
         self.draft_kv.reserve(max(self.draft_kv.host_lengths) + n)
         step = self.drafter.catch_up(self.draft_kv, tokens, features)
-        counts = [n] * len(self.rows)
         on_device = ops.to_device(torch.tensor(counts), tokens.device)
         self.draft_kv.commit(on_device, counts)
-        self.root_step = step.rows((on_device - 1).view(-1, 1))
+        last = step.rows((on_device - 1).clamp(min=0).view(-1, 1))
+        if self.root_step is None:
+            self.root_step = last
+        else:
+            caught = (on_device > 0).view(-1, 1)
+            self.root_step = DraftStep(*(None if t is None else torch.where(caught.view(-1, *([1] * (t.dim() - 1))), t, old)
+                                         for t, old in zip(last, self.root_step)))
         return True

@@ -1,6 +1,7 @@
 """Speculation that never loses: the live choice of each round's tree (TreeChooser) against
-synthetic round timings, the draft's deferred catch-up after rounds of plain decoding, and the
-engine with the live choice giving plain decoding's tokens."""
+synthetic round timings, the draft's deferred catch-up after rounds of plain decoding (per row,
+across row changes, rebuilt from a window when far behind, prompts admitted without the draft's
+prefill), and the engine with the live choice giving plain decoding's tokens."""
 import pytest
 import torch
 
@@ -9,7 +10,8 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine import adaptive, tree_cost
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser
 from jakiro_ext.engine.drafter import Drafter
-from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.engine import state as state_module
+from jakiro_ext.engine.generate import generate_many, speculative_generate
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.methods import METHODS
 
@@ -115,52 +117,157 @@ def test_candidates_must_include_plain_decoding():
 
 
 def started_batch(target, head, drafter, ids, rows):
-    """A batch state of ``rows`` copies of ``ids``'s sequence, started as the engine starts one."""
+    """A batch state of ``rows`` copies of ``ids``'s sequence (stand-ins for the sequences), started as
+    the engine starts one."""
     one = target.new_cache(1, ids.numel())
     _, hidden = target(ids.unsqueeze(0), one)
     one.commit(ids.numel())
     state = BatchState(target, drafter, rows, ids.numel() + 24)
     started = Started(one, *drafter.prefill(torch.cat([ids[1:], ids[:1]]), hidden[0]))
     for b in range(rows):
-        state.load(b, None, Started(started.target_kv, started.draft_kv, started.root_step))
+        state.load(b, object(), Started(started.target_kv, started.draft_kv, started.root_step))
     return state
+
+
+def jakiro_drafter():
+    target = tiny_target()
+    head = copy_head(target, "jakiro")
+    return target, Drafter(head, METHODS["jakiro"], TreeConfig(8, 2, 2))
+
+
+def plain_rounds(states, rounds, seed=3, hidden=None):
+    """``rounds`` rounds of plain decoding on each state (one new token a row), their catch-up
+    deferred; returns the (tokens [B, rounds], features [B, rounds, H]) they left behind."""
+    g = torch.Generator().manual_seed(seed)
+    B = len(states[0].rows)
+    tokens = torch.randint(0, 211, (B, rounds), generator=g)
+    features = torch.randn(B, rounds, hidden, generator=g)
+    for i in range(rounds):
+        for state in states:
+            state.commit(torch.zeros(B, 1, dtype=torch.int64), [1] * B, None)
+            state.defer_catch_up(tokens[:, i: i + 1], features[:, i: i + 1])
+    return tokens, features
+
+
+def assert_same_draft(state, kv, lengths, root_step, rows):
+    """Rows ``rows`` of ``state``'s draft: cache entries equal to ``kv`` [.., rows, .., n, D] up to
+    each row's length, and root step equal to ``root_step``'s rows."""
+    assert [state.draft_kv.host_lengths[b] for b in rows] == lengths
+    for i, b in enumerate(rows):
+        torch.testing.assert_close(state.draft_kv.kv[:, :, b, :, :lengths[i]], kv[:, :, i, :, :lengths[i]],
+                                   atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(state.root_step, root_step):
+        if mine is not None:
+            torch.testing.assert_close(mine[rows], theirs, atol=1e-5, rtol=1e-5)
 
 
 def test_deferred_catch_up_equals_one_catch_up_a_round():
     # Three rounds of plain decoding, their catch-up deferred and run as one, leave the draft's
     # cache and root step as catching up after each round does.
-    target = tiny_target()
-    head = copy_head(target, "jakiro")
-    drafter = Drafter(head, METHODS["jakiro"], TreeConfig(8, 2, 2))
+    target, drafter = jakiro_drafter()
     ids = prompt(9)
-    each, later = (started_batch(target, head, drafter, ids, 2) for _ in range(2))
-    g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        tokens = torch.randint(0, 211, (2, 1), generator=g)
-        features = torch.randn(2, 1, target.config.hidden_size, generator=g)
-        path, counts = torch.zeros(2, 1, dtype=torch.int64), [1, 1]
-        each.commit(path, counts, drafter.catch_up(each.draft_kv, tokens, features))
-        later.commit(path, counts, None)
-        later.defer_catch_up(tokens, features)
-    assert later.draft_kv.host_lengths == [9] * 2 and len(later.pending) == 3
-    assert later.catch_up_pending() and not later.pending and not later.catch_up_pending()
-    assert later.draft_kv.host_lengths == each.draft_kv.host_lengths == [12] * 2
-    n = 12
-    torch.testing.assert_close(later.draft_kv.kv[..., :n, :], each.draft_kv.kv[..., :n, :], atol=1e-5, rtol=1e-5)
-    for mine, theirs in zip(later.root_step, each.root_step):
+    each, later = (started_batch(target, drafter.head, drafter, ids, 2) for _ in range(2))
+    tokens, features = plain_rounds([later], 3, hidden=target.config.hidden_size)
+    for i in range(3):
+        each.commit(torch.zeros(2, 1, dtype=torch.int64), [1, 1],
+                    drafter.catch_up(each.draft_kv, tokens[:, i: i + 1], features[:, i: i + 1]))
+    assert later.draft_kv.host_lengths == [9] * 2 and later.behind == [3, 3]
+    assert later.catch_up_pending() and later.behind == [0, 0] and not later.catch_up_pending()
+    assert_same_draft(later, each.draft_kv.kv, [12, 12], each.root_step, [0, 1])
+
+
+def test_rows_keep_what_their_draft_is_behind_across_row_changes():
+    # No catch-up at a row change: each row's pairs move with it; a row admitted later is behind
+    # by less; one catch-up forward serves rows behind by different counts (and free rows).
+    target, drafter = jakiro_drafter()
+    ids = prompt(9)
+    state, reference = (started_batch(target, drafter.head, drafter, ids, 2) for _ in range(2))
+    tokens, features = plain_rounds([state, reference], 2, hidden=target.config.hidden_size)
+    state.make_room(1, 40)  # a new free row 2 after rows 0 and 1
+    assert state.behind == [2, 2, 0] and state.draft_kv.host_lengths == [9, 9, 0]
+    more_tokens, more_features = plain_rounds([state], 1, seed=4, hidden=target.config.hidden_size)
+    state._select([1, 0, 2])  # rows 0 and 1 swap
+    assert state.behind == [3, 3, 1]
+    reference.catch_up_pending()
+    reference.commit(torch.zeros(2, 1, dtype=torch.int64), [1, 1],
+                     drafter.catch_up(reference.draft_kv, more_tokens[:2], more_features[:2]))
+    assert state.catch_up_pending()
+    assert_same_draft(state, reference.draft_kv.kv[:, :, [1, 0]], [12, 12], reference.root_step.of_sequences(
+        torch.tensor([1, 0])), [0, 1])
+
+
+def test_a_draft_far_behind_is_rebuilt_from_its_last_window(monkeypatch):
+    # Behind by more than DRAFT_WINDOW: emptied and run over its last DRAFT_WINDOW pairs, exactly
+    # a fresh draft prefill over them; a row behind by less beside it is caught up exactly.
+    monkeypatch.setattr(state_module, "DRAFT_WINDOW", 4)
+    target, drafter = jakiro_drafter()
+    ids = prompt(9)
+    state, reference = (started_batch(target, drafter.head, drafter, ids, 2) for _ in range(2))
+    tokens, features = plain_rounds([state], 7, hidden=target.config.hidden_size)
+    state.behind[1], state.rebuild[1] = 3, False  # row 1: as if it had caught up 4 rounds ago
+    reference.draft_kv.commit(torch.tensor([0, 4]), [0, 4])
+    reference.draft_kv.kv[:, :, 1, :, 9:13] = state.draft_kv.kv[:, :, 1, :, 9:13]  # (what it ran then: as in state)
+    state.draft_kv.commit(torch.tensor([0, 4]), [0, 4])
+    assert state.rebuild == [True, False]
+    assert state.catch_up_pending()
+    own, step = drafter.prefill(tokens[0, 3:], features[0, 3:])  # row 0: the last 4 pairs alone
+    assert state.draft_kv.host_lengths == [4, 16]
+    torch.testing.assert_close(state.draft_kv.kv[:, :, 0, :, :4], own.kv[:, :, 0, :, :4], atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(state.root_step, step):
         if mine is not None:
-            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(mine[0], theirs[0], atol=1e-5, rtol=1e-5)
+    row1 = drafter.catch_up(reference.draft_kv, tokens[:, 4:], features[:, 4:])
+    torch.testing.assert_close(state.draft_kv.kv[:, :, 1, :, 13:16], reference.draft_kv.kv[:, :, 1, :, 13:16],
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.root_step.feature[1, 0], row1.feature[1, -1], atol=1e-5, rtol=1e-5)
 
 
-def test_a_row_change_runs_the_deferred_catch_up_first():
+@pytest.mark.parametrize("length", [3, 11])
+def test_a_prompt_admitted_without_its_draft_prefill(monkeypatch, length):
+    # Its pairs wait in the row; the catch-up before drafting runs them: the draft prefill itself
+    # (a short prompt), or a rebuild from its last DRAFT_WINDOW pairs (a long one).
+    monkeypatch.setattr(state_module, "DRAFT_WINDOW", 4)
+    target, drafter = jakiro_drafter()
+    ids = prompt(length)
+    one = target.new_cache(1, length)
+    _, hidden = target(ids.unsqueeze(0), one)
+    one.commit(length)
+    pairs = (torch.cat([ids[1:], ids[:1]]), hidden[0])
+    state = BatchState(target, drafter, 2, length + 24)
+    state.load(1, object(), Started(one, None, None, pairs))
+    assert state.behind == [0, length] and state.rebuild == [False, length > 4]
+    assert state.catch_up_pending() and state.behind == [0, 0]
+    kept = slice(max(length - 4, 0), length)
+    own, step = drafter.prefill(pairs[0][kept], pairs[1][kept])
+    assert_same_draft(state, own.kv, [min(length, 4)], step, [1])
+
+
+def test_a_long_wait_then_drafting_gives_plain_decodings_tokens(tmp_path, monkeypatch):
+    # Plain decoding for longer than the window (prompts admitted without their draft prefill,
+    # rows finishing and joining while the draft is behind), then trees: the tokens of plain
+    # decoding, and the rebuilt drafts accepted.
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
+    monkeypatch.setattr(tree_cost, "_CHOOSERS", type(tree_cost._CHOOSERS)())
+    monkeypatch.setattr(state_module, "DRAFT_WINDOW", 4)
     target = tiny_target()
     head = copy_head(target, "jakiro")
-    drafter = Drafter(head, METHODS["jakiro"], TreeConfig(8, 2, 2))
-    state = started_batch(target, head, drafter, prompt(9), 2)
-    state.commit(torch.zeros(2, 1, dtype=torch.int64), [1, 1], None)
-    state.defer_catch_up(torch.ones(2, 1, dtype=torch.int64), torch.randn(2, 1, target.config.hidden_size))
-    state.make_room(3, 40)  # a new row: the pending tokens belong to the old rows' order
-    assert not state.pending and state.draft_kv.host_lengths[:2] == [10, 10]
+    head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
+                       "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+    used = []
+
+    def waits(self, rows):  # plain for 9 rounds, then trees for 3, and so on
+        chosen = self.plain if len(used) % 12 < 9 else self.candidates[0]
+        used.append(chosen.tree)
+        return chosen
+
+    monkeypatch.setattr(adaptive.TreeChooser, "choose", waits)
+    monkeypatch.setattr(adaptive.TreeChooser, "drafting", lambda self, rows: False)
+    x = [prompt(9 + 3 * s, seed=s) for s in range(3)]
+    outs = dict(generate_many(target, head, x, max_batch_size=2, max_new_tokens=30))
+    assert used.count(None) > 9 and any(t is not None for t in used)
+    expected = [o.token_ids for o in speculative_generate(target, None, x, 30)]
+    assert [outs[i].token_ids for i in range(3)] == expected
+    assert sum(a > 0 for o in outs.values() for a in o.stats.accept_lengths) >= 3  # rebuilt drafts accepted
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -143,6 +143,7 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     history: List[dict] = []
     start = 0
+    earlier = 0.0  # seconds the steps before ``start`` took (earlier segments of a resumed run)
     if checkpoint is not None:
         atomic.remove_stale_temporaries(Path(checkpoint).parent)
     if checkpoint is not None and Path(checkpoint).exists():
@@ -161,6 +162,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["schedule"])
         history, start = state["history"], state["step"]
+        # (A checkpoint from before the seconds were kept: its steps at the rate its plan assumed.)
+        earlier = state.get("seconds", start * cfg.minutes * 60 / total if cfg.minutes else 0.0)
     per_epoch = math.ceil(len(examples) / cfg.batch_sequences)
     epoch_batches, epoch_of = None, -1
     head.train()
@@ -172,7 +175,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
         if checkpoint is not None and ranks.rank == 0 and saved[0] != at:
             write_checkpoint(Path(checkpoint), {
                 "head": head.state_dict(), "optimizer": opt.state_dict(), "schedule": sched.state_dict(),
-                "step": at, "history": history, "config": asdict(cfg), "total": total, "examples": len(examples)})
+                "step": at, "history": history, "config": asdict(cfg), "total": total, "examples": len(examples),
+                "seconds": earlier + time.perf_counter() - t_start})
             saved[0] = at
 
     try:
@@ -186,7 +190,9 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                 # BUDGET_REPLAN_STEPS until the last tenth, for a rate that changes (a shared GPU).
                 now = time.perf_counter()
                 per_step = ranks.max((now - window[0] - window[2]) / (step - window[1]))  # (one total for all)
-                spent = now - t_start + start * per_step  # (an earlier segment's steps at this rate)
+                # What earlier segments took, as they took it: a slow stretch now (a loaded machine)
+                # plans the steps left at its rate, not the steps already taken.
+                spent = now - t_start + earlier
                 total = step + max(1, int((cfg.minutes * 60 - spent) / per_step))
                 if cfg.max_epochs:
                     total = min(total, max(step + 1, math.ceil(cfg.max_epochs * len(examples) / cfg.batch_sequences)))

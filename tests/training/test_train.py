@@ -279,6 +279,37 @@ def test_train_command_builds_data_trains_saves_and_resumes(tmp_path, monkeypatc
     assert json.loads((out / "training.json").read_text())["final_eval"] == summary["final_eval"]
 
 
+def test_a_resumed_budget_counts_the_earlier_segments_as_they_ran(target, tmp_path, monkeypatch):
+    """A run for a budget in minutes, stopped and resumed on a machine that now runs 2x slower
+    (a fake clock: 0.25 s a step, then 0.5 s): the steps left are planned from what the earlier
+    segment took, not from its steps at today's rate, so the run takes the budget (it used to end
+    early, its schedule cut short, when a loaded stretch made the earlier steps look slow)."""
+    import types
+
+    import jakiro_ext.training.train as train_module
+
+    clock = types.SimpleNamespace(t=0.0, rate=0.25)
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.t))
+    examples = make_examples(target, count=4)
+    cfg = TrainConfig(minutes=2, lr=1e-3, warmup_steps=10, batch_sequences=2, checkpoint_every=100)
+
+    def fresh():
+        return DraftHead(DraftConfig.for_target(target.config, "eagle2", intermediate_size=32)).init_weights(0).bind(target)
+
+    def tick(step, record):
+        clock.t += clock.rate
+        if step + 1 == 100 and clock.rate == 0.25:
+            raise KeyboardInterrupt  # stopped after the checkpoint at step 100 (25 s)
+
+    ckpt = tmp_path / "checkpoint.pt"
+    with pytest.raises(KeyboardInterrupt):
+        train_head(fresh(), examples, cfg, (), ckpt, tick)
+    clock.t, clock.rate = 1000.0, 0.5  # another process, another day
+    history = train_head(fresh(), examples, cfg, (), ckpt, tick)
+    seconds = 25 + (len(history) - 100) * 0.5
+    assert 115 <= seconds <= 121 and history[-1]["lr"] == 0.0
+
+
 def test_training_for_a_budget_in_minutes(target):
     """--minutes: the steps are set from the first ten steps' time, the schedule decays to zero at
     the last one, and the run takes about the budget."""

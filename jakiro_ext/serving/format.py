@@ -109,3 +109,14 @@ def from_serving(config: dict, state: Dict[str, torch.Tensor], where: str) -> Tu
                   renormalize=bool(own.get("renormalize", False)), draft_vocab_size=int(own.get("draft_vocab_size", 0)),
                   target=str(own.get("target", "")))
     return fields, ours
+
+
+def blocked_tokens(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] bool: the target's tokens outside the draft vocabulary (their draft logits
+    are set to -inf: the head never drafts them)."""
+    ids = draft_to_target.to(torch.int64).flatten()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"draft_to_target holds ids outside [0, {vocab_size})")
+    blocked = torch.ones(vocab_size, dtype=torch.bool)
+    blocked[ids] = False
+    return blocked

@@ -23,7 +23,7 @@ from torch import nn
 
 from jakiro_ext.models.llama import rope_cos_sin, rotary
 from jakiro_ext.ops.reference import rms_norm
-from jakiro_ext.serving.loading import blocked_tokens
+from jakiro_ext.serving.format import blocked_tokens
 
 
 class JakiroMoE(nn.Module):

@@ -13,6 +13,9 @@ from typing import Callable, Iterable, Optional, Tuple
 import torch
 from torch import nn
 
+from jakiro_ext.serving.format import ARCHITECTURE, blocked_tokens, settings
+from jakiro_ext.serving.layers import JakiroMoE
+
 # (checkpoint name part, the engine's stacked parameter part, shard)
 STACKED = ((".q_proj", ".qkv_proj", "q"), (".k_proj", ".qkv_proj", "k"), (".v_proj", ".qkv_proj", "v"),
            (".gate_proj", ".gate_up_proj", 0), (".up_proj", ".gate_up_proj", 1))
@@ -55,12 +58,24 @@ def load_serving_weights(model: nn.Module, weights: Iterable[Tuple[str, torch.Te
     return draft_to_target
 
 
-def blocked_tokens(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[vocab_size] bool: the target's tokens outside the draft vocabulary (their draft logits
-    are set to -inf: the head never drafts them)."""
-    ids = draft_to_target.to(torch.int64).flatten()
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"draft_to_target holds ids outside [0, {vocab_size})")
-    blocked = torch.ones(vocab_size, dtype=torch.bool)
-    blocked[ids] = False
-    return blocked
+def set_up_draft(model: nn.Module, config, layers: Iterable[nn.Module], dtype: torch.dtype) -> bool:
+    """An engine's EAGLE Llama draft made this package's (both plugins' classes): the head's
+    settings read from ``config.jakiro``, each of ``layers``' MLP replaced by the MoE block for a
+    MoE head, and a ``blocked`` buffer (the tokens outside the draft vocabulary, filled by
+    :func:`load_draft_weights`). Returns whether the head is MoE."""
+    own = settings({"jakiro": getattr(config, "jakiro", None)}, f"the {ARCHITECTURE} draft's config.json")
+    if own.get("num_experts"):
+        for layer in layers:
+            layer.mlp = JakiroMoE(config.hidden_size, own["expert_intermediate_size"], own["num_experts"],
+                                  bool(own.get("renormalize")), dtype=dtype)
+    model.register_buffer("blocked", torch.zeros(config.vocab_size, dtype=torch.bool), persistent=False)
+    return bool(own.get("num_experts"))
+
+
+def load_draft_weights(model: nn.Module, weights: Iterable[Tuple[str, torch.Tensor]], default_loader: Callable) -> bool:
+    """:func:`load_serving_weights` into a draft set up by :func:`set_up_draft`, its ``blocked``
+    buffer filled; returns whether the head drafts over a reduced vocabulary."""
+    draft_to_target = load_serving_weights(model, weights, default_loader)
+    if draft_to_target is not None:
+        model.blocked.copy_(blocked_tokens(draft_to_target, model.config.vocab_size))
+    return draft_to_target is not None

@@ -16,33 +16,24 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama_eagle import EagleLlamaForCausalLM
 from vllm.model_executor.models.utils import maybe_prefix
 
-from jakiro_ext.serving.format import ARCHITECTURE, settings
-from jakiro_ext.serving.layers import JakiroMoE
-from jakiro_ext.serving.loading import blocked_tokens, load_serving_weights
+from jakiro_ext.serving.loading import load_draft_weights, set_up_draft
 
 
 class EagleJakiroLlamaForCausalLM(EagleLlamaForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         c = self.config
-        own = settings({"jakiro": getattr(c, "jakiro", None)}, f"the {ARCHITECTURE} draft's config.json")
         dtype, H = vllm_config.model_config.dtype, c.hidden_size
         self.model.fc = ReplicatedLinear(input_size=2 * H, output_size=H, bias=True, params_dtype=dtype,
                                          prefix=maybe_prefix(maybe_prefix(prefix, "model"), "fc"), return_bias=False)
-        if own.get("num_experts"):
-            for layer in self.model.layers:
-                layer.mlp = JakiroMoE(H, own["expert_intermediate_size"], own["num_experts"],
-                                      bool(own.get("renormalize")), dtype=dtype)
-        self.register_buffer("blocked", torch.zeros(c.vocab_size, dtype=torch.bool), persistent=False)
+        set_up_draft(self, c, self.model.layers, dtype)
 
     def compute_logits(self, hidden_states: torch.Tensor):
         logits = super().compute_logits(hidden_states)
         return None if logits is None else logits.masked_fill(self.blocked[: logits.shape[-1]], float("-inf"))
 
     def load_weights(self, weights):
-        draft_to_target = load_serving_weights(self, weights, default_weight_loader)
-        if draft_to_target is not None:
-            self.blocked.copy_(blocked_tokens(draft_to_target, self.config.vocab_size))
+        load_draft_weights(self, weights, default_weight_loader)
         # None, as vLLM's own EAGLE drafts return: its check would count the embedding that it
         # shares from the target after loading as missing (ours checked every other parameter).
         return None

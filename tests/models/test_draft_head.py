@@ -82,6 +82,9 @@ def test_save_load_round_trip(tmp_path, kind):
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), name
     assert sorted((tmp_path / "head").iterdir()) == [tmp_path / "head" / "config.json", tmp_path / "head" / "model.safetensors"]
+    # The weights readable as the config is (safetensors alone would make them the owner's only).
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "head").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"], modes
     # The target's embedding / LM head are shared, never stored with the head.
     assert not any("embed" in k or "lm_head" in k for k in head.state_dict())
 

@@ -21,8 +21,9 @@ from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.serving import format as serving_format
 from jakiro_ext.serving import plugins
+from jakiro_ext.serving.format import blocked_tokens
 from jakiro_ext.serving.layers import JakiroMoE, draft_forward, masked_logits
-from jakiro_ext.serving.loading import blocked_tokens, load_serving_weights
+from jakiro_ext.serving.loading import load_draft_weights, load_serving_weights, set_up_draft
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +204,28 @@ def test_the_plugins_weight_mapping_loads_every_parameter(target, kind):
     with pytest.raises(ValueError, match=r"'layers.0.input_layernorm.weight' has no parameter"):
         load_serving_weights(engine_shaped_model(head), [*state.items(), ("layers.0.input_layernorm.weight",
                                                                           torch.ones(4))], copy_loader)
+
+
+@pytest.mark.parametrize("kind", ["jakiro", "eagle2"])
+def test_the_plugins_set_up_and_load_a_draft(target, kind):
+    # What both engines' classes do with their EAGLE draft: the MLP replaced by the MoE block (a
+    # MoE head), the weights loaded, the tokens outside the draft vocabulary blocked.
+    head = reduced_head(target, kind, vocab=100)
+    config, state = serving_format.serving_files(head)
+    model = engine_shaped_model(head)
+    dense_mlp = model.model.layers[0].mlp
+    model.config = types.SimpleNamespace(**config)
+    assert set_up_draft(model, model.config, model.model.layers, torch.float32) == (kind == "jakiro")
+    layer = model.model.layers[0]
+    if kind == "jakiro":
+        assert isinstance(layer.mlp, JakiroMoE) and layer.mlp is not dense_mlp
+    else:
+        assert layer.mlp is dense_mlp
+    assert not model.blocked.any()
+    assert load_draft_weights(model, state.items(), copy_loader)
+    assert torch.equal(model.blocked, blocked_tokens(head.draft_to_target, head.config.vocab_size))
+    if kind == "jakiro":
+        assert torch.equal(layer.mlp.w_down, head.w_down)
 
 
 def test_blocked_tokens():

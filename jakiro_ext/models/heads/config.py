@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Optional
@@ -165,6 +166,9 @@ def write_head_files(path, config: dict, state: dict, dtype: Optional[torch.dtyp
     def write(tmp: Path) -> None:
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **metadata})
+        # safetensors creates the file readable by its owner alone; a head is for others to load too
+        # (the mode of the config file written beside it: the user's umask).
+        os.chmod(tmp / WEIGHTS_FILE, (tmp / CONFIG_FILE).stat().st_mode & 0o777)
         for name, text in (extra_files or {}).items():
             (tmp / name).write_text(text)
 

@@ -110,7 +110,7 @@ def main():
                 print(f"B={batch} T={temperature} costs {cache:8s} ar {plain:6.1f}  live {live:6.1f} "
                       f"({live / plain:.2f}x)  warm {warm:6.1f} ({warm / plain:.2f}x)  fixed {row['fixed_tree']} {fixed_rate:6.1f} ({fixed_rate / plain:.2f}x)",
                       flush=True)
-    write_csv(args.out, rows)
+                write_csv(args.out, rows)  # after every configuration: a stopped run keeps what it measured
 
 
 if __name__ == "__main__":

@@ -180,7 +180,7 @@ class DecodeBatch:
     def _catch_up(self, drafter: Drafter) -> int:
         """Before a round that drafts with ``drafter``: the draft's catch-up on what it is behind
         (rounds of plain decoding, prompts admitted without its prefill); the forwards it ran."""
-        return int(drafter.drafts and self.state.catch_up_pending())
+        return self.state.catch_up_pending() if drafter.drafts else 0
 
     def _round(self, drafter: Drafter, caught_up: int = 0) -> List[int]:
         """The round: draft (with ``drafter``), verify, commit. The host reads the device once (a

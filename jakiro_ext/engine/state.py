@@ -197,13 +197,13 @@ class BatchState:
             self.window_tokens = torch.zeros(B, W, dtype=torch.int64, device=features.device)
             self.window_features = features.new_zeros(B, W, features.shape[-1])
 
-    def catch_up_pending(self) -> bool:
-        """Bring every row's draft up to date before it drafts, in one forward over each row's
-        pairs it is behind (the rows that were behind by more than DRAFT_WINDOW: emptied, then
-        their last DRAFT_WINDOW pairs); each row keeps its own, its last becomes its root step.
-        Returns whether a forward ran."""
+    def catch_up_pending(self) -> int:
+        """Bring every row's draft up to date before it drafts, in forwards over each row's pairs
+        it is behind (the rows that were behind by more than DRAFT_WINDOW: emptied, then their
+        last DRAFT_WINDOW pairs): one forward unless a row is behind by more than a drafting
+        scratch. Each row keeps its own, its last becomes its root step. Returns the forwards run."""
         if self.draft_kv is None or not any(self.behind):
-            return False
+            return 0
         W = DRAFT_WINDOW
         behind = [n if seq is not None else 0 for n, seq in zip(self.behind, self.rows)]
         counts = [min(n, W) for n in behind]
@@ -211,7 +211,7 @@ class BatchState:
         self.behind, self.rebuild = [0] * len(self.rows), [False] * len(self.rows)
         n = max(counts)
         if n == 0:  # (only free rows were behind)
-            return False
+            return 0
         self.draft_kv.clear(rebuilt)
         # Row b's kept pairs in order: pairs m - k .. m - 1 (m behind, k kept) at their ring columns,
         # the last repeated past k (padding: computed, not committed).
@@ -219,15 +219,21 @@ class BatchState:
         index = ops.to_device(index, self.window_tokens.device)
         tokens = self.window_tokens.gather(1, index)
         features = self.window_features.gather(1, index.unsqueeze(-1).expand(*index.shape, self.window_features.shape[-1]))
-        self.draft_kv.reserve(max(self.draft_kv.host_lengths) + n)
-        step = self.drafter.catch_up(self.draft_kv, tokens, features)
-        on_device = ops.to_device(torch.tensor(counts), tokens.device)
-        self.draft_kv.commit(on_device, counts)
-        last = step.rows((on_device - 1).clamp(min=0).view(-1, 1))
-        if self.root_step is None:
-            self.root_step = last
-        else:
-            caught = (on_device > 0).view(-1, 1)
-            self.root_step = DraftStep(*(None if t is None else torch.where(caught.view(-1, *([1] * (t.dim() - 1))), t, old)
-                                         for t, old in zip(last, self.root_step)))
-        return True
+        # In forwards of at most a drafting scratch's width: every row writes the forward's width
+        # after its own prefix, and beyond a sequence's bound the cache has that scratch alone.
+        width = max(1, self.scratch)
+        for start in range(0, n, width):
+            part = [min(max(k - start, 0), width) for k in counts]
+            w = max(part)
+            self.draft_kv.reserve(max(self.draft_kv.host_lengths) + w)
+            step = self.drafter.catch_up(self.draft_kv, tokens[:, start: start + w], features[:, start: start + w])
+            on_device = ops.to_device(torch.tensor(part), tokens.device)
+            self.draft_kv.commit(on_device, part)
+            last = step.rows((on_device - 1).clamp(min=0).view(-1, 1))
+            if self.root_step is None:
+                self.root_step = last
+            else:
+                caught = on_device > 0
+                self.root_step = DraftStep(*(None if t is None else torch.where(caught.view(-1, *([1] * (t.dim() - 1))), t, old)
+                                             for t, old in zip(last, self.root_step)))
+        return -(-n // width)

@@ -242,6 +242,30 @@ def test_a_prompt_admitted_without_its_draft_prefill(monkeypatch, length):
     assert_same_draft(state, own.kv, [min(length, 4)], step, [1])
 
 
+def test_a_catch_up_stays_within_the_draft_caches_bound():
+    # A row near its sequence's bound beside a row far behind: the forwards are a drafting
+    # scratch wide at most, so the near-full row never writes past its cache's capacity (one
+    # forward as wide as the far row's pairs would need bound + 12 positions).
+    target, drafter = jakiro_drafter()
+    bound, scratch = 20, drafter.scratch
+    full, waiting = prompt(18), prompt(13, seed=1)
+    state = BatchState(target, drafter, 2, 8, bound)
+    assert state.draft_kv.max_capacity == bound + scratch and 12 > scratch
+    for b, ids in enumerate((full, waiting)):
+        one = target.new_cache(1, ids.numel())
+        _, hidden = target(ids.unsqueeze(0), one)
+        one.commit(ids.numel())
+        pairs = (torch.cat([ids[1:], ids[:1]]), hidden[0])
+        if b == 0:
+            state.load(0, object(), Started(one, *drafter.prefill(*pairs)))
+        else:
+            state.load(1, object(), Started(one, None, None, pairs))
+            own, step = drafter.prefill(*pairs)
+    assert state.behind == [0, 13] and state.catch_up_pending() == 2
+    assert_same_draft(state, own.kv, [13], step, [1])
+    assert state.draft_kv.host_lengths == [18, 13]
+
+
 def test_a_long_wait_then_drafting_gives_plain_decodings_tokens(tmp_path, monkeypatch):
     # Plain decoding for longer than the window (prompts admitted without their draft prefill,
     # rows finishing and joining while the draft is behind), then trees: the tokens of plain

@@ -77,13 +77,15 @@ def cmd_train(args) -> int:
     bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step", disable=not main)
 
     def on_step(step: int, record: dict) -> None:
+        # What an interrupt reports, set before the bar shows the step (a signal sent on seeing it
+        # finds the message saying so).
+        activity.now = f"training the {args.kind} head (step {step + 2} of {bar.total or '?'})"
         bar.n = step + 1
         bar.set_postfix({k: f"{v:.3f}" for k, v in record.items()
                          if k in ("loss", "acc1", "acc2", "acc2_contrastive", "acc3_mlp")})
         evals = {k: round(v, 4) for k, v in record.items() if k.startswith("eval_")}
         if evals:
             bar.write(f"step {step + 1}: held-out top-1 {evals}")
-        activity.now = f"training the {args.kind} head (step {step + 2} of {bar.total or '?'})"
 
     t_train = time.perf_counter()
     checkpoint = out / "checkpoint.pt" if args.checkpoint_every else None

@@ -49,17 +49,21 @@ class BatchState:
         self.root_step: Optional[DraftStep] = None  # [B, 1, ...], made by the first load
         # Rounds that drafted nothing (plain decoding, chosen live) and prompts whose draft prefill
         # was left for later leave the draft behind: row b's last DRAFT_WINDOW (token, feature)
-        # pairs it has not run, in a ring (pair i of the row at column i % DRAFT_WINDOW), how many
-        # it is behind, and whether that was ever more than the window (its draft is then rebuilt).
+        # pairs it has not run, in a ring (pair i of the row at column i % DRAFT_WINDOW), and how
+        # many it is behind (more than the window: its draft is rebuilt, :attr:`rebuild`).
         self.window_tokens: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW], made by the first use
         self.window_features: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW, H]
         self.behind: List[int] = [0] * batch
-        self.rebuild: List[bool] = [False] * batch
 
     @property
     def seqs(self) -> List[DecodeSequence]:
         """The sequences in flight."""
         return [seq for seq in self.rows if seq is not None]
+
+    @property
+    def rebuild(self) -> List[bool]:
+        """Which rows' drafts are behind by more than DRAFT_WINDOW pairs (rebuilt when they catch up)."""
+        return [n > DRAFT_WINDOW for n in self.behind]
 
     @property
     def free(self) -> List[int]:
@@ -94,7 +98,7 @@ class BatchState:
         """Row ``b`` (free) takes a started sequence: its caches' committed positions and root step
         (or, its draft prefill left for later, the prompt's pairs as what the draft is behind)."""
         self.target_kv.load(b, started.target_kv)
-        self.behind[b], self.rebuild[b] = 0, False
+        self.behind[b] = 0
         if self.draft_kv is not None and started.draft_kv is None:
             self.draft_kv.clear([b])
             tokens, features = started.draft_pairs
@@ -138,7 +142,6 @@ class BatchState:
             if self.window_tokens is not None:
                 self.window_tokens, self.window_features = self.window_tokens[index], self.window_features[index]
         self.behind = [self.behind[r] if r >= 0 else 0 for r in rows]
-        self.rebuild = [self.rebuild[r] if r >= 0 else False for r in rows]
         self.rows = [self.rows[r] if r >= 0 else None for r in rows]
 
     # ------------------------------------------------------------------ a round
@@ -178,7 +181,6 @@ class BatchState:
         self.window_tokens.scatter_(1, column, tokens)
         self.window_features.scatter_(1, column.unsqueeze(-1).expand(B, 1, features.shape[-1]), features)
         self.behind = [n + 1 for n in self.behind]
-        self.rebuild = [r or n > W for r, n in zip(self.rebuild, self.behind)]
 
     def _remember(self, b: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """Row ``b``'s draft (empty) is behind by the pairs ``tokens`` [n], ``features`` [n, H]: the
@@ -189,7 +191,7 @@ class BatchState:
         column = ops.to_device(kept % W, tokens.device)
         self.window_tokens[b, column] = tokens[-W:]
         self.window_features[b, column] = features[-W:].to(self.window_features.dtype)
-        self.behind[b], self.rebuild[b] = n, n > W
+        self.behind[b] = n
 
     def _make_window(self, features: torch.Tensor) -> None:
         if self.window_tokens is None:
@@ -207,8 +209,8 @@ class BatchState:
         W = DRAFT_WINDOW
         behind = [n if seq is not None else 0 for n, seq in zip(self.behind, self.rows)]
         counts = [min(n, W) for n in behind]
-        rebuilt = [b for b, (r, k) in enumerate(zip(self.rebuild, counts)) if r and k]
-        self.behind, self.rebuild = [0] * len(self.rows), [False] * len(self.rows)
+        rebuilt = [b for b, n in enumerate(behind) if n > W]
+        self.behind = [0] * len(self.rows)
         n = max(counts)
         if n == 0:  # (only free rows were behind)
             return 0

@@ -204,7 +204,7 @@ def test_a_draft_far_behind_is_rebuilt_from_its_last_window(monkeypatch):
     ids = prompt(9)
     state, reference = (started_batch(target, drafter.head, drafter, ids, 2) for _ in range(2))
     tokens, features = plain_rounds([state], 7, hidden=target.config.hidden_size)
-    state.behind[1], state.rebuild[1] = 3, False  # row 1: as if it had caught up 4 rounds ago
+    state.behind[1] = 3  # row 1: as if it had caught up 4 rounds ago
     reference.draft_kv.commit(torch.tensor([0, 4]), [0, 4])
     reference.draft_kv.kv[:, :, 1, :, 9:13] = state.draft_kv.kv[:, :, 1, :, 9:13]  # (what it ran then: as in state)
     state.draft_kv.commit(torch.tensor([0, 4]), [0, 4])

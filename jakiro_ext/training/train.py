@@ -22,7 +22,8 @@ from jakiro_ext.training.settings import TrainConfig, compute_dtype
 
 # With a budget in minutes, the steps are set from the time of the first BUDGET_PROBE_STEPS (less
 # the first BUDGET_SKIP_STEPS: allocations, a GPU's lazy start), then set again every
-# BUDGET_REPLAN_STEPS from the latest rate.
+# BUDGET_REPLAN_STEPS from the median of the sitting's windows' rates (a transient load, such as a
+# test suite run beside it for a few windows, does not move the plan and its learning rate).
 BUDGET_PROBE_STEPS = 10
 BUDGET_SKIP_STEPS = 2
 BUDGET_REPLAN_STEPS = 100
@@ -169,6 +170,7 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     head.train()
     step, t_start = start, time.perf_counter()
     window = None  # a budget in minutes: where the rate of the steps is measured from
+    window_rates: List[float] = []  # seconds a step in this sitting's earlier windows
     saved = [start]
 
     def save(at: int) -> None:
@@ -185,11 +187,13 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                 window = (time.perf_counter(), step, 0.0)  # (start time, step, evaluation seconds within)
             if cfg.minutes and step >= start + BUDGET_PROBE_STEPS and (
                     total == UNSET or (step - window[1] >= BUDGET_REPLAN_STEPS and step < 0.9 * total)):
-                # The steps that fit in what is left of the budget, at the rate of the steps since the
-                # last plan (evaluations left out: their time counts in what is spent); again every
-                # BUDGET_REPLAN_STEPS until the last tenth, for a rate that changes (a shared GPU).
+                # The steps that fit in what is left of the budget, at the median rate of this
+                # sitting's windows (evaluations left out: their time counts in what is spent); again
+                # every BUDGET_REPLAN_STEPS until the last tenth, for a rate that changes for good
+                # (a shared GPU) but not for a few windows of load.
                 now = time.perf_counter()
-                per_step = ranks.max((now - window[0] - window[2]) / (step - window[1]))  # (one total for all)
+                window_rates.append(ranks.max((now - window[0] - window[2]) / (step - window[1])))  # (one for all)
+                per_step = sorted(window_rates)[len(window_rates) // 2]
                 # What earlier segments took, as they took it: a slow stretch now (a loaded machine)
                 # plans the steps left at its rate, not the steps already taken.
                 spent = now - t_start + earlier

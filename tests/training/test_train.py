@@ -310,6 +310,31 @@ def test_a_resumed_budget_counts_the_earlier_segments_as_they_ran(target, tmp_pa
     assert 115 <= seconds <= 121 and history[-1]["lr"] == 0.0
 
 
+def test_a_budget_is_not_moved_by_a_few_slow_windows(target, monkeypatch):
+    """A run for a budget in minutes that runs 20 steps 4x slower (the machine loaded for a moment,
+    a fake clock): the steps are planned from the median of the sitting's rates, so the plan is
+    cut once by the time really lost and the learning rate never rises again after the warm-up (the
+    latest window's rate cut the plan deep, and the next window's put it back, the rate rising)."""
+    import types
+
+    import jakiro_ext.training.train as train_module
+
+    clock = types.SimpleNamespace(t=0.0)
+    monkeypatch.setattr(train_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.t))
+    examples = make_examples(target, count=4)
+    cfg = TrainConfig(minutes=2, lr=1e-3, warmup_steps=10, batch_sequences=2)
+    head = DraftHead(DraftConfig.for_target(target.config, "eagle2", intermediate_size=32)).init_weights(0).bind(target)
+
+    def tick(step, record):
+        clock.t += 1.0 if 150 <= step < 170 else 0.25
+
+    history = train_head(head, examples, cfg, (), None, tick)
+    rates = [h["lr"] for h in history[10:]]
+    assert all(b <= a for a, b in zip(rates, rates[1:])) and rates[-1] == 0.0
+    # 120 s: 15 s lost to the slow steps, the rest at 0.25 s a step.
+    assert abs(len(history) - 420) <= 2, len(history)
+
+
 def test_training_for_a_budget_in_minutes(target):
     """--minutes: the steps are set from the first ten steps' time, the schedule decays to zero at
     the last one, and the run takes about the budget."""

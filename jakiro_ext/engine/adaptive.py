@@ -9,7 +9,8 @@ trees and plain decoding (no drafting: a one-node tree), and times every round a
 seconds per round (per number of batch rows) and new tokens per sequence, per candidate, over a
 window of its last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At
 the start it measures plain decoding first, then every tree the cost model (scaled by plain
-decoding's live time) puts within :data:`COMPETITIVE` of the best; at a new number of batch rows,
+decoding's live time, and corrected by its error on the trees already run) puts within
+:data:`COMPETITIVE` of the best; at a new number of batch rows,
 plain decoding and the best again, the others estimated from their ratio to plain decoding at
 other row counts. It re-measures the close ones now and then (a probe), less often each time a
 probe finds the candidate still behind, and forgets what it measured of a candidate it has not run
@@ -128,17 +129,37 @@ class TreeChooser:
         r = min(both, key=lambda r: abs(r - rows))
         return statistics.median(c.seconds[r]) / statistics.median(self.plain.seconds[r])
 
+    def model_ratio(self, c: Candidate) -> float:
+        """The cost model's seconds of a round of ``c`` over plain decoding's."""
+        return c.expected_seconds / self.plain.expected_seconds
+
+    def model_error(self, rows: int) -> float:
+        """How far the cost model's rates are from the live ones, learned from the trees that
+        ran: the median over them of live rate / the model's (both with plain decoding's live
+        seconds, at the nearest number of rows where the tree and plain decoding ran, or as it
+        was when forgotten); 1 before any ran. The model's errors are mostly shared by its trees
+        (a batch of many rows costs more beyond its parts than it measured, the text is harder
+        than the held-out one), so a tree not yet run is estimated with it: one tree found slow
+        spares running the others."""
+        errors = []
+        for c in self.candidates:
+            ratio = self.ratio(c, rows) or c.remembered_ratio if c is not self.plain else None
+            if ratio is not None:
+                tokens = (sum(c.tokens) + PRIOR_ROUNDS * c.expected_tokens) / (len(c.tokens) + PRIOR_ROUNDS)
+                errors.append(tokens / c.expected_tokens * self.model_ratio(c) / ratio)
+        return statistics.median(errors) if errors else 1.0
+
     def rate(self, c: Candidate, rows: int) -> float:
         """``c``'s rate at ``rows`` rows. Where it has not run at that many, its seconds are
         estimated from plain decoding's live seconds there: times its own live ratio to them (at
         the nearest number of rows where both ran, else the one it had when forgotten), else
-        times the cost model's ratio."""
+        times the cost model's ratio, the rate then corrected by the model's live error."""
         plain = self.plain.seconds.get(rows)
         if not plain:
             return c.rate(rows, c.expected_seconds)
-        ratio = self.ratio(c, rows)
+        ratio = self.ratio(c, rows) or c.remembered_ratio
         if ratio is None:
-            ratio = c.remembered_ratio or c.expected_seconds / self.plain.expected_seconds
+            return c.rate(rows, statistics.median(plain) * self.model_ratio(c)) * self.model_error(rows)
         return c.rate(rows, statistics.median(plain) * ratio)
 
     def best(self, rows: int) -> Candidate:

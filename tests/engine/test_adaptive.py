@@ -51,17 +51,29 @@ def test_falls_back_to_plain_decoding_when_speculation_is_slower():
     assert ran.count(FAR) <= 1  # far behind by the costs: only when stale
 
 
+def test_one_tree_found_slower_than_the_model_said_spares_running_the_others():
+    """The cost model is off for every tree alike (a batch of 16 rows: each tree twice its
+    predicted seconds): once the best is measured, the close one is estimated with the same error
+    and never run; then plain decoding runs. With the model right, both are run (the first test)."""
+    chooser = TreeChooser(candidates(), batch=16)
+    ran = run(chooser, 400, lambda c: c.expected_seconds * (2 if c.tree else 1), rows=16)
+    assert ran[:3] == [None, None, BIG] and SMALL not in ran  # (nor after BIG's measurements are forgotten)
+    assert ran[3:].count(None) / len(ran[3:]) > 0.99
+    assert chooser.model_error(16) == pytest.approx(0.5)
+
+
 def test_a_close_tree_that_stays_behind_is_probed_less_and_less_often():
-    # Live: SMALL 0.9x plain decoding's rate (close: probed), BIG and FAR far behind.
-    chooser = TreeChooser(candidates(), batch=1)
-    ran = run(chooser, 1000, lambda c: c.expected_seconds * (3 if c.tree in (BIG, FAR) else 1),
+    # Live: SMALL 0.9x plain decoding's rate (close: probed). (Alone with plain decoding: beside a
+    # tree found slower than the model said, it would be estimated as slow and not run at all.)
+    chooser = TreeChooser([candidates()[1], candidates()[3]], batch=1)
+    ran = run(chooser, 1000, lambda c: c.expected_seconds,
               tokens_of=lambda c: 1.0 if c.tree is None else 0.9 * c.expected_seconds / 0.012)
     runs = [i for i, tree in enumerate(ran) if tree is SMALL]
     gaps = [b - a for a, b in zip(runs, runs[1:]) if b - a > 1]  # (first a few rounds in a row: its prior)
     assert gaps[:3] == [adaptive.PROBE_EVERY, 2 * adaptive.PROBE_EVERY, 4 * adaptive.PROBE_EVERY]
     # Forgotten after FORGET_AFTER rounds, it is tried again for a few rounds (its tokens' prior is
     # the cost model's again): in all, under a tenth of the rounds at 0.9x.
-    assert ran[100:].count(SMALL) < 0.1 * len(ran[100:]) and ran.count(BIG) + ran.count(FAR) <= 1
+    assert ran[100:].count(SMALL) < 0.1 * len(ran[100:])
 
 
 def test_a_forgotten_tree_keeps_its_live_estimate():

@@ -166,8 +166,20 @@ class BatchState:
         on_device = ops.to_device(torch.tensor(counts), path.device)
         self.target_kv.commit_path(path, on_device, counts)
         if draft_step is not None:
-            self.draft_kv.commit(on_device, counts)
-            self.root_step = draft_step.rows((on_device - 1).view(-1, 1))
+            self._commit_draft(draft_step, on_device, counts)
+
+    def _commit_draft(self, step: DraftStep, on_device: torch.Tensor, counts: List[int]) -> None:
+        """The draft's cache keeps the first ``counts[b]`` rows of a catch-up forward's ``step``
+        (``on_device``: the counts on the device); the last kept row becomes the row's root step
+        (a row keeping none keeps its root step)."""
+        self.draft_kv.commit(on_device, counts)
+        last = step.rows((on_device - 1).clamp(min=0).view(-1, 1))
+        if self.root_step is None or min(counts) > 0:
+            self.root_step = last
+        else:
+            kept = on_device > 0
+            self.root_step = DraftStep(*(None if t is None else torch.where(kept.view(-1, *([1] * (t.dim() - 1))), t, old)
+                                         for t, old in zip(last, self.root_step)))
 
     def defer_catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """After :meth:`commit` of a round that drafted nothing (one new token per row): the draft
@@ -229,13 +241,5 @@ class BatchState:
             w = max(part)
             self.draft_kv.reserve(max(self.draft_kv.host_lengths) + w)
             step = self.drafter.catch_up(self.draft_kv, tokens[:, start: start + w], features[:, start: start + w])
-            on_device = ops.to_device(torch.tensor(part), tokens.device)
-            self.draft_kv.commit(on_device, part)
-            last = step.rows((on_device - 1).clamp(min=0).view(-1, 1))
-            if self.root_step is None:
-                self.root_step = last
-            else:
-                caught = on_device > 0
-                self.root_step = DraftStep(*(None if t is None else torch.where(caught.view(-1, *([1] * (t.dim() - 1))), t, old)
-                                             for t, old in zip(last, self.root_step)))
+            self._commit_draft(step, ops.to_device(torch.tensor(part), tokens.device), part)
         return -(-n // width)

@@ -215,14 +215,15 @@ class DraftHead(nn.Module):
                              f"this head is {self.config.kind}: save it as 'eagle'")
         if format not in ("jakiro_ext", "eagle", "serving"):
             raise ValueError(f"format must be 'jakiro_ext', 'eagle' or 'serving', got {format!r}")
-        config, state = serving_format.serving_files(self) if format == "serving" else (None, None)
-        if format == "eagle":
+        if format == "serving":
+            config, state = serving_format.serving_files(self)
+        elif format == "eagle":
             head = self
             if full_vocabulary and self.config.draft_vocab_size:
                 head = DraftHead(replace(self.config, draft_vocab_size=0))
                 head.load_state_dict({k: v for k, v in self.state_dict().items() if k != "draft_to_target"})
             config, state = head_formats.eagle_files(head)
-        elif format == "jakiro_ext":
+        else:
             config, state = asdict(self.config), self.state_dict()
         extra = dict(extra_files or {})
         if self.acceptance is not None and format == "jakiro_ext":

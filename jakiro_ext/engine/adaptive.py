@@ -8,18 +8,21 @@ left to the engine on a CPU, a :class:`TreeChooser` holds a few candidates, the 
 trees and plain decoding (no drafting: a one-node tree), and times every round as it runs: wall
 seconds per round (per number of batch rows) and new tokens per sequence, per candidate, over a
 window of its last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At
-the start it measures plain decoding first, then every tree the cost model (scaled by plain
-decoding's live time, and corrected by its error on the trees already run) puts within
-:data:`COMPETITIVE` of the best; at a new number of batch rows,
-plain decoding and the best again, the others estimated from their ratio to plain decoding at
-other row counts. It re-measures the close ones now and then (a probe), less often each time a
-probe finds the candidate still behind, and forgets what it measured of a candidate it has not run
-for a while (keeping its last live ratio to plain decoding's seconds, not the cost model's, as
-the estimate until it is measured again), so that within a few rounds of a change it follows the
-machine and the prompt, and a tree that keeps losing costs a probe round in a hundred or more. A
-tree displaces plain decoding only when its live rate beats plain's by :data:`MARGIN`. A chooser
-lives as long as its head, across calls (one per method, batch-size bucket and machine setting),
-so a call starts from what the last ones measured.
+the start it measures plain decoding first; a tree not yet run is estimated by the cost model,
+scaled by plain decoding's live seconds and corrected by the model's error on the trees already
+run that are no bigger, and is run (explored) when that estimate is the best one by :data:`EXPLORE_MARGIN` (trying
+a tree costs the draft's prefill and catch-up). At a new number of batch rows, plain decoding and
+the best are measured again, the others estimated from their ratio to plain decoding at other row
+counts. The candidates within :data:`COMPETITIVE` of the best are re-measured now and then (a
+probe), less often each time a probe finds one still behind, and never before
+:data:`PROBE_BUDGET` of the time since it last ran pays for what switching to it cost then (after
+rounds of plain decoding, the draft's catch-up: at 16 rows a round or more). What a candidate has
+not run for a while is forgotten (its last live ratio to plain decoding's seconds kept as the
+estimate until it is measured again), so that within a few rounds of a change the choice
+follows the machine and the prompt, and a tree that keeps losing costs a probe round in a hundred
+or more. A tree displaces plain decoding only when its live rate beats plain's by
+:data:`MARGIN`. A chooser lives as long as its head, across calls (one per method, batch-size
+bucket and machine setting), so a call starts from what the last ones measured.
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
 target's above it. (With sampling, which tree a round uses changes which draws it consumes: a
@@ -51,13 +54,17 @@ PRIOR_ROUNDS = 2    # counting the cost model's expectation as this many rounds)
 MIN_SAMPLES = 2     # rounds plain decoding is measured for before it competes (a tree: one)
 PROBE_EVERY = 16    # a candidate within COMPETITIVE of the best rate is re-measured after this many
 COMPETITIVE = 0.85  # rounds without a run, twice as late each time the probe finds it still behind
-MAX_PROBE_EVERY = 256  # (up to this)
+MAX_PROBE_EVERY = 256  # (up to this), and no sooner than PROBE_BUDGET of the time since its last run pays for
+PROBE_BUDGET = 0.01    # what switching to it cost last time (the draft's catch-up, the round's loss)
 FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
 MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
 COSTS_DISAGREE = 1.4  # live / cached seconds of a round beyond this (or below its inverse)
 MARGIN = 1.03  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
 # the rates are means of a few noisy rounds, and the candidate that looks best is the one whose noise
 # flattered it most; a tree within a few percent of plain decoding gains nothing worth that risk
+EXPLORE_MARGIN = 1.15  # ... and a tree never run, estimated from the cost model alone, by this: the model's
+# error on a tree's seconds over plain decoding's is about 10% at 16 rows, and trying a tree costs the
+# draft's prefill and catch-up over every row (at 16 rows, a few percent of a 64-token call)
 
 
 @dataclass
@@ -74,6 +81,7 @@ class Candidate:
     last_round: int = -1  # the round it last ran
     probe_every: int = PROBE_EVERY  # rounds without a run after which a probe re-measures it
     forget_after: int = FORGET_AFTER  # rounds without a run after which its measurements are dropped
+    switch_cost: float = 0.0  # seconds lost the last time it ran after another candidate
     # Its seconds over plain decoding's when its measurements were dropped: the estimate of its
     # seconds until it is measured again (its tokens: the cost model's again, the text has changed).
     remembered_ratio: Optional[float] = None
@@ -84,12 +92,15 @@ class Candidate:
     def measured(self, rows: int) -> bool:
         return self.samples(rows) >= (MIN_SAMPLES if self.tree is None else 1)
 
+    def mean_tokens(self) -> float:
+        """New tokens per sequence and round: the live mean, with the cost model's as a prior."""
+        return (sum(self.tokens) + PRIOR_ROUNDS * self.expected_tokens) / (len(self.tokens) + PRIOR_ROUNDS)
+
     def rate(self, rows: int, seconds: float) -> float:
         """New tokens per sequence per second at ``rows`` rows: live where measured, else with
         ``seconds`` a round (an estimate; and the cost model's tokens until measured)."""
-        tokens = (sum(self.tokens) + PRIOR_ROUNDS * self.expected_tokens) / (len(self.tokens) + PRIOR_ROUNDS)
         measured = self.seconds.get(rows)
-        return tokens / (statistics.median(measured) if measured else seconds)
+        return self.mean_tokens() / (statistics.median(measured) if measured else seconds)
 
     def add(self, rows: int, seconds: float, tokens: float) -> None:
         self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
@@ -133,20 +144,20 @@ class TreeChooser:
         """The cost model's seconds of a round of ``c`` over plain decoding's."""
         return c.expected_seconds / self.plain.expected_seconds
 
-    def model_error(self, rows: int) -> float:
-        """How far the cost model's rates are from the live ones, learned from the trees that
-        ran: the median over them of live rate / the model's (both with plain decoding's live
-        seconds, at the nearest number of rows where the tree and plain decoding ran, or as it
-        was when forgotten); 1 before any ran. The model's errors are mostly shared by its trees
-        (a batch of many rows costs more beyond its parts than it measured, the text is harder
-        than the held-out one), so a tree not yet run is estimated with it: one tree found slow
-        spares running the others."""
+    def model_error(self, c: Candidate, rows: int) -> float:
+        """How far the cost model's rate for ``c`` is from the live one, as far as the trees that
+        ran and are no bigger than ``c`` tell: the median over them of live rate / the model's
+        (both with plain decoding's live seconds, at the nearest number of rows where the tree and
+        plain decoding ran, or as it was when forgotten); 1 when none ran. A batch of many rows
+        costs more beyond its parts than the model measured, and more so for a bigger tree: one
+        small tree found slow spares running the bigger ones, but a big tree found slow says
+        nothing of a small one (costs measured on a loaded machine overrate big trees)."""
         errors = []
-        for c in self.candidates:
-            ratio = self.ratio(c, rows) or c.remembered_ratio if c is not self.plain else None
+        for d in self.candidates:
+            ratio = None if d is self.plain or d.tree.total_tokens > c.tree.total_tokens else \
+                self.ratio(d, rows) or d.remembered_ratio
             if ratio is not None:
-                tokens = (sum(c.tokens) + PRIOR_ROUNDS * c.expected_tokens) / (len(c.tokens) + PRIOR_ROUNDS)
-                errors.append(tokens / c.expected_tokens * self.model_ratio(c) / ratio)
+                errors.append(d.mean_tokens() / d.expected_tokens * self.model_ratio(d) / ratio)
         return statistics.median(errors) if errors else 1.0
 
     def rate(self, c: Candidate, rows: int) -> float:
@@ -159,23 +170,39 @@ class TreeChooser:
             return c.rate(rows, c.expected_seconds)
         ratio = self.ratio(c, rows) or c.remembered_ratio
         if ratio is None:
-            return c.rate(rows, statistics.median(plain) * self.model_ratio(c)) * self.model_error(rows)
+            return c.rate(rows, statistics.median(plain) * self.model_ratio(c)) * self.model_error(c, rows)
         return c.rate(rows, statistics.median(plain) * ratio)
 
     def best(self, rows: int) -> Candidate:
         """The candidate to run at ``rows`` rows: the highest live rate, a tree's counted
-        :data:`MARGIN` times less than plain decoding's."""
-        return max(self.candidates, key=lambda c: self.rate(c, rows) * (1 if c is self.plain else 1 / MARGIN))
+        :data:`MARGIN` times less than plain decoding's (:data:`EXPLORE_MARGIN` for one never run)."""
+        def margin(c: Candidate) -> float:
+            return 1 if c is self.plain else MARGIN if c.seconds or c.remembered_ratio else EXPLORE_MARGIN
+        return max(self.candidates, key=lambda c: self.rate(c, rows) / margin(c))
 
     def drafting(self, rows: int) -> bool:
         """Whether rounds of ``rows`` rows are expected to draft: a tree is the best candidate
         there (else the draft's work can wait for the next tree round)."""
         return self.best(rows) is not self.plain
 
+    def round_seconds(self, rows: int) -> float:
+        """Seconds of a round of the best candidate at ``rows`` rows (0 before plain decoding is
+        measured there)."""
+        if not self.plain.measured(rows):
+            return 0.0
+        best = self.best(rows)
+        return best.mean_tokens() / self.rate(best, rows)
+
+    def affordable(self, c: Candidate, round_seconds: float) -> bool:
+        """Whether PROBE_BUDGET of the time since ``c`` last ran (rounds of ``round_seconds``) pays
+        for what switching to it cost last time (a catch-up over 16 rows' tokens: a round or more)."""
+        return PROBE_BUDGET * (self.round - c.last_round) * round_seconds >= c.switch_cost
+
     def choose(self, rows: int) -> Candidate:
         """The candidate for a round of ``rows`` batch rows."""
-        for c in self.candidates:
-            if c.seconds and self.round - c.last_round >= c.forget_after:
+        seconds = self.round_seconds(rows)
+        for c in self.candidates:  # (measured again from scratch: not before a probe would be)
+            if c.seconds and self.round - c.last_round >= c.forget_after and self.affordable(c, seconds):
                 c.forget(None if c is self.plain else self.ratio(c, rows))
         # First plain decoding is measured (the cost model may be wrong about it by any factor),
         # then every competitive tree.
@@ -184,16 +211,23 @@ class TreeChooser:
         best = self.best(rows)
         rates = [self.rate(c, rows) for c in self.candidates]
         close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)]
-        for c in close:  # (a tree with a live estimate, from other row counts or forgotten: probed, not explored)
-            if not c.measured(rows) and (c is best or not (c.seconds or c.remembered_ratio)):
-                return c
-        due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every]
+        if not best.measured(rows):  # (the others not measured: their probes)
+            return best
+        seconds = self.round_seconds(rows)
+        due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every
+               and self.affordable(c, seconds)]
         return min(due, key=lambda c: c.last_round) if due else best
 
-    def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float) -> None:
+    def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float,
+               catch_up_seconds: float = 0.0) -> None:
         """A round of ``candidate`` over ``rows`` batch rows took ``seconds`` and gave
-        ``tokens_per_sequence`` new tokens (the mean over the batch's sequences)."""
+        ``tokens_per_sequence`` new tokens (the mean over the batch's sequences); before it, the
+        draft's catch-up on what it was behind took ``catch_up_seconds`` (not the round's)."""
         fresh = not candidate.seconds
+        if candidate.last_round != self.round - 1:  # switched to: what that cost, against the best
+            best = self.best(rows)
+            lost = 0.0 if best is candidate else seconds - tokens_per_sequence / self.rate(best, rows)
+            candidate.switch_cost = catch_up_seconds + max(0.0, lost)
         probe = self.round - candidate.last_round >= candidate.probe_every
         candidate.add(rows, seconds, tokens_per_sequence)
         candidate.last_round = self.round

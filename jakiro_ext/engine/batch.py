@@ -168,11 +168,12 @@ class DecodeBatch:
                 candidate = self.chooser.choose(rows)
                 drafter = self.drafters[id(candidate)]
                 # What the draft is behind (rounds of plain decoding) is not the round's: timed apart.
-                caught_up = self._catch_up(drafter)
                 t0 = time.perf_counter()
+                caught_up = self._catch_up(drafter)
+                t1 = time.perf_counter()
                 accepted = self._round(drafter, caught_up)
                 if accepted:
-                    self.chooser.record(candidate, rows, time.perf_counter() - t0, 1 + statistics.fmean(accepted))
+                    self.chooser.record(candidate, rows, time.perf_counter() - t1, 1 + statistics.fmean(accepted), t1 - t0)
         finally:
             for listen in ROUND_LISTENERS:
                 listen(False)

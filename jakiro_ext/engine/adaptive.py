@@ -10,10 +10,11 @@ seconds per round (per number of batch rows) and new tokens per sequence, per ca
 window of its last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At
 the start it measures plain decoding first; a tree not yet run is estimated by the cost model,
 scaled by plain decoding's live seconds and corrected by the model's error on the trees already
-run that are no bigger, and is run (explored) when that estimate is the best one by :data:`EXPLORE_MARGIN` (trying
-a tree costs the draft's prefill and catch-up). At a new number of batch rows, plain decoding and
-the best are measured again, the others estimated from their ratio to plain decoding at other row
-counts. The candidates within :data:`COMPETITIVE` of the best are re-measured now and then (a
+run that are no bigger, and is run (explored) when that estimate is the best one by
+:data:`EXPLORE_MARGIN` (trying a tree costs the draft's prefill and catch-up), unless the cached
+costs disagree with the live seconds (measured under load): then only at its probe. At a new
+number of batch rows, plain decoding and the best are measured again, the others estimated from
+their ratio to plain decoding at other row counts. The candidates within :data:`COMPETITIVE` of the best are re-measured now and then (a
 probe), less often each time a probe finds one still behind, and never before
 :data:`PROBE_BUDGET` of the time since it last ran pays for what switching to it cost then (after
 rounds of plain decoding, the draft's catch-up: at 16 rows a round or more). What a candidate has
@@ -39,6 +40,7 @@ admitted while plain decoding is the best choice leaves its draft prefill to tha
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 from collections import deque
@@ -125,6 +127,7 @@ class TreeChooser:
         self.plain = next(c for c in candidates if c.tree is None)
         self.batch = batch  # the rows the cost model's seconds are for
         self.forget_costs = forget_costs
+        self.costs_disagree = False  # live seconds found far from the cached costs (measured under load)
         self.round = 0
 
     @property
@@ -175,9 +178,13 @@ class TreeChooser:
 
     def best(self, rows: int) -> Candidate:
         """The candidate to run at ``rows`` rows: the highest live rate, a tree's counted
-        :data:`MARGIN` times less than plain decoding's (:data:`EXPLORE_MARGIN` for one never run)."""
+        :data:`MARGIN` times less than plain decoding's (:data:`EXPLORE_MARGIN` for one never run;
+        never the best while the costs disagree with live seconds: then a tree is tried only at its
+        probe, as the model's relative costs are as suspect as its absolute ones)."""
         def margin(c: Candidate) -> float:
-            return 1 if c is self.plain else MARGIN if c.seconds or c.remembered_ratio else EXPLORE_MARGIN
+            if c is self.plain:
+                return 1.0
+            return MARGIN if c.seconds or c.remembered_ratio else math.inf if self.costs_disagree else EXPLORE_MARGIN
         return max(self.candidates, key=lambda c: self.rate(c, rows) / margin(c))
 
     def drafting(self, rows: int) -> bool:
@@ -238,12 +245,13 @@ class TreeChooser:
         if probe:  # still behind: probed less often; ahead: as often as at first
             behind = self.best(rows) is not candidate
             candidate.probe_every = min(2 * candidate.probe_every, MAX_PROBE_EVERY) if behind else PROBE_EVERY
-        if self.forget_costs is not None and rows == self.batch:
+        if rows == self.batch and not self.costs_disagree:
             ratio = statistics.median(candidate.seconds[rows]) / candidate.expected_seconds
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
             if not 1 / allowed <= ratio <= allowed:
-                self.forget_costs()
-                self.forget_costs = None  # once
+                self.costs_disagree = True
+                if self.forget_costs is not None:
+                    self.forget_costs()
 
 
 def forget_cost_file(path: Path) -> Callable[[], None]:

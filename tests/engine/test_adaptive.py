@@ -82,10 +82,12 @@ def test_a_small_tree_found_slower_than_the_model_said_spares_running_the_bigger
 
 def test_a_big_tree_found_slower_than_the_model_said_says_nothing_of_a_small_one():
     """Costs measured on a loaded machine: the big tree the model put first runs at a third of its
-    rate, the small one as the model said: the small one is still tried, and kept."""
+    rate, the small one as the model said: the small one is still tried (at its probe: the costs
+    now disagree with live timing), and kept."""
     chooser = TreeChooser(candidates(), batch=1)
-    ran = run(chooser, 40, lambda c: c.expected_seconds * (3 if c.tree in (BIG, FAR) else 1))
-    assert ran[:4] == [None, None, BIG, SMALL] and ran[-20:].count(SMALL) >= 19
+    ran = run(chooser, 60, lambda c: c.expected_seconds * (3 if c.tree in (BIG, FAR) else 1))
+    assert ran[:3] == [None, None, BIG] and ran.index(SMALL) == adaptive.PROBE_EVERY - 1
+    assert ran[-20:].count(SMALL) >= 19
     assert chooser.model_error(chooser.candidates[1], 1) == pytest.approx(1.0)
 
 
@@ -162,6 +164,18 @@ def test_forgets_cached_costs_that_disagree_with_live_timing():
     chooser = TreeChooser(candidates(), batch=2, forget_costs=lambda: forgotten.append(True))
     run(chooser, 30, lambda c: c.expected_seconds * 2.5, rows=3)  # costs of another batch size: no verdict
     assert forgotten == [True]
+
+
+def test_costs_that_disagree_with_live_timing_try_trees_only_at_their_probes():
+    """Costs measured under load (every round 2.5x faster live than cached, trees as plain
+    decoding): the model's relative costs are suspect too, so no tree is tried at once (not even
+    BIG, 1.5x ahead by the model) and a prompt admitted then leaves its draft prefill for later;
+    the close trees are tried at their probes, and BIG, right after all, runs from then on."""
+    chooser = TreeChooser(candidates(), batch=1)
+    ran = run(chooser, 2, lambda c: c.expected_seconds / 2.5)
+    assert ran == [None, None] and chooser.costs_disagree and not chooser.drafting(1)
+    ran += run(chooser, 60, lambda c: c.expected_seconds / 2.5)
+    assert ran.index(BIG) == adaptive.PROBE_EVERY - 1 and ran[-20:].count(BIG) >= 19
 
 
 def test_candidates_must_include_plain_decoding():

@@ -1,27 +1,27 @@
 """Speculation that never loses: the draft tree chosen round by round from live timing.
 
 The cost model (:mod:`jakiro_ext.engine.tree_cost`) predicts each tree's tokens per second from
-costs measured once and cached, and from the head's acceptance on held-out text. Both can be
-wrong for the call at hand: the machine is loaded (or was, when the costs were measured), the
-batch is not the one measured, the prompt is harder than the held-out text. So when the tree is
-left to the engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost model's best
-trees and plain decoding (no drafting: a one-node tree), and times every round as it runs: wall
-seconds per round (per number of batch rows) and new tokens per sequence, per candidate, over a
-window of its last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At
-the start it measures plain decoding first; a tree not yet run is estimated by the cost model,
-scaled by plain decoding's live seconds and corrected by the model's error on the trees already
-run that are no bigger, and is run (explored) when that estimate is the best one by
-:data:`EXPLORE_MARGIN` (trying a tree costs the draft's prefill and catch-up), unless the cached
-costs disagree with the live seconds (measured under load): then only at its probe. At a new
-number of batch rows, plain decoding and the best are measured again, the others estimated from
-their ratio to plain decoding at other row counts. The candidates within :data:`COMPETITIVE` of the best are re-measured now and then (a
-probe), less often each time a probe finds one still behind, and never before
-:data:`PROBE_BUDGET` of the time since it last ran pays for what switching to it cost then (after
-rounds of plain decoding, the draft's catch-up: at 16 rows a round or more). What a candidate has
-not run for a while is forgotten (its last live ratio to plain decoding's seconds kept as the
-estimate until it is measured again), so that within a few rounds of a change the choice
-follows the machine and the prompt, and a tree that keeps losing costs a probe round in a hundred
-or more. A tree displaces plain decoding only when its live rate beats plain's by
+costs measured once and cached, and from the head's acceptance on held-out text. Both can be wrong
+for the call at hand: the machine is loaded (or was, when the costs were measured), the batch is
+not the one measured, the prompt is harder than the held-out text. So when the tree is left to the
+engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost model's best trees and
+plain decoding (no drafting: a one-node tree), and times every round as it runs: wall seconds per
+round (per number of batch rows) and new tokens per sequence, per candidate, over a window of its
+last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At the start it
+measures plain decoding first; a tree not yet run is estimated by the cost model, scaled by plain
+decoding's live seconds and corrected by the model's error on the trees already run that are no
+bigger, and is run (explored) when that estimate is the best one by :data:`EXPLORE_MARGIN` (trying
+a tree costs the draft's prefill and catch-up), unless the cached costs disagree with the live
+seconds (measured under load): then only the smallest tree, at its probe. At a new number of batch
+rows, plain decoding and the best are measured again, the others estimated from their ratio to
+plain decoding at other row counts. The candidates within :data:`COMPETITIVE` of the best are
+re-measured now and then (a probe), less often each time a probe finds one still behind, and never
+before :data:`PROBE_BUDGET` of the time since it last ran pays for what switching to it cost then
+(after rounds of plain decoding, the draft's catch-up: at 16 rows a round or more). What a
+candidate has not run for a while is forgotten (its last live ratio to plain decoding's seconds
+kept as the estimate until it is measured again), so that within a few rounds of a change the
+choice follows the machine and the prompt, and a tree that keeps losing costs a probe round in a
+hundred or more. A tree displaces plain decoding only when its live rate beats plain's by
 :data:`MARGIN`. A chooser lives as long as its head, across calls (one per method, batch-size
 bucket and machine setting), so a call starts from what the last ones measured.
 
@@ -222,8 +222,18 @@ class TreeChooser:
             return best
         seconds = self.round_seconds(rows)
         due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every
-               and self.affordable(c, seconds)]
+               and self.affordable(c, seconds) and self.probed_untried(c)]
         return min(due, key=lambda c: c.last_round) if due else best
+
+    def probed_untried(self, c: Candidate) -> bool:
+        """Whether ``c`` may be probed as far as trying an untried tree goes: always, but while the
+        cached costs disagree with live seconds only if it is the smallest tree (the model's
+        relative costs are then as wrong as its absolute ones: one of 16 rows measured under load
+        put trees of 6 nodes at half of plain decoding's seconds, live they took 4x; a small
+        tree's probe costs least). The bigger ones wait for costs measured again (the next chooser)."""
+        untried = c is not self.plain and not (c.seconds or c.remembered_ratio)
+        smallest = min((d for d in self.candidates if d is not self.plain), key=lambda d: d.tree.total_tokens)
+        return not (untried and self.costs_disagree) or c is smallest
 
     def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float,
                catch_up_seconds: float = 0.0) -> None:

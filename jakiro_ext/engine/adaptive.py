@@ -12,7 +12,8 @@ measures plain decoding first; a tree not yet run is estimated by the cost model
 decoding's live seconds and corrected by the model's error on the trees already run that are no
 bigger, and is run (explored) when that estimate is the best one by :data:`EXPLORE_MARGIN` (trying
 a tree costs the draft's prefill and catch-up), unless the cached costs disagree with the live
-seconds (measured under load): then only the smallest tree, at its probe. At a new number of batch
+seconds (measured under load): then only the smallest tree, at its probe (whatever the model says
+of it). At a new number of batch
 rows, plain decoding and the best are measured again, the others estimated from their ratio to
 plain decoding at other row counts. The candidates within :data:`COMPETITIVE` of the best are
 re-measured now and then (a probe), less often each time a probe finds one still behind, and never
@@ -217,7 +218,8 @@ class TreeChooser:
             return self.plain
         best = self.best(rows)
         rates = [self.rate(c, rows) for c in self.candidates]
-        close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)]
+        close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)
+                 or (self.costs_disagree and c is self.smallest_tree)]  # (its estimate is the model's: suspect)
         if not best.measured(rows):  # (the others not measured: their probes)
             return best
         seconds = self.round_seconds(rows)
@@ -232,8 +234,11 @@ class TreeChooser:
         put trees of 6 nodes at half of plain decoding's seconds, live they took 4x; a small
         tree's probe costs least). The bigger ones wait for costs measured again (the next chooser)."""
         untried = c is not self.plain and not (c.seconds or c.remembered_ratio)
-        smallest = min((d for d in self.candidates if d is not self.plain), key=lambda d: d.tree.total_tokens)
-        return not (untried and self.costs_disagree) or c is smallest
+        return not (untried and self.costs_disagree) or c is self.smallest_tree
+
+    @property
+    def smallest_tree(self) -> Candidate:
+        return min((c for c in self.candidates if c is not self.plain), key=lambda c: c.tree.total_tokens)
 
     def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float,
                catch_up_seconds: float = 0.0) -> None:

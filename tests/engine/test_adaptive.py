@@ -76,7 +76,7 @@ def test_a_small_tree_found_slower_than_the_model_said_spares_running_the_bigger
     chooser = TreeChooser([small, big, plain], batch=16)
     ran = run(chooser, 400, lambda c: c.expected_seconds * (2 if c.tree else 1), rows=16)
     assert ran[:3] == [None, None, SMALL] and BIG not in ran  # (nor after SMALL's measurements are forgotten)
-    assert ran[3:].count(None) / len(ran[3:]) > 0.99
+    assert ran[3:].count(None) / len(ran[3:]) > 0.98  # (the smallest tree: probed now and then)
     assert chooser.model_error(big, 16) == pytest.approx(0.5) and chooser.model_error(small, 16) == pytest.approx(0.5)
 
 

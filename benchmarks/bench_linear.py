@@ -37,8 +37,7 @@ def main():
     for dtype in (torch.float32, torch.bfloat16):
         N, K = shapes["mlp up 1536x576"]
         g = torch.Generator().manual_seed(0)
-        size = N * K * torch.finfo(dtype).bits // 8
-        count = int((227e6 if args.quick else 906e6) // size)  # (the model's fp32 weights: 906 MB)
+        count = int(906e6 // (N * K * torch.finfo(dtype).bits // 8))  # (the model's fp32 weights; beyond any L3 seen)
         weights = [on_device((torch.randn(N, K, generator=g) * K**-0.5).to(dtype)) for _ in range(count)]
         total_bytes = count * N * K * weights[0].element_size()
         for rows in (1, 2, 3, 4, 6):

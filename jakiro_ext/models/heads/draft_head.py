@@ -206,10 +206,9 @@ class DraftHead(nn.Module):
         ``metadata`` (str -> str) goes into the file's header; ``extra_files`` (name -> text, e.g.
         ``training.json``) are written with them. The directory is replaced atomically: a kill
         leaves the old head or the new one, never a mix, and no file of the old head survives.
-        ``format="eagle"``: a dense head in the EAGLE-1/2 format that vLLM and SGLang load for
-        their ``eagle`` method (:func:`jakiro_ext.models.heads.formats.eagle_files`); a head with a
-        reduced draft vocabulary needs ``full_vocabulary=True`` (that format drafts over the whole
-        vocabulary). ``format="serving"``: for this package's vLLM and SGLang plugins (:mod:`jakiro_ext.serving`)."""
+        ``format="eagle"``: a dense head in the EAGLE-1/2 format of vLLM's and SGLang's ``eagle``
+        (:func:`jakiro_ext.models.heads.formats.eagle_files`; a reduced draft vocabulary needs
+        ``full_vocabulary=True``); ``"serving"``: for this package's plugins (:mod:`jakiro_ext.serving`)."""
         if format == "eagle3":
             raise ValueError("the eagle3 format holds EAGLE-3 heads (three target layers in, their own LM head); "
                              f"this head is {self.config.kind}: save it as 'eagle'")

@@ -80,7 +80,7 @@ def timeit(fn: Callable[[], object], reps: int, warmup: int = 3, max_seconds: fl
             times.append((time.perf_counter() - t0) * 1e3)
         if time.perf_counter() > deadline and len(times) >= 3:
             break
-    q = statistics.quantiles(times, n=5) if len(times) >= 2 else times * 4
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) >= 2 else times * 4  # (exclusive extrapolates)
     return {"median_ms": statistics.median(times), "p20_ms": q[0], "p80_ms": q[3], "reps": len(times)}
 
 

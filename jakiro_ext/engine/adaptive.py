@@ -13,18 +13,17 @@ decoding's live seconds and corrected by the model's error on the trees already 
 bigger, and is run (explored) when that estimate is the best one by :data:`EXPLORE_MARGIN` (trying
 a tree costs the draft's prefill and catch-up), unless the cached costs disagree with the live
 seconds (measured under load): then only the smallest tree, at its probe (whatever the model says
-of it). At a new number of batch
-rows, plain decoding and the best are measured again, the others estimated from their ratio to
-plain decoding at other row counts. The candidates within :data:`COMPETITIVE` of the best are
-re-measured now and then (a probe), less often each time a probe finds one still behind, and never
-before :data:`PROBE_BUDGET` of the time since it last ran pays for what switching to it cost then
-(after rounds of plain decoding, the draft's catch-up: at 16 rows a round or more). What a
-candidate has not run for a while is forgotten (its last live ratio to plain decoding's seconds
-kept as the estimate until it is measured again), so that within a few rounds of a change the
-choice follows the machine and the prompt, and a tree that keeps losing costs a probe round in a
-hundred or more. A tree displaces plain decoding only when its live rate beats plain's by
-:data:`MARGIN`. A chooser lives as long as its head, across calls (one per method, batch-size
-bucket and machine setting), so a call starts from what the last ones measured.
+of it). At a new number of batch rows, plain decoding and the best are measured again, the others
+estimated from their ratio to plain decoding at other row counts. The candidates within
+:data:`COMPETITIVE` of the best are re-measured now and then (a probe), less often each time a
+probe finds one still behind, and never before :data:`PROBE_BUDGET` of the time since it last ran
+pays for what switching to it cost then (after rounds of plain decoding, the draft's catch-up: at
+16 rows a round or more). What a candidate has not run for a while is forgotten (its last live
+ratio to plain decoding's seconds kept as the estimate until it is measured again), so that within
+a few rounds of a change the choice follows the machine and the prompt, and a tree that keeps
+losing costs a probe round in a hundred or more. A tree displaces plain decoding only when its live
+rate beats plain's by :data:`MARGIN`. A chooser lives as long as its head, across calls (one per
+method, batch-size bucket and machine setting), so a call starts from what the last ones measured.
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
 target's above it. (With sampling, which tree a round uses changes which draws it consumes: a
@@ -105,6 +104,11 @@ class Candidate:
         measured = self.seconds.get(rows)
         return self.mean_tokens() / (statistics.median(measured) if measured else seconds)
 
+    @property
+    def tried(self) -> bool:
+        """Whether it has live seconds (now, or as a ratio kept when they were forgotten)."""
+        return bool(self.seconds) or self.remembered_ratio is not None
+
     def add(self, rows: int, seconds: float, tokens: float) -> None:
         self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
         self.tokens.append(tokens)
@@ -144,6 +148,11 @@ class TreeChooser:
         r = min(both, key=lambda r: abs(r - rows))
         return statistics.median(c.seconds[r]) / statistics.median(self.plain.seconds[r])
 
+    def live_ratio(self, c: Candidate, rows: int) -> Optional[float]:
+        """``c``'s live ratio at the nearest rows (:meth:`ratio`), else the one kept when forgotten."""
+        ratio = self.ratio(c, rows)
+        return ratio if ratio is not None else c.remembered_ratio
+
     def model_ratio(self, c: Candidate) -> float:
         """The cost model's seconds of a round of ``c`` over plain decoding's."""
         return c.expected_seconds / self.plain.expected_seconds
@@ -158,8 +167,7 @@ class TreeChooser:
         nothing of a small one (costs measured on a loaded machine overrate big trees)."""
         errors = []
         for d in self.candidates:
-            ratio = None if d is self.plain or d.tree.total_tokens > c.tree.total_tokens else \
-                self.ratio(d, rows) or d.remembered_ratio
+            ratio = None if d is self.plain or d.tree.total_tokens > c.tree.total_tokens else self.live_ratio(d, rows)
             if ratio is not None:
                 errors.append(d.mean_tokens() / d.expected_tokens * self.model_ratio(d) / ratio)
         return statistics.median(errors) if errors else 1.0
@@ -172,7 +180,7 @@ class TreeChooser:
         plain = self.plain.seconds.get(rows)
         if not plain:
             return c.rate(rows, c.expected_seconds)
-        ratio = self.ratio(c, rows) or c.remembered_ratio
+        ratio = self.live_ratio(c, rows)
         if ratio is None:
             return c.rate(rows, statistics.median(plain) * self.model_ratio(c)) * self.model_error(c, rows)
         return c.rate(rows, statistics.median(plain) * ratio)
@@ -185,7 +193,7 @@ class TreeChooser:
         def margin(c: Candidate) -> float:
             if c is self.plain:
                 return 1.0
-            return MARGIN if c.seconds or c.remembered_ratio else math.inf if self.costs_disagree else EXPLORE_MARGIN
+            return MARGIN if c.tried else math.inf if self.costs_disagree else EXPLORE_MARGIN
         return max(self.candidates, key=lambda c: self.rate(c, rows) / margin(c))
 
     def drafting(self, rows: int) -> bool:
@@ -213,15 +221,15 @@ class TreeChooser:
             if c.seconds and self.round - c.last_round >= c.forget_after and self.affordable(c, seconds):
                 c.forget(None if c is self.plain else self.ratio(c, rows))
         # First plain decoding is measured (the cost model may be wrong about it by any factor),
-        # then every competitive tree.
+        # then the best if it is not (the others not measured wait for their probes).
         if not self.plain.measured(rows):
             return self.plain
         best = self.best(rows)
+        if not best.measured(rows):
+            return best
         rates = [self.rate(c, rows) for c in self.candidates]
         close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)
                  or (self.costs_disagree and c is self.smallest_tree)]  # (its estimate is the model's: suspect)
-        if not best.measured(rows):  # (the others not measured: their probes)
-            return best
         seconds = self.round_seconds(rows)
         due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every
                and self.affordable(c, seconds) and self.probed_untried(c)]
@@ -233,8 +241,7 @@ class TreeChooser:
         relative costs are then as wrong as its absolute ones: one of 16 rows measured under load
         put trees of 6 nodes at half of plain decoding's seconds, live they took 4x; a small
         tree's probe costs least). The bigger ones wait for costs measured again (the next chooser)."""
-        untried = c is not self.plain and not (c.seconds or c.remembered_ratio)
-        return not (untried and self.costs_disagree) or c is self.smallest_tree
+        return c is self.plain or c.tried or not self.costs_disagree or c is self.smallest_tree
 
     @property
     def smallest_tree(self) -> Candidate:

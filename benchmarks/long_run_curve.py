@@ -11,8 +11,8 @@ on one chart, the training acc1 dashed).
 A run is a checkpoint (``train --checkpoint-every``) or a head directory written from one by
 ``checkpoint_head.py`` (its ``training.json`` keeps the run's evaluations and what the head saw
 before the run). ``--tokens-before``: what the head had seen before this run (its init), added
-to the tokens axis so that heads continued from different points compare at equal tokens seen;
-a head directory's own figure is used when it is not given. The rows already in the CSV are
+to the tokens axis so that heads continued from different points compare at equal tokens seen
+(for a checkpoint; a head directory keeps its own). The rows already in the CSV are
 kept, except a head's rows past the point its run started from: a run continued from an earlier
 point (a checkpoint that does not outlive its machine, a new stretch from a committed head)
 replaces the curve after that point. Writes ``results/long_run_curve.csv`` and ``.png``."""
@@ -49,17 +49,14 @@ def curve(history, before: float):
 
 
 def run_rows(path: str, before):
-    """(tokens seen before the run, its curve rows with ``total_steps``) of a checkpoint or a head
-    directory written by checkpoint_head.py."""
+    """(tokens seen before the run, its curve rows with ``total_steps``) of a checkpoint (``before``
+    as given, else 0) or a head directory written by checkpoint_head.py (its own figure)."""
     if os.path.isdir(path):
         with open(os.path.join(path, "training.json")) as f:
             run = json.load(f)["from_checkpoint"]
         if "evaluations" not in run:
             raise SystemExit(f"{path}/training.json keeps no evaluations (written before checkpoint_head.py kept them)")
-        before = run["tokens_seen_before"] if before is None else before
-        shift = before - run["tokens_seen_before"]
-        return before, [dict(r, total_steps=run["total_steps"], tokens_seen=int(r["tokens_seen"] + shift))
-                        for r in run["evaluations"]]
+        return run["tokens_seen_before"], [dict(r, total_steps=run["total_steps"]) for r in run["evaluations"]]
     state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     before = before or 0.0
     return before, [dict(r, total_steps=state["total"]) for r in curve(state["history"], before)]

@@ -60,7 +60,10 @@ MAX_PROBE_EVERY = 256  # (up to this), and no sooner than PROBE_BUDGET of the ti
 PROBE_BUDGET = 0.01    # what switching to it cost last time (the draft's catch-up, the round's loss)
 FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
 MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
-COSTS_DISAGREE = 1.4  # live / cached seconds of a round beyond this (or below its inverse)
+COSTS_DISAGREE = 1.6  # live / cached seconds of a round beyond this (or below its inverse): costs measured
+# beside two busy processes on two cores come out twice the idle ones or more; costs measured idle put a
+# live plain round at 0.75-0.93x of its cached seconds (the cached one-row verification goes through the
+# tree path), too near 1/1.4: a fast stretch crossed it and the chooser distrusted good costs
 MARGIN = 1.03  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
 # the rates are means of a few noisy rounds, and the candidate that looks best is the one whose noise
 # flattered it most; a tree within a few percent of plain decoding gains nothing worth that risk

@@ -224,7 +224,7 @@ stage_e2e() {
   local args=(--device "$DEVICE" --out "$RESULTS/e2e.csv")
   [ "$DRY" = 1 ] && args+=(--dry-run --dtypes float32 --batch-sizes 1 2)
   # A short window picks its rows, e.g. "--shapes llama3-8b --dtypes bfloat16 --batch-sizes 8".
-  read -r -a extra <<< "${JAKIRO_GPU_E2E_ARGS:-}"; args+=("${extra[@]}")
+  local extra; read -r -a extra <<< "${JAKIRO_GPU_E2E_ARGS:-}"; args+=("${extra[@]}")
   local rc=0
   "$PY" scripts/gpu/e2e.py "${args[@]}" > "$RESULTS/e2e.log" 2>&1 || { rc=1; tail -20 "$RESULTS/e2e.log"; }
   [ -f "$RESULTS/e2e.csv" ] || return 1

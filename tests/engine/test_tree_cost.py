@@ -12,7 +12,7 @@ from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.loss import evaluate
 from jakiro_ext.engine.tree_cost import (SIZES, auto_tree, choose_tree, expected_accepted, load_costs, measure_costs,
-                                         rate)
+                                         rate, round_seconds)
 from jakiro_ext.training.acceptance import acceptance_profile
 from helpers import copy_head, prompt, tiny_target
 from test_train import make_examples
@@ -56,6 +56,15 @@ def synthetic_costs(per_token):
     return dict(verify={str(n): 0.02 + per_token * n for n in SIZES},
                 draft={f"{d},{k}": 0.0005 * d * k for d in range(1, 7) for k in range(1, 9)},
                 catch_up={str(r): 0.001 for r in range(1, 9)})
+
+
+def test_a_plain_round_costs_its_verification_alone():
+    # The engine defers the draft's catch-up after rounds of plain decoding to the next drafting
+    # round: a plain round's expected seconds are the one-token forward's, a tree's add its
+    # drafting and the catch-up on its accepted tokens.
+    costs = synthetic_costs(0.01)
+    assert round_seconds(costs, 1, 0, 0, 0.0) == pytest.approx(costs["verify"]["1"])
+    assert round_seconds(costs, 4, 2, 2, 1.5) == pytest.approx(costs["verify"]["4"] + costs["draft"]["2,2"] + 0.001)
 
 
 def test_the_choice_follows_the_costs_and_the_acceptance():

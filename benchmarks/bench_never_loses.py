@@ -7,13 +7,19 @@ would find them:
 * ``loaded``: measured while two other processes kept both cores busy (the cache a user gets
   who first ran the engine during a build), then used on the idle machine.
 
-The live choice runs twice with one head: its first call (``live``: the head's chooser starts
-from nothing) and the next (``warm``: it starts from what the first measured). For each, also the
-cost model's fixed tree from the same cache (what the engine ran before the live choice). SmolLM2-135M-Instruct in float32, the packaged prompts (chat template), batches of
-B consecutive prompts through ``generate_many``; tokens/s = new tokens / wall time, prefills
-included, the median of ``--repeats`` alternating runs of the four (runs of a few seconds move by
-several percent from one to the next); greedy runs check every sequence's tokens against plain
-decoding. Writes ``results/never_loses.csv``."""
+Four arms decode the same calls: plain decoding; ``live``: a new head for every call (its chooser
+starts from nothing, the cost file as measured: every call is a first call); ``warm``: one head
+for the whole configuration (its chooser carries over from call to call, after one call to warm
+it); ``fixed``: the cost model's fixed tree from the same cache (what the engine ran before the
+live choice). SmolLM2-135M-Instruct in float32; a call is B consecutive packaged prompts (chat
+template, cycling through them) through ``generate_many``; ``--groups`` calls, each run by the
+four arms in turn (the order rotated) before the next, ``--repeats`` times: the machine drifts by
+a quarter within minutes (its memory bandwidth is shared), so the arms are interleaved a call at a
+time. tokens/s = new tokens / wall time over all of an arm's calls, prefills included; the worst
+ratio to plain decoding over the repetitions is reported too. Greedy runs check every sequence's
+tokens against plain decoding. Sampling runs ignore EOS: every sequence gets
+``--max-new-tokens`` (each arm draws its own tokens, and answers ending at different lengths would
+weigh the prefills differently). Writes ``results/never_loses.csv``."""
 import argparse
 import json
 import multiprocessing
@@ -39,10 +45,10 @@ def main():
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--caches", nargs="+", default=["fresh", "loaded"], choices=["fresh", "loaded"])
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per run (at least the batch size)")
+    ap.add_argument("--groups", type=int, default=8, help="calls of B prompts per repetition")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each method; medians reported")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the calls")
     ap.add_argument("--out", default=os.path.join(RESULTS, "never_loses.csv"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -60,16 +66,16 @@ def main():
     def fresh_head():  # a new head: its live measurements start from nothing
         return load_head(METHODS["jakiro"].shipped_head, None, target, DEFAULT_MODEL)
 
-    def run(head, method, batch, temperature, tree=None):
-        n = max(batch, args.prompts)
+    def run(head, method, group, temperature, tree=None):
+        """(new tokens, seconds, token ids by prompt) of one call."""
         t0 = time.perf_counter()
         tokens, outs = 0, {}
-        for i, out in generate_many(target, head, iter(prompts[:n]), batch, args.max_new_tokens, method=method,
+        for i, out in generate_many(target, head, iter(group), len(group), args.max_new_tokens, method=method,
                                     tree=tree, temperature=temperature, top_p=0.9 if temperature else 1.0,
-                                    eos_token_id=tokenizer.eos_token_id):
+                                    eos_token_id=None if temperature else tokenizer.eos_token_id):
             tokens += out.stats.new_tokens
             outs[i] = out.token_ids
-        return tokens / (time.perf_counter() - t0), outs
+        return tokens, time.perf_counter() - t0, outs
 
     rows = []
     for batch in args.batch_sizes:
@@ -87,28 +93,43 @@ def main():
             measured = path.read_text()
             fixed = default_tree(target, fresh_head(), "jakiro", batch=batch)
             for temperature in args.temperatures:
-                rates = {"plain": [], "live": [], "warm": [], "fixed": []}
-                for _ in range(args.repeats):  # alternating: machine noise hits every method alike
-                    plain, plain_outs = run(None, "ar", batch, temperature)
-                    path.write_text(measured)  # as the engine finds it (a live run deletes costs that disagree)
-                    head = fresh_head()
-                    live, live_outs = run(head, "jakiro", batch, temperature)
-                    warm, warm_outs = run(head, "jakiro", batch, temperature)  # the head's chooser from the last call
-                    fixed_rate, fixed_outs = run(fresh_head(), "jakiro", batch, temperature, fixed)
-                    if temperature == 0:
-                        assert live_outs == warm_outs == plain_outs == fixed_outs, "greedy tokens differ from plain decoding"
-                    for name, value in zip(rates, (plain, live, warm, fixed_rate)):
-                        rates[name].append(value)
-                plain, live, warm, fixed_rate = (statistics.median(v) for v in rates.values())
+                warm_head = fresh_head()
+                path.write_text(measured)  # (a live run deletes costs that disagree)
+                run(warm_head, "jakiro", prompts[:batch], temperature)  # the warm arm's first call, not counted
+                arms = {
+                    "plain": lambda group: run(None, "ar", group, temperature),
+                    "live": lambda group: (path.write_text(measured), run(fresh_head(), "jakiro", group, temperature))[1],
+                    "warm": lambda group: run(warm_head, "jakiro", group, temperature),
+                    "fixed": lambda group: run(fresh_head(), "jakiro", group, temperature, fixed)}
+                totals = {name: [[0, 0.0] for _ in range(args.repeats)] for name in arms}
+                for r in range(args.repeats):
+                    for g in range(args.groups):
+                        first = (r * args.groups + g) * batch
+                        group = [prompts[(first + i) % len(prompts)] for i in range(batch)]
+                        names = list(arms)[g % 4:] + list(arms)[:g % 4]  # the order rotated: drift hits every arm alike
+                        outs = {}
+                        for name in names:
+                            tokens, seconds, outs[name] = arms[name](group)
+                            totals[name][r][0] += tokens
+                            totals[name][r][1] += seconds
+                        if temperature == 0:
+                            assert all(o == outs["plain"] for o in outs.values()), "greedy tokens differ from plain decoding"
+                rate = {name: sum(t for t, _ in v) / sum(s for _, s in v) for name, v in totals.items()}
+                worst = {name: min(t / s / (p_t / p_s) for (t, s), (p_t, p_s) in zip(v, totals["plain"]))
+                         for name, v in totals.items()}
+                plain, live, warm, fixed_rate = rate["plain"], rate["live"], rate["warm"], rate["fixed"]
+                live_x, warm_x, fixed_x = live / plain, warm / plain, fixed_rate / plain
                 row = dict(batch=batch, temperature=temperature, costs=cache, ar_tokens_per_s=round(plain, 1),
-                           live_tokens_per_s=round(live, 1), live_vs_ar=round(live / plain, 3),
-                           warm_tokens_per_s=round(warm, 1), warm_vs_ar=round(warm / plain, 3),
+                           live_tokens_per_s=round(live, 1), live_vs_ar=round(live_x, 3),
+                           warm_tokens_per_s=round(warm, 1), warm_vs_ar=round(warm_x, 3),
                            fixed_tree=f"{fixed.total_tokens}/{fixed.depth}/{fixed.top_k}",
-                           fixed_tokens_per_s=round(fixed_rate, 1), fixed_vs_ar=round(fixed_rate / plain, 3),
+                           fixed_tokens_per_s=round(fixed_rate, 1), fixed_vs_ar=round(fixed_x, 3),
+                           live_worst_vs_ar=round(worst["live"], 3), warm_worst_vs_ar=round(worst["warm"], 3),
+                           calls=args.groups * args.repeats,
                            machine=machine(), threads=args.threads)
                 rows.append(row)
                 print(f"B={batch} T={temperature} costs {cache:8s} ar {plain:6.1f}  live {live:6.1f} "
-                      f"({live / plain:.2f}x)  warm {warm:6.1f} ({warm / plain:.2f}x)  fixed {row['fixed_tree']} {fixed_rate:6.1f} ({fixed_rate / plain:.2f}x)",
+                      f"({live_x:.2f}x)  warm {warm:6.1f} ({warm_x:.2f}x)  fixed {row['fixed_tree']} {fixed_rate:6.1f} ({fixed_x:.2f}x)",
                       flush=True)
                 write_csv(args.out, rows)  # after every configuration: a stopped run keeps what it measured
 

@@ -7,7 +7,10 @@ not the one measured, the prompt is harder than the held-out text. So when the t
 engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost model's best trees and
 plain decoding (no drafting: a one-node tree), and times every round as it runs: wall seconds per
 round (per number of batch rows) and new tokens per sequence, per candidate, over a window of its
-last rounds. It runs the candidate whose live rate (tokens / seconds) is best. At the start it
+last rounds, a tree's tokens weighed against what the cost model expects of it scaled by the
+acceptance pooled over every tree's recent rounds (the text and the temperature move every tree's
+acceptance alike; one tree's few rounds are noisy). It runs the candidate whose live rate
+(tokens / seconds) is best. At the start it
 measures plain decoding first; a tree not yet run is estimated by the cost model, scaled by plain
 decoding's live seconds and corrected by the model's error on the trees already run that are no
 bigger, and is run (explored) when that estimate is the best one by :data:`EXPLORE_MARGIN` (trying
@@ -23,7 +26,8 @@ ratio to plain decoding's seconds kept as the estimate until it is measured agai
 a few rounds of a change the choice follows the machine and the prompt, and a tree that keeps
 losing costs a probe round in a hundred or more. A tree displaces plain decoding only when its live
 rate beats plain's by :data:`MARGIN`. A chooser lives as long as its head, across calls (one per
-method, batch-size bucket and machine setting), so a call starts from what the last ones measured.
+method, batch-size bucket and machine setting), so a call starts from the seconds the last ones
+measured (the machine's); their tokens (the texts') fade (:meth:`TreeChooser.new_call`).
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
 target's above it. (With sampling, which tree a round uses changes which draws it consumes: a
@@ -52,7 +56,15 @@ from jakiro_ext.config import TreeConfig
 
 WINDOW = 8          # a candidate's live seconds: the median of its last WINDOW rounds (per row count) ...
 TOKEN_WINDOW = 16   # ... its tokens per round, the mean of its last TOKEN_WINDOW (noisier: longer, and
-PRIOR_ROUNDS = 2    # counting the cost model's expectation as this many rounds)
+TOKEN_PRIOR_ROUNDS = 4  # counting as this many rounds its expectation from the pooled acceptance:)
+ACCEPTANCE_WINDOW = 128  # the live accepted drafts over the cost model's, pooled over the last tree rounds
+PRIOR_ROUNDS = 2    # of every tree (with the model's own as this many rounds): one ratio for all trees, as
+# the text and the temperature scale every tree's acceptance alike (sampling at temperature 1 accepted
+# 0.5-0.7 drafts a round where the greedy profile expected 1.3): a tree's own 16 rounds vary by a tenth
+# or more, and the best of a few nearly equal trees measured alone is the one whose noise flattered it
+CARRIED_ROUNDS = 4  # a new call (new texts) keeps the pooled acceptance as this many rounds of its mean:
+# the temperature's share carries over, the last text's fades (kept whole, a text the head accepted
+# little of put every tree below a probe's reach for the next calls: plain decoding for good)
 MIN_SAMPLES = 2     # rounds plain decoding is measured for before it competes (a tree: one)
 PROBE_EVERY = 16    # a candidate within COMPETITIVE of the best rate is re-measured after this many
 COMPETITIVE = 0.85  # rounds without a run, twice as late each time the probe finds it still behind
@@ -61,9 +73,9 @@ PROBE_BUDGET = 0.01    # what switching to it cost last time (the draft's catch-
 FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
 MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
 COSTS_DISAGREE = 1.6  # live / cached seconds of a round beyond this (or below its inverse): costs measured
-# beside two busy processes on two cores come out twice the idle ones or more; costs measured idle put a
-# live plain round at 0.75-0.93x of its cached seconds (the cached one-row verification goes through the
-# tree path), too near 1/1.4: a fast stretch crossed it and the chooser distrusted good costs
+# beside two busy processes on two cores come out twice the idle ones or more; the 2-core Xeon drifts
+# by a quarter within minutes (live plain rounds at 0.75-0.93x of costs cached minutes before), too near
+# 1/1.4: a fast stretch crossed it and the chooser distrusted good costs
 MARGIN = 1.03  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
 # the rates are means of a few noisy rounds, and the candidate that looks best is the one whose noise
 # flattered it most; a tree within a few percent of plain decoding gains nothing worth that risk
@@ -88,7 +100,7 @@ class Candidate:
     forget_after: int = FORGET_AFTER  # rounds without a run after which its measurements are dropped
     switch_cost: float = 0.0  # seconds lost the last time it ran after another candidate
     # Its seconds over plain decoding's when its measurements were dropped: the estimate of its
-    # seconds until it is measured again (its tokens: the cost model's again, the text has changed).
+    # seconds until it is measured again (its tokens: the cost model's scaled by the live acceptance).
     remembered_ratio: Optional[float] = None
 
     def samples(self, rows: int) -> int:
@@ -97,15 +109,15 @@ class Candidate:
     def measured(self, rows: int) -> bool:
         return self.samples(rows) >= (MIN_SAMPLES if self.tree is None else 1)
 
-    def mean_tokens(self) -> float:
-        """New tokens per sequence and round: the live mean, with the cost model's as a prior."""
-        return (sum(self.tokens) + PRIOR_ROUNDS * self.expected_tokens) / (len(self.tokens) + PRIOR_ROUNDS)
+    def mean_tokens(self, prior: float) -> float:
+        """New tokens per sequence and round: the live mean, with ``prior`` as TOKEN_PRIOR_ROUNDS rounds."""
+        return (sum(self.tokens) + TOKEN_PRIOR_ROUNDS * prior) / (len(self.tokens) + TOKEN_PRIOR_ROUNDS)
 
-    def rate(self, rows: int, seconds: float) -> float:
-        """New tokens per sequence per second at ``rows`` rows: live where measured, else with
-        ``seconds`` a round (an estimate; and the cost model's tokens until measured)."""
+    def rate(self, rows: int, seconds: float, tokens: float) -> float:
+        """``tokens`` new tokens per sequence a round over its seconds at ``rows`` rows: live where
+        measured, else ``seconds`` (an estimate)."""
         measured = self.seconds.get(rows)
-        return self.mean_tokens() / (statistics.median(measured) if measured else seconds)
+        return tokens / (statistics.median(measured) if measured else seconds)
 
     @property
     def tried(self) -> bool:
@@ -137,6 +149,20 @@ class TreeChooser:
         self.forget_costs = forget_costs
         self.costs_disagree = False  # live seconds found far from the cached costs (measured under load)
         self.round = 0
+        self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
+
+    def new_call(self) -> None:
+        """A new call, new texts: the seconds measured stay (they are the machine's), the pooled
+        acceptance is kept as CARRIED_ROUNDS rounds of its mean (a prior for the new texts), each
+        tree's own tokens go (they were the last text's), and the probes' back-off starts again."""
+        for c in self.candidates:
+            c.tokens.clear()
+            c.probe_every = PROBE_EVERY
+        expected = sum(e for _, e in self.accepted)
+        if expected > 0:
+            mean = expected / len(self.accepted)
+            live = sum(a for a, _ in self.accepted) / expected * mean
+            self.accepted = deque([(live, mean)] * CARRIED_ROUNDS, maxlen=ACCEPTANCE_WINDOW)
 
     @property
     def trees(self) -> List[TreeConfig]:
@@ -156,6 +182,22 @@ class TreeChooser:
         ratio = self.ratio(c, rows)
         return ratio if ratio is not None else c.remembered_ratio
 
+    def acceptance_scale(self) -> float:
+        """Live accepted drafts over the cost model's expectation, pooled over the last tree rounds
+        (the model's as PRIOR_ROUNDS rounds of the mean expectation)."""
+        expected = statistics.fmean(c.expected_tokens - 1 for c in self.candidates if c is not self.plain)
+        live = sum(a for a, _ in self.accepted) + PRIOR_ROUNDS * expected
+        return live / (sum(e for _, e in self.accepted) + PRIOR_ROUNDS * expected) if expected > 0 else 1.0
+
+    def expected_tokens(self, c: Candidate) -> float:
+        """``c``'s new tokens per round by the cost model, its accepted drafts scaled by the live
+        acceptance (:meth:`acceptance_scale`)."""
+        return 1.0 if c is self.plain else 1.0 + (c.expected_tokens - 1.0) * self.acceptance_scale()
+
+    def tokens(self, c: Candidate) -> float:
+        """``c``'s new tokens per round: its live mean with :meth:`expected_tokens` as a prior."""
+        return 1.0 if c is self.plain else c.mean_tokens(self.expected_tokens(c))
+
     def model_ratio(self, c: Candidate) -> float:
         """The cost model's seconds of a round of ``c`` over plain decoding's."""
         return c.expected_seconds / self.plain.expected_seconds
@@ -172,7 +214,7 @@ class TreeChooser:
         for d in self.candidates:
             ratio = None if d is self.plain or d.tree.total_tokens > c.tree.total_tokens else self.live_ratio(d, rows)
             if ratio is not None:
-                errors.append(d.mean_tokens() / d.expected_tokens * self.model_ratio(d) / ratio)
+                errors.append(self.tokens(d) / self.expected_tokens(d) * self.model_ratio(d) / ratio)
         return statistics.median(errors) if errors else 1.0
 
     def rate(self, c: Candidate, rows: int) -> float:
@@ -181,12 +223,13 @@ class TreeChooser:
         the nearest number of rows where both ran, else the one it had when forgotten), else
         times the cost model's ratio, the rate then corrected by the model's live error."""
         plain = self.plain.seconds.get(rows)
+        tokens = self.tokens(c)
         if not plain:
-            return c.rate(rows, c.expected_seconds)
+            return c.rate(rows, c.expected_seconds, tokens)
         ratio = self.live_ratio(c, rows)
         if ratio is None:
-            return c.rate(rows, statistics.median(plain) * self.model_ratio(c)) * self.model_error(c, rows)
-        return c.rate(rows, statistics.median(plain) * ratio)
+            return c.rate(rows, statistics.median(plain) * self.model_ratio(c), tokens) * self.model_error(c, rows)
+        return c.rate(rows, statistics.median(plain) * ratio, tokens)
 
     def best(self, rows: int) -> Candidate:
         """The candidate to run at ``rows`` rows: the highest live rate, a tree's counted
@@ -210,7 +253,7 @@ class TreeChooser:
         if not self.plain.measured(rows):
             return 0.0
         best = self.best(rows)
-        return best.mean_tokens() / self.rate(best, rows)
+        return self.tokens(best) / self.rate(best, rows)
 
     def affordable(self, c: Candidate, round_seconds: float) -> bool:
         """Whether PROBE_BUDGET of the time since ``c`` last ran (rounds of ``round_seconds``) pays
@@ -262,6 +305,8 @@ class TreeChooser:
             candidate.switch_cost = catch_up_seconds + max(0.0, lost)
         probe = self.round - candidate.last_round >= candidate.probe_every
         candidate.add(rows, seconds, tokens_per_sequence)
+        if candidate is not self.plain:
+            self.accepted.append((tokens_per_sequence - 1.0, candidate.expected_tokens - 1.0))
         candidate.last_round = self.round
         self.round += 1
         if fresh and candidate.tree is not None:  # (re)measured from scratch

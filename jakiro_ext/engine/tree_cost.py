@@ -282,6 +282,7 @@ def tree_chooser(target, head, method: str, batch: int = 1) -> Optional[TreeChoo
     path = costs_path(target, head, method, batch)
     kept = _CHOOSERS.setdefault(head, {})
     if (path, id(target)) in kept:
+        kept[path, id(target)].new_call()
         return kept[path, id(target)]
     costs = load_costs(target, head, method, batch=batch)
     _, ranked = choose_tree(costs, profile, method)

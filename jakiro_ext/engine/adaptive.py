@@ -185,7 +185,7 @@ class TreeChooser:
     def acceptance_scale(self) -> float:
         """Live accepted drafts over the cost model's expectation, pooled over the last tree rounds
         (the model's as PRIOR_ROUNDS rounds of the mean expectation)."""
-        expected = statistics.fmean(c.expected_tokens - 1 for c in self.candidates if c is not self.plain)
+        expected = statistics.fmean([c.expected_tokens - 1 for c in self.candidates if c is not self.plain] or [0.0])
         live = sum(a for a, _ in self.accepted) + PRIOR_ROUNDS * expected
         return live / (sum(e for _, e in self.accepted) + PRIOR_ROUNDS * expected) if expected > 0 else 1.0
 

@@ -453,3 +453,10 @@ def test_a_new_call_keeps_the_machines_seconds_and_drops_the_texts_tokens():
     # 5 ms, 1% of ~40 rounds of 12 ms), not 128 rounds after the last probe.
     ran = run(chooser, 2 * adaptive.PROBE_EVERY)
     assert SMALL in ran
+
+
+def test_plain_decoding_alone_is_a_valid_choice():
+    chooser = TreeChooser([Candidate(None, 1.0, 0.012)], batch=1)
+    assert run(chooser, 5) == [None] * 5 and chooser.acceptance_scale() == 1.0
+    chooser.new_call()
+    assert run(chooser, 2) == [None] * 2

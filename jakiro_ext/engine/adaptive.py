@@ -150,6 +150,9 @@ class TreeChooser:
         self.costs_disagree = False  # live seconds found far from the cached costs (measured under load)
         self.round = 0
         self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
+        # The model's expected accepted drafts, the mean over the trees: its prior in the pooled acceptance.
+        self.prior_accepted = statistics.fmean([c.expected_tokens - 1 for c in candidates if c.tree is not None] or [0.0])
+        self.scale = 1.0  # :meth:`acceptance_scale`, kept as the pool changes (read many times a round)
 
     def new_call(self) -> None:
         """A new call, new texts: the seconds measured stay (they are the machine's), the pooled
@@ -163,6 +166,7 @@ class TreeChooser:
             mean = expected / len(self.accepted)
             live = sum(a for a, _ in self.accepted) / expected * mean
             self.accepted = deque([(live, mean)] * CARRIED_ROUNDS, maxlen=ACCEPTANCE_WINDOW)
+            self.scale = self.pooled_scale()
 
     @property
     def trees(self) -> List[TreeConfig]:
@@ -185,9 +189,13 @@ class TreeChooser:
     def acceptance_scale(self) -> float:
         """Live accepted drafts over the cost model's expectation, pooled over the last tree rounds
         (the model's as PRIOR_ROUNDS rounds of the mean expectation)."""
-        expected = statistics.fmean([c.expected_tokens - 1 for c in self.candidates if c is not self.plain] or [0.0])
-        live = sum(a for a, _ in self.accepted) + PRIOR_ROUNDS * expected
-        return live / (sum(e for _, e in self.accepted) + PRIOR_ROUNDS * expected) if expected > 0 else 1.0
+        return self.scale
+
+    def pooled_scale(self) -> float:
+        """:meth:`acceptance_scale` computed from the pool."""
+        prior = PRIOR_ROUNDS * self.prior_accepted
+        live = sum(a for a, _ in self.accepted) + prior
+        return live / (sum(e for _, e in self.accepted) + prior) if prior > 0 else 1.0
 
     def expected_tokens(self, c: Candidate) -> float:
         """``c``'s new tokens per round by the cost model, its accepted drafts scaled by the live
@@ -307,6 +315,7 @@ class TreeChooser:
         candidate.add(rows, seconds, tokens_per_sequence)
         if candidate is not self.plain:
             self.accepted.append((tokens_per_sequence - 1.0, candidate.expected_tokens - 1.0))
+            self.scale = self.pooled_scale()
         candidate.last_round = self.round
         self.round += 1
         if fresh and candidate.tree is not None:  # (re)measured from scratch

@@ -223,8 +223,7 @@ def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, prog
 def round_seconds(costs: dict, total_tokens: int, depth: int, top_k: int, accepted: float) -> float:
     """Expected seconds of a round of a tree (``depth`` 0: plain decoding, nothing drafted and
     nothing for the draft to catch up on: the engine defers that to the next drafting round, so a
-    plain round costs its one-token verification alone; counting a catch-up put idle-measured
-    costs 1.3x above live plain rounds, near the bound where they are distrusted)."""
+    plain round costs its one-token verification alone)."""
     if not depth:
         return _interpolate(costs["verify"], total_tokens)
     draft = costs["draft"][f"{depth},{top_k}"]

@@ -36,7 +36,7 @@ def main():
     from jakiro_ext.cli.common import load_head
     from jakiro_ext.methods import METHODS
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_target
-    from jakiro_ext.engine.tree_cost import choose_tree, load_costs, rate
+    from jakiro_ext.engine.tree_cost import choose_tree, expected_accepted, load_costs, rate
 
     kind = METHODS[args.method].shipped_head
     target, _ = load_default_target(getattr(torch, args.dtype))
@@ -51,8 +51,8 @@ def main():
     rows = []
     for total, depth, top_k in trees:
         tag = "tree_choice_run"
-        predicted, accepted = rate(costs, head.acceptance, total, depth, top_k, args.method) \
-            if f"{depth},{top_k}" in costs["draft"] else (float("nan"), float("nan"))
+        accepted = expected_accepted(head.acceptance, total, depth, top_k, args.method)
+        predicted = rate(costs, total, depth, top_k, accepted) if f"{depth},{top_k}" in costs["draft"] else float("nan")
         subprocess.run([sys.executable, os.path.join(here, "bench_end_to_end.py"), "--per-category", "1", "--no-hf",
                         "--temperatures", "0", "--methods", args.method, "--max-new-tokens", str(args.max_new_tokens),
                         "--dtype", args.dtype, "--threads", str(args.threads), "--total-tokens", str(total),

@@ -24,6 +24,7 @@ depends on the machine (the c_*) and on the head (E):
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -61,8 +62,9 @@ def _prob(table: Sequence[Sequence[float]], depth: int, rank: int, first_depth: 
     return float(table[i][rank]) if 0 <= i < len(table) and rank < len(table[i]) else 0.0
 
 
-def expected_accepted(profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> float:
-    """Expected drafted tokens accepted per round by a dynamic tree (see the module's docstring).
+def node_probabilities(profile: dict, depth: int, top_k: int, method: str) -> List[float]:
+    """The probability that each node a dynamic tree of ``depth`` and ``top_k`` can draft is
+    accepted, best first (see the module's docstring): a tree of N tokens keeps the first N - 1.
     ``profile``: {"depth_rank": [[p(d=1, r=0), p(1, 1), ...], [p(2, 0), ...], ...]}; for
     ``jakiro`` "contrastive_depth_rank" (the same from depth 2 on); for ``gumiho``
     "mlp_depth_rank" (one row per MLP head, head j drafting the layer j + 1 past the serial ones)."""
@@ -82,7 +84,13 @@ def expected_accepted(profile: dict, total_tokens: int, depth: int, top_k: int, 
         nodes += layer
         if pc is not None and d == expansions:
             nodes += [v * _prob(p, d + 1, 0, 1) * _prob(pc, d + 2, r, 2) for v in frontier for r in range(top_k)]
-    return float(sum(sorted(nodes, reverse=True)[: total_tokens - 1]))
+    return sorted(nodes, reverse=True)
+
+
+def expected_accepted(profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> float:
+    """Expected drafted tokens accepted per round by a dynamic tree of ``total_tokens`` tokens (the
+    root's included): the sum of its N - 1 best nodes' probabilities (:func:`node_probabilities`)."""
+    return float(sum(node_probabilities(profile, depth, top_k, method)[: total_tokens - 1]))
 
 
 # ----------------------------------------------------------------------------- measured costs
@@ -230,11 +238,10 @@ def round_seconds(costs: dict, total_tokens: int, depth: int, top_k: int, accept
     return _interpolate(costs["verify"], total_tokens) + draft + _interpolate(costs["catch_up"], 1 + accepted)
 
 
-def rate(costs: dict, profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> Tuple[float, float]:
-    """(expected tokens per second of the whole batch the costs were measured for, expected
-    accepted drafted tokens per sequence and round) of a tree."""
-    accepted = expected_accepted(profile, total_tokens, depth, top_k, method)
-    return costs.get("batch", 1) * (1 + accepted) / round_seconds(costs, total_tokens, depth, top_k, accepted), accepted
+def rate(costs: dict, total_tokens: int, depth: int, top_k: int, accepted: float) -> float:
+    """Expected tokens per second of the whole batch the costs were measured for, by a tree that
+    accepts ``accepted`` drafted tokens per sequence and round."""
+    return costs.get("batch", 1) * (1 + accepted) / round_seconds(costs, total_tokens, depth, top_k, accepted)
 
 
 def choose_tree(costs: dict, profile: dict, method: str):
@@ -244,10 +251,12 @@ def choose_tree(costs: dict, profile: dict, method: str):
     for key in costs["draft"]:
         depth, top_k = map(int, key.split(","))
         most = 1 + sum(top_k ** i for i in range(1, depth + 2))  # nodes the drafting can produce, root included
+        # A tree of N tokens accepts the sum of the N - 1 best nodes: one ranking for every N.
+        accepted = [0.0, *itertools.accumulate(node_probabilities(profile, depth, top_k, method))]
         for n in SIZES[1:]:
             if n <= most and str(n) in costs["verify"]:
-                r, accepted = rate(costs, profile, n, depth, top_k, method)
-                rows.append((r, accepted, n, depth, top_k))
+                a = accepted[min(n - 1, len(accepted) - 1)]
+                rows.append((rate(costs, n, depth, top_k, a), a, n, depth, top_k))
     rows.sort(key=lambda row: -row[0])
     _, _, n, depth, top_k = rows[0]
     return TreeConfig(n, depth, top_k), rows

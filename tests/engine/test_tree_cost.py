@@ -135,7 +135,11 @@ def test_costs_of_a_batch_are_measured_at_its_bucket(tmp_path, monkeypatch):
     tree, rows = choose_tree(costs, profile, "eagle2")
     assert all(str(n) in costs["verify"] for _, _, n, _, _ in rows)
     one = dict(costs, batch=1)
-    assert rate(costs, profile, 4, 1, 2, "eagle2")[0] == pytest.approx(2 * rate(one, profile, 4, 1, 2, "eagle2")[0])
+    assert rate(costs, 4, 1, 2, 0.7) == pytest.approx(2 * rate(one, 4, 1, 2, 0.7))
+    # Each candidate's acceptance (one ranking of the nodes per depth and width) is that tree's own.
+    for r, accepted, n, d, k in rows:
+        assert accepted == pytest.approx(expected_accepted(profile, n, d, k, "eagle2"))
+        assert r == pytest.approx(rate(costs, n, d, k, accepted))
 
 
 @pytest.mark.parametrize("kind", ["jakiro", "gumiho"])

@@ -8,7 +8,8 @@ would find them:
   who first ran the engine during a build), then used on the idle machine.
 
 Four arms decode the same calls: plain decoding; ``live``: a new head for every call (its chooser
-starts from nothing, the cost file as measured: every call is a first call); ``warm``: one head
+starts from the cost file as measured and what the last choosers kept beside it, as a new process
+would: every call is a first call); ``warm``: one head
 for the whole configuration (its chooser carries over from call to call, after one call to warm
 it); ``fixed``: the cost model's fixed tree from the same cache (what the engine ran before the
 live choice). SmolLM2-135M-Instruct in float32; a call is B consecutive packaged prompts (chat
@@ -50,8 +51,21 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2, help="passes over the calls")
     ap.add_argument("--out", default=os.path.join(RESULTS, "never_loses.csv"))
+    ap.add_argument("--trace", help="also write every live choice's rounds here (CSV: configuration, arm, call, "
+                                    "round, tree, rows, seconds, tokens, catch-up seconds)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from jakiro_ext.engine import adaptive
+    trace, where = [], {}
+    if args.trace:  # each round the chooser records, with where it ran
+        record = adaptive.TreeChooser.record
+
+        def traced(self, candidate, rows, seconds, tokens, catch_up=0.0):
+            tree = "plain" if candidate.tree is None else adaptive.tree_key(candidate.tree)
+            trace.append(dict(where, round=self.round, tree=tree, rows=rows, seconds=round(seconds, 5),
+                              tokens=round(tokens, 3), catch_up=round(catch_up, 5)))
+            record(self, candidate, rows, seconds, tokens, catch_up)
+        adaptive.TreeChooser.record = traced
 
     from jakiro_ext.cli.common import HEADS_DIR, chat_ids, load_head
     from jakiro_ext.engine import tree_cost
@@ -82,6 +96,7 @@ def main():
         for cache in args.caches:
             path = tree_cost.costs_path(target, fresh_head(), "jakiro", batch)
             path.unlink(missing_ok=True)
+            tree_cost.live_path(path).unlink(missing_ok=True)  # (what earlier choosers kept: this run's to measure)
             stop = multiprocessing.Event()
             burners = [multiprocessing.Process(target=burn, args=(stop,)) for _ in range(2 if cache == "loaded" else 0)]
             for p in burners:
@@ -95,6 +110,7 @@ def main():
             for temperature in args.temperatures:
                 warm_head = fresh_head()
                 path.write_text(measured)  # (a live run deletes costs that disagree)
+                where.update(batch=batch, temperature=temperature, costs=cache, arm="warm", call=-1)
                 run(warm_head, "jakiro", prompts[:batch], temperature)  # the warm arm's first call, not counted
                 arms = {
                     "plain": lambda group: run(None, "ar", group, temperature),
@@ -109,6 +125,7 @@ def main():
                         names = list(arms)[g % 4:] + list(arms)[:g % 4]  # the order rotated: drift hits every arm alike
                         outs = {}
                         for name in names:
+                            where.update(batch=batch, temperature=temperature, costs=cache, arm=name, call=r * args.groups + g)
                             tokens, seconds, outs[name] = arms[name](group)
                             totals[name][r][0] += tokens
                             totals[name][r][1] += seconds
@@ -132,6 +149,8 @@ def main():
                       f"({live_x:.2f}x)  warm {warm:6.1f} ({warm_x:.2f}x)  fixed {row['fixed_tree']} {fixed_rate:6.1f} ({fixed_x:.2f}x)",
                       flush=True)
                 write_csv(args.out, rows)  # after every configuration: a stopped run keeps what it measured
+                if args.trace:
+                    write_csv(args.trace, trace)
 
 
 if __name__ == "__main__":

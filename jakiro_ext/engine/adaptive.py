@@ -27,7 +27,11 @@ a few rounds of a change the choice follows the machine and the prompt, and a tr
 losing costs a probe round in a hundred or more. A tree displaces plain decoding only when its live
 rate beats plain's by :data:`MARGIN`. A chooser lives as long as its head, across calls (one per
 method, batch-size bucket and machine setting), so a call starts from the seconds the last ones
-measured (the machine's); their tokens (the texts') fade (:meth:`TreeChooser.new_call`).
+measured (the machine's); their tokens (the texts') fade (:meth:`TreeChooser.new_call`). What a
+chooser measured of the machine (each tree's seconds over plain decoding's) is kept beside the
+cost cache at the end of each call, and a new chooser there (another head, the next process) starts
+from it, for :data:`KEEP_LIVE` seconds and while plain decoding's live seconds agree with the kept
+ones (:meth:`TreeChooser.start_from`).
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
 target's above it. (With sampling, which tree a round uses changes which draws it consumes: a
@@ -47,6 +51,7 @@ from __future__ import annotations
 import math
 import statistics
 import sys
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +84,9 @@ COSTS_DISAGREE = 1.6  # live / cached seconds of a round beyond this (or below i
 MARGIN = 1.03  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
 # the rates are means of a few noisy rounds, and the candidate that looks best is the one whose noise
 # flattered it most; a tree within a few percent of plain decoding gains nothing worth that risk
+KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
+# head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
+# or more, and each first call spent rounds finding that out again
 EXPLORE_MARGIN = 1.15  # ... and a tree never run, estimated from the cost model alone, by this: the model's
 # error on a tree's seconds over plain decoding's is about 10% at 16 rows, and trying a tree costs the
 # draft's prefill and catch-up over every row (at 16 rows, a few percent of a 64-token call)
@@ -102,6 +110,7 @@ class Candidate:
     # Its seconds over plain decoding's when its measurements were dropped: the estimate of its
     # seconds until it is measured again (its tokens: the cost model's scaled by the live acceptance).
     remembered_ratio: Optional[float] = None
+    measured_at: float = 0.0  # wall time (time.time()) of its last live round, or of the kept ratio it starts from
 
     def samples(self, rows: int) -> int:
         return len(self.seconds.get(rows, ()))
@@ -140,13 +149,16 @@ class TreeChooser:
     """The candidate to run each round (:meth:`choose`) and what the round measured
     (:meth:`record`)."""
 
-    def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[], None]] = None):
+    def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[], None]] = None,
+                 keep: Optional[Callable[[dict], None]] = None):
         if not any(c.tree is None for c in candidates):
             raise ValueError("the candidates must include plain decoding (tree None)")
         self.candidates = candidates
         self.plain = next(c for c in candidates if c.tree is None)
         self.batch = batch  # the rows the cost model's seconds are for
         self.forget_costs = forget_costs
+        self.keep = keep  # called with :meth:`kept` at the end of each call (for the next chooser: :meth:`start_from`)
+        self.kept_plain: Optional[tuple] = None  # (rows, plain decoding's seconds) the kept ratios were measured with
         self.costs_disagree = False  # live seconds found far from the cached costs (measured under load)
         self.round = 0
         self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
@@ -167,6 +179,37 @@ class TreeChooser:
             live = sum(a for a, _ in self.accepted) / expected * mean
             self.accepted = deque([(live, mean)] * CARRIED_ROUNDS, maxlen=ACCEPTANCE_WINDOW)
             self.scale = self.pooled_scale()
+
+    def end_call(self) -> None:
+        """A call ended: what it measured is kept for the next chooser (``keep``)."""
+        kept = self.kept()
+        if self.keep is not None and kept["ratios"]:
+            self.keep(kept)
+
+    def kept(self) -> dict:
+        """What the next chooser of this machine and setting starts from (:meth:`start_from`): each
+        tree's live seconds over plain decoding's (at the rows nearest the batch size the costs are
+        for; or as kept when forgotten) with the wall time it was measured, and plain decoding's
+        seconds at those rows."""
+        rows = min(self.plain.seconds, key=lambda r: abs(r - self.batch), default=None)
+        if rows is None or not self.plain.measured(rows):
+            return dict(rows=0, plain_seconds=0.0, ratios={})
+        ratios = {tree_key(c.tree): [ratio, c.measured_at] for c in self.candidates
+                  if c is not self.plain and (ratio := self.live_ratio(c, rows)) is not None}
+        return dict(rows=rows, plain_seconds=statistics.median(self.plain.seconds[rows]), ratios=ratios)
+
+    def start_from(self, kept: dict, now: Optional[float] = None) -> None:
+        """Start from what an earlier chooser of this machine and setting measured (:meth:`kept`):
+        each tree's ratio to plain decoding's seconds, if measured within KEEP_LIVE seconds, is its
+        estimate until it runs (as when forgotten), unless plain decoding's live seconds, once
+        measured at those rows, disagree with the kept ones by COSTS_DISAGREE (the machine is not
+        as it was: the ratios are dropped)."""
+        now = time.time() if now is None else now
+        for c in self.candidates:
+            ratio, when = kept["ratios"].get(tree_key(c.tree), (None, 0.0)) if c is not self.plain else (None, 0.0)
+            if ratio is not None and 0 <= now - when <= KEEP_LIVE:
+                c.remembered_ratio, c.measured_at = ratio, when
+        self.kept_plain = (kept["rows"], kept["plain_seconds"])
 
     @property
     def trees(self) -> List[TreeConfig]:
@@ -313,6 +356,14 @@ class TreeChooser:
             candidate.switch_cost = catch_up_seconds + max(0.0, lost)
         probe = self.round - candidate.last_round >= candidate.probe_every
         candidate.add(rows, seconds, tokens_per_sequence)
+        candidate.measured_at = time.time()
+        if candidate is self.plain and self.kept_plain is not None and rows == self.kept_plain[0] \
+                and candidate.measured(rows):  # the kept ratios' machine against this one
+            if not 1 / COSTS_DISAGREE <= statistics.median(candidate.seconds[rows]) / self.kept_plain[1] <= COSTS_DISAGREE:
+                for c in self.candidates:
+                    if not c.seconds:
+                        c.remembered_ratio = None
+            self.kept_plain = None
         if candidate is not self.plain:
             self.accepted.append((tokens_per_sequence - 1.0, candidate.expected_tokens - 1.0))
             self.scale = self.pooled_scale()
@@ -331,6 +382,11 @@ class TreeChooser:
                 self.costs_disagree = True
                 if self.forget_costs is not None:
                     self.forget_costs()
+
+
+def tree_key(tree: TreeConfig) -> str:
+    """A tree as kept (:meth:`TreeChooser.kept`): "N,D,K"."""
+    return f"{tree.total_tokens},{tree.depth},{tree.top_k}"
 
 
 def forget_cost_file(path: Path) -> Callable[[], None]:

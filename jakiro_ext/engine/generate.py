@@ -123,6 +123,8 @@ def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, 
                 yield seq, seq.output()
         batch.compact()
         if not batch.seqs:
+            if chooser is not None:
+                chooser.end_call()
             return
         batch.round()
         for seq in batch.drop_done():

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import re
 import statistics
@@ -306,5 +307,43 @@ def tree_chooser(target, head, method: str, batch: int = 1) -> Optional[TreeChoo
         candidates.append(Candidate(TreeConfig(n, depth, top_k), 1 + accepted,
                                     round_seconds(costs, n, depth, top_k, accepted)))
     candidates.append(Candidate(None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
-    chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path))
+    live = live_path(path)
+    chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path),
+                                                    lambda measured: keep_live(live, measured))
+    measured = load_live(live)
+    if measured is not None:
+        chooser.start_from(measured)
     return chooser
+
+
+def live_path(costs_file: Path) -> Path:
+    """Where what the live choice measured for the costs at ``costs_file`` is kept (:meth:`TreeChooser.kept`)."""
+    return costs_file.with_name(costs_file.stem + ".live.json")
+
+
+def keep_live(path: Path, measured: dict) -> None:
+    """Keep a chooser's live measurements (:meth:`TreeChooser.kept`) at ``path``, with this build
+    (a cache: a failed write is a warning, never the call's failure)."""
+    try:
+        atomic.write_text(path, json.dumps(dict(measured, build=build_id())) + "\n")
+    except OSError as exc:
+        print(f"warning: could not keep the live round times in {path} ({exc})", file=sys.stderr)
+
+
+def load_live(path: Path) -> Optional[dict]:
+    """The live measurements kept at ``path`` (:func:`keep_live`); None when there are none, they
+    were measured with another build, or the file is damaged (a cache: written again)."""
+    try:
+        measured = json.loads(path.read_text())
+        checked = {str(k): [float(r), float(t)] for k, (r, t) in measured["ratios"].items()}
+        plain = float(measured["plain_seconds"])
+        if not all(0 < r < math.inf for r, _ in checked.values()) or not 0 < plain < math.inf:
+            raise ValueError("a ratio or plain decoding's seconds not a positive finite number")
+        if measured.get("build") != build_id():
+            return None
+        return dict(rows=int(measured["rows"]), plain_seconds=plain, ratios=checked)
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        print(f"warning: the kept live round times {path} are damaged ({exc}); ignored", file=sys.stderr)
+        return None

@@ -1,0 +1,122 @@
+"""What the live tree choice measured of the machine, kept for the next chooser: a new head or
+process starts from each tree's live seconds over plain decoding's instead of the cost model's
+guess, within KEEP_LIVE seconds and while plain decoding's live seconds agree; the file beside the
+cost cache, its round trip, and damaged, foreign or unwritable files."""
+import json
+import math
+import time
+
+import pytest
+
+from helpers import copy_head, prompt, tiny_target
+from jakiro_ext.engine import adaptive, tree_cost
+from jakiro_ext.engine.adaptive import Candidate, TreeChooser, tree_key
+from jakiro_ext.engine.generate import generate_many
+from test_adaptive import BIG, SMALL, run
+
+
+def chooser():
+    # The cost model puts BIG 1.25x ahead of plain decoding (tried at once, unless known better):
+    # live, BIG takes twice its modelled seconds (0.62x plain decoding's rate).
+    return TreeChooser([Candidate(BIG, 2.5, 0.020), Candidate(SMALL, 1.5, 0.014), Candidate(None, 1.0, 0.010)],
+                       batch=1)
+
+
+def slow_big(c):
+    return c.expected_seconds * (2 if c.tree is BIG else 1)
+
+
+def test_a_new_chooser_starts_from_the_last_ones_ratios():
+    first = chooser()
+    ran = run(first, 40, slow_big)
+    assert ran[:3] == [None, None, BIG] and ran[3:].count(BIG) == 0  # explored once, then known slow
+    kept = first.kept()
+    assert kept["rows"] == 1 and kept["plain_seconds"] == pytest.approx(0.010)
+    assert kept["ratios"][tree_key(BIG)][0] == pytest.approx(4.0)
+    assert time.time() - kept["ratios"][tree_key(BIG)][1] < 60
+    # A new chooser (a new head, another process) from the kept ratios: BIG is not tried again.
+    second = chooser()
+    second.start_from(json.loads(json.dumps(kept)))  # (as kept in the file)
+    assert BIG not in run(second, 40, slow_big)
+    # Without them it pays the exploration again.
+    assert run(chooser(), 3, slow_big) == [None, None, BIG]
+
+
+def test_kept_ratios_expire_and_yield_to_a_changed_machine():
+    first = chooser()
+    run(first, 40, lambda c: 0.7 * slow_big(c))  # (the machine 0.7x the cached costs: within their margin)
+    kept = first.kept()
+    old = chooser()
+    old.start_from(kept, now=time.time() + adaptive.KEEP_LIVE + 1)
+    assert run(old, 3, slow_big) == [None, None, BIG]  # older than KEEP_LIVE: the model's guess again
+    # Plain decoding now 1.9x slower than when the ratios were kept: the machine is not as it was.
+    changed = chooser()
+    changed.start_from(kept)
+    assert run(changed, 3, lambda c: 1.3 * slow_big(c)) == [None, None, BIG]
+    # Within the disagreement allowed (drift): the kept ratios hold.
+    drifted = chooser()
+    drifted.start_from(kept)
+    assert BIG not in run(drifted, 20, lambda c: 0.7 * 1.3 * slow_big(c))
+
+
+def test_a_chooser_that_measured_nothing_keeps_nothing():
+    c = chooser()
+    kept = []
+    c.keep = kept.append
+    c.end_call()
+    assert kept == [] and c.kept()["ratios"] == {}
+    run(c, 1)  # one round of plain decoding: not measured yet (MIN_SAMPLES)
+    c.end_call()
+    assert kept == []
+
+
+def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "costs.live.json"
+    assert tree_cost.load_live(path) is None
+    first = chooser()
+    run(first, 40, slow_big)
+    tree_cost.keep_live(path, first.kept())
+    assert tree_cost.load_live(path) == first.kept()  # (JSON keeps floats exactly)
+    measured = json.loads(path.read_text())
+    for bad in ("{", '{"ratios": 3}', json.dumps(dict(measured, plain_seconds="x")),
+                json.dumps(dict(measured, ratios={"16,3,4": [float("nan"), 0.0]})),
+                json.dumps(dict(measured, ratios={"16,3,4": [-1.0, 0.0]}))):
+        path.write_text(bad)
+        assert tree_cost.load_live(path) is None
+        assert "damaged" in capsys.readouterr().err
+    path.write_text(json.dumps(dict(measured, build="another build")))
+    assert tree_cost.load_live(path) is None  # measured with other kernels: not this machine's rounds
+    # An unwritable cache is a warning, never the call's failure.
+    blocked = tmp_path / "a file" / "x.live.json"
+    (tmp_path / "a file").write_text("")
+    tree_cost.keep_live(blocked, first.kept())
+    assert "could not keep" in capsys.readouterr().err
+
+
+def test_the_engine_keeps_them_beside_the_costs_for_a_new_head(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
+    monkeypatch.setattr(tree_cost, "_CHOOSERS", type(tree_cost._CHOOSERS)())
+    monkeypatch.setattr(adaptive, "COSTS_DISAGREE", math.inf)  # (the same costs, the same candidates, both calls)
+    target = tiny_target()
+    profile = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
+               "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+    heads = [copy_head(target, "jakiro") for _ in range(2)]
+    for head in heads:
+        head.acceptance = profile
+    rounds = []
+
+    def alternate(self, rows):  # plain decoding measured (two rounds in three), and every tree run
+        trees = [c for c in self.candidates if c.tree is not None]
+        chosen = self.plain if len(rounds) % 3 else trees[len(rounds) // 3 % len(trees)]
+        rounds.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(adaptive.TreeChooser, "choose", alternate)
+    x = [prompt(9, seed=s) for s in range(2)]
+    dict(generate_many(target, heads[0], x, max_batch_size=2, max_new_tokens=20))
+    live = tree_cost.live_path(tree_cost.costs_path(target, heads[0], "jakiro", 2))
+    kept = tree_cost.load_live(live)
+    assert kept is not None and kept["rows"] == 2 and kept["ratios"]
+    second = tree_cost.tree_chooser(target, heads[1], "jakiro", 2)
+    started = {tree_key(c.tree): c.remembered_ratio for c in second.candidates if c.remembered_ratio is not None}
+    assert started == pytest.approx({k: r for k, (r, _) in kept["ratios"].items()})

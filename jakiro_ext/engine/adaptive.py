@@ -27,11 +27,13 @@ a few rounds of a change the choice follows the machine and the prompt, and a tr
 losing costs a probe round in a hundred or more. A tree displaces plain decoding only when its live
 rate beats plain's by :data:`MARGIN`. A chooser lives as long as its head, across calls (one per
 method, batch-size bucket and machine setting), so a call starts from the seconds the last ones
-measured (the machine's); their tokens (the texts') fade (:meth:`TreeChooser.new_call`). What a
-chooser measured of the machine (each tree's seconds over plain decoding's) is kept beside the
-cost cache at the end of each call, and a new chooser there (another head, the next process) starts
-from it, for :data:`KEEP_LIVE` seconds and while plain decoding's live seconds agree with the kept
-ones (:meth:`TreeChooser.start_from`).
+measured (the machine's); their tokens (the texts') fade, the acceptance pooled apart for greedy
+and sampling calls (:meth:`TreeChooser.new_call`). What a chooser measured (each tree's seconds
+over plain decoding's and what switching to it cost: the machine's; the live acceptance of each
+kind of call: the temperature's share) is kept beside the cost cache at the end of each call, and
+a new chooser there (another head, the next process) starts from it, for :data:`KEEP_LIVE`
+seconds and, for the machine's, while plain decoding's live seconds agree with the kept ones
+(:meth:`TreeChooser.start_from`).
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
 target's above it. (With sampling, which tree a round uses changes which draws it consumes: a
@@ -165,20 +167,35 @@ class TreeChooser:
         # The model's expected accepted drafts, the mean over the trees: its prior in the pooled acceptance.
         self.prior_accepted = statistics.fmean([c.expected_tokens - 1 for c in candidates if c.tree is not None] or [0.0])
         self.scale = 1.0  # :meth:`acceptance_scale`, kept as the pool changes (read many times a round)
+        self.sampling = False  # the kind of the call under way (:meth:`new_call`): sampling, or greedy
+        # Per kind of call (sampling or not): the last pool's mean (live, expected) and when it was measured.
+        self.carried: Dict[bool, tuple] = {}
+        self.accepted_at = 0.0  # wall time of the pool's last round
 
-    def new_call(self) -> None:
-        """A new call, new texts: the seconds measured stay (they are the machine's), the pooled
-        acceptance is kept as CARRIED_ROUNDS rounds of its mean (a prior for the new texts), each
-        tree's own tokens go (they were the last text's), and the probes' back-off starts again."""
+    def new_call(self, sampling: bool = False) -> None:
+        """A new call, new texts (``sampling``: at a temperature above 0): the seconds measured stay
+        (they are the machine's), each tree's own tokens go (they were the last text's), and the
+        probes' back-off starts again. The pooled acceptance is kept per kind of call, greedy or
+        sampling (sampling accepts about half of what greedy decoding does): the last call's pool
+        as CARRIED_ROUNDS rounds of its mean is the prior of the next call of its kind."""
         for c in self.candidates:
             c.tokens.clear()
             c.probe_every = PROBE_EVERY
+        if (carried := self.carried_acceptance()) is not None:
+            self.carried[self.sampling] = carried
+        self.sampling = sampling
+        kept = self.carried.get(sampling)
+        self.accepted = deque([] if kept is None else [kept[:2]] * CARRIED_ROUNDS, maxlen=ACCEPTANCE_WINDOW)
+        self.accepted_at = 0.0 if kept is None else kept[2]
+        self.scale = self.pooled_scale()
+
+    def carried_acceptance(self) -> Optional[tuple]:
+        """The pool's mean (live, expected) accepted drafts a round and the wall time of its last round, None when empty."""
         expected = sum(e for _, e in self.accepted)
-        if expected > 0:
-            mean = expected / len(self.accepted)
-            live = sum(a for a, _ in self.accepted) / expected * mean
-            self.accepted = deque([(live, mean)] * CARRIED_ROUNDS, maxlen=ACCEPTANCE_WINDOW)
-            self.scale = self.pooled_scale()
+        if expected <= 0:
+            return None
+        mean = expected / len(self.accepted)
+        return sum(a for a, _ in self.accepted) / expected * mean, mean, self.accepted_at
 
     def end_call(self) -> None:
         """A call ended: what it measured is kept for the next chooser (``keep``)."""
@@ -189,26 +206,42 @@ class TreeChooser:
     def kept(self) -> dict:
         """What the next chooser of this machine and setting starts from (:meth:`start_from`): each
         tree's live seconds over plain decoding's (at the rows nearest the batch size the costs are
-        for; or as kept when forgotten) with the wall time it was measured, and plain decoding's
-        seconds at those rows."""
+        for; or as kept when forgotten) with the wall time it was measured, plain decoding's
+        seconds at those rows, what switching to each tree cost the last time (over plain
+        decoding's seconds: the draft's catch-up, a round or more at 16 rows), and the live
+        acceptance over the cost model's for each kind of call (greedy, sampling) with the wall
+        time it was measured."""
         rows = min(self.plain.seconds, key=lambda r: abs(r - self.batch), default=None)
         if rows is None or not self.plain.measured(rows):
-            return dict(rows=0, plain_seconds=0.0, ratios={})
+            return dict(rows=0, plain_seconds=0.0, ratios={}, switch={}, acceptance={})
+        plain = statistics.median(self.plain.seconds[rows])
         ratios = {tree_key(c.tree): [ratio, c.measured_at] for c in self.candidates
                   if c is not self.plain and (ratio := self.live_ratio(c, rows)) is not None}
-        return dict(rows=rows, plain_seconds=statistics.median(self.plain.seconds[rows]), ratios=ratios)
+        switch = {tree_key(c.tree): c.switch_cost / plain for c in self.candidates
+                  if c is not self.plain and c.switch_cost > 0}
+        carried = dict(self.carried)
+        if (now := self.carried_acceptance()) is not None:
+            carried[self.sampling] = now
+        acceptance = {CALL_KINDS[kind]: [live / expected, when] for kind, (live, expected, when) in carried.items()}
+        return dict(rows=rows, plain_seconds=plain, ratios=ratios, switch=switch, acceptance=acceptance)
 
     def start_from(self, kept: dict, now: Optional[float] = None) -> None:
         """Start from what an earlier chooser of this machine and setting measured (:meth:`kept`):
         each tree's ratio to plain decoding's seconds, if measured within KEEP_LIVE seconds, is its
-        estimate until it runs (as when forgotten), unless plain decoding's live seconds, once
-        measured at those rows, disagree with the kept ones by COSTS_DISAGREE (the machine is not
-        as it was: the ratios are dropped)."""
+        estimate until it runs (as when forgotten), and what switching to it cost, its probes'
+        budget, unless plain decoding's live seconds, once measured at those rows, disagree with
+        the kept ones by COSTS_DISAGREE (the machine is not as it was: both are dropped); the live
+        acceptance of each kind of call measured within KEEP_LIVE is the prior of the next call of
+        its kind (scaled to this chooser's trees: another head keeps the temperature's share)."""
         now = time.time() if now is None else now
         for c in self.candidates:
             ratio, when = kept["ratios"].get(tree_key(c.tree), (None, 0.0)) if c is not self.plain else (None, 0.0)
             if ratio is not None and 0 <= now - when <= KEEP_LIVE:
                 c.remembered_ratio, c.measured_at = ratio, when
+                c.switch_cost = kept.get("switch", {}).get(tree_key(c.tree), 0.0) * kept["plain_seconds"]
+        for kind, (scale, when) in kept.get("acceptance", {}).items():
+            if 0 <= now - when <= KEEP_LIVE and self.prior_accepted > 0:
+                self.carried[kind == "sampling"] = (scale * self.prior_accepted, self.prior_accepted, when)
         self.kept_plain = (kept["rows"], kept["plain_seconds"])
 
     @property
@@ -362,10 +395,11 @@ class TreeChooser:
             if not 1 / COSTS_DISAGREE <= statistics.median(candidate.seconds[rows]) / self.kept_plain[1] <= COSTS_DISAGREE:
                 for c in self.candidates:
                     if not c.seconds:
-                        c.remembered_ratio = None
+                        c.remembered_ratio, c.switch_cost = None, 0.0
             self.kept_plain = None
         if candidate is not self.plain:
             self.accepted.append((tokens_per_sequence - 1.0, candidate.expected_tokens - 1.0))
+            self.accepted_at = candidate.measured_at
             self.scale = self.pooled_scale()
         candidate.last_round = self.round
         self.round += 1
@@ -382,6 +416,9 @@ class TreeChooser:
                 self.costs_disagree = True
                 if self.forget_costs is not None:
                     self.forget_costs()
+
+
+CALL_KINDS = ("greedy", "sampling")  # the kinds of call whose acceptance is pooled apart (index: sampling or not)
 
 
 def tree_key(tree: TreeConfig) -> str:

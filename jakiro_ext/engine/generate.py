@@ -168,7 +168,7 @@ def _trees(target, draft, method: Method, tree: Optional[TreeConfig], batch: int
     with an acceptance profile and eager rounds (:mod:`jakiro_ext.engine.adaptive`)."""
     chooser = None
     if tree is None and method.drafts and s.graphs == "eager" and target.lm_head.weight.device.type == "cpu":
-        chooser = tree_chooser(target, draft, method.name, batch)
+        chooser = tree_chooser(target, draft, method.name, batch, s.temperature > 0)
     if chooser is None:
         return default_tree(target, draft, method, tree, batch), None
     return max(chooser.trees, key=lambda t: t.max_nodes_for(method)), chooser

@@ -41,7 +41,7 @@ import torch
 import jakiro_ext
 from jakiro_ext import atomic, ops
 from jakiro_ext.config import TreeConfig
-from jakiro_ext.engine.adaptive import Candidate, TreeChooser, forget_cost_file
+from jakiro_ext.engine.adaptive import CALL_KINDS, Candidate, TreeChooser, forget_cost_file
 from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.machine import cpu_name
@@ -281,17 +281,17 @@ CANDIDATES = 3  # the cost model's best trees of distinct sizes a TreeChooser ru
 SMALL_TREE = 4  # plain decoding, and its best tree of at most this many nodes
 
 
-def tree_chooser(target, head, method: str, batch: int = 1) -> Optional[TreeChooser]:
+def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = False) -> Optional[TreeChooser]:
     """The live choice among the cost model's best trees and plain decoding for ``head`` on this
-    machine, ``batch`` sequences decoding together (:mod:`jakiro_ext.engine.adaptive`); None
-    without the head's acceptance profile."""
+    machine, ``batch`` sequences decoding together (:mod:`jakiro_ext.engine.adaptive`), for a call
+    that samples (temperature > 0) or not; None without the head's acceptance profile."""
     profile = getattr(head, "acceptance", None)
     if not profile:
         return None
     path = costs_path(target, head, method, batch)
     kept = _CHOOSERS.setdefault(head, {})
     if (path, id(target)) in kept:
-        kept[path, id(target)].new_call()
+        kept[path, id(target)].new_call(sampling)
         return kept[path, id(target)]
     costs = load_costs(target, head, method, batch=batch)
     _, ranked = choose_tree(costs, profile, method)
@@ -313,6 +313,7 @@ def tree_chooser(target, head, method: str, batch: int = 1) -> Optional[TreeChoo
     measured = load_live(live)
     if measured is not None:
         chooser.start_from(measured)
+    chooser.new_call(sampling)
     return chooser
 
 
@@ -336,12 +337,19 @@ def load_live(path: Path) -> Optional[dict]:
     try:
         measured = json.loads(path.read_text())
         checked = {str(k): [float(r), float(t)] for k, (r, t) in measured["ratios"].items()}
+        switch = {str(k): float(r) for k, r in measured.get("switch", {}).items()}
+        acceptance = {str(k): [float(r), float(t)] for k, (r, t) in measured.get("acceptance", {}).items()}
         plain = float(measured["plain_seconds"])
-        if not all(0 < r < math.inf for r, _ in checked.values()) or not 0 < plain < math.inf:
-            raise ValueError("a ratio or plain decoding's seconds not a positive finite number")
+        if not all(0 < r < math.inf for r, _ in [*checked.values(), *acceptance.values()]) or not 0 < plain < math.inf:
+            raise ValueError("a ratio, an acceptance or plain decoding's seconds not a positive finite number")
+        if not all(0 <= r < math.inf for r in switch.values()):
+            raise ValueError("a switch cost not a finite number >= 0")
+        if not set(acceptance) <= set(CALL_KINDS):
+            raise ValueError(f"acceptance of kinds of call {sorted(acceptance)}, expected some of {list(CALL_KINDS)}")
         if measured.get("build") != build_id():
             return None
-        return dict(rows=int(measured["rows"]), plain_seconds=plain, ratios=checked)
+        return dict(rows=int(measured["rows"]), plain_seconds=plain, ratios=checked, switch=switch,
+                    acceptance=acceptance)
     except FileNotFoundError:
         return None
     except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:

@@ -1,7 +1,8 @@
-"""What the live tree choice measured of the machine, kept for the next chooser: a new head or
-process starts from each tree's live seconds over plain decoding's instead of the cost model's
-guess, within KEEP_LIVE seconds and while plain decoding's live seconds agree; the file beside the
-cost cache, its round trip, and damaged, foreign or unwritable files."""
+"""What the live tree choice measured, kept for the next chooser: a new head or process starts from
+each tree's live seconds over plain decoding's instead of the cost model's guess and from what
+switching to it cost, within KEEP_LIVE seconds and while plain decoding's live seconds agree, and
+from the live acceptance of greedy and sampling calls apart; the file beside the cost cache, its
+round trip, and damaged, foreign or unwritable files."""
 import json
 import math
 import time
@@ -59,6 +60,59 @@ def test_kept_ratios_expire_and_yield_to_a_changed_machine():
     assert BIG not in run(drifted, 20, lambda c: 0.7 * 1.3 * slow_big(c))
 
 
+def accepting(share):
+    """Rounds whose trees accept ``share`` of the drafts the cost model expected (greedy)."""
+    return lambda c: 1.0 + (c.expected_tokens - 1.0) * share
+
+
+def test_greedy_and_sampling_calls_keep_their_own_acceptance():
+    # Sampling, the trees accept a third of the greedy profile's drafts: BIG, 1.25x ahead of plain
+    # decoding greedy, is at 0.75x. A chooser that ran a greedy call, then a sampling one...
+    first = chooser()
+    run(first, 40, tokens_of=accepting(1.0))
+    first.new_call(sampling=True)
+    run(first, 40, tokens_of=accepting(1 / 3))
+    kept = first.kept()
+    assert kept["acceptance"]["greedy"][0] == pytest.approx(1.0, abs=0.05)
+    assert kept["acceptance"]["sampling"][0] < 0.5
+    # ... starts its next greedy call from the greedy acceptance: BIG runs (SMALL probed), never plain decoding.
+    first.new_call(sampling=False)
+    ran = run(first, 4, tokens_of=accepting(1.0))
+    assert BIG in ran and None not in ran
+    # A new chooser (a new head, another process) from what it kept, after plain decoding's first
+    # two rounds: a sampling call does not run BIG on the greedy profile's word (without the kept
+    # acceptance, it did); a greedy call does.
+    for sampling in (True, False):
+        second = chooser()
+        second.start_from(json.loads(json.dumps(kept)))
+        second.new_call(sampling)
+        ran = run(second, 6, tokens_of=accepting(1 / 3 if sampling else 1.0))
+        assert ran == [None] * 6 if sampling else ran[2] is BIG
+    unaware = chooser()
+    unaware.new_call(sampling=True)
+    assert run(unaware, 3, tokens_of=accepting(1 / 3))[2] is BIG
+
+
+def test_a_tree_costly_to_switch_to_is_not_probed_by_the_next_chooser_within_a_short_call():
+    # BIG at 0.9x plain decoding's rate (within COMPETITIVE: probed), switching to it costs a
+    # catch-up of five plain rounds (at 16 rows: most of a round or more).
+    def close_big(c):
+        return c.expected_seconds * (1.39 if c.tree is BIG else 1)
+
+    def pair():
+        return TreeChooser([Candidate(BIG, 2.5, 0.020), Candidate(None, 1.0, 0.010)], batch=1)
+    first = pair()
+    run(first, 40, close_big, catch_up=0.05)
+    kept = first.kept()
+    assert kept["switch"][tree_key(BIG)] == pytest.approx(5.0)  # (in plain rounds; explored as the best: no round lost)
+    second = pair()
+    second.start_from(kept)
+    assert BIG not in run(second, 60, close_big, catch_up=0.05)  # 1% of 60 rounds pays no 0.05 s
+    third = pair()
+    third.start_from(dict(kept, switch={}))  # without the kept switch cost: probed within the call
+    assert BIG in run(third, 60, close_big, catch_up=0.05)
+
+
 def test_a_chooser_that_measured_nothing_keeps_nothing():
     c = chooser()
     kept = []
@@ -80,7 +134,10 @@ def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
     measured = json.loads(path.read_text())
     for bad in ("{", '{"ratios": 3}', json.dumps(dict(measured, plain_seconds="x")),
                 json.dumps(dict(measured, ratios={"16,3,4": [float("nan"), 0.0]})),
-                json.dumps(dict(measured, ratios={"16,3,4": [-1.0, 0.0]}))):
+                json.dumps(dict(measured, ratios={"16,3,4": [-1.0, 0.0]})),
+                json.dumps(dict(measured, switch={"16,3,4": -1.0})),
+                json.dumps(dict(measured, acceptance={"beam search": [1.0, 0.0]})),
+                json.dumps(dict(measured, acceptance={"greedy": [0.0, 0.0]}))):
         path.write_text(bad)
         assert tree_cost.load_live(path) is None
         assert "damaged" in capsys.readouterr().err

@@ -69,6 +69,7 @@ PRIOR_ROUNDS = 2    # of every tree (with the model's own as this many rounds): 
 # the text and the temperature scale every tree's acceptance alike (sampling at temperature 1 accepted
 # 0.5-0.7 drafts a round where the greedy profile expected 1.3): a tree's own 16 rounds vary by a tenth
 # or more, and the best of a few nearly equal trees measured alone is the one whose noise flattered it
+CALL_KINDS = ("greedy", "sampling")  # the kinds of call whose acceptance is pooled apart (index: sampling or not)
 CARRIED_ROUNDS = 4  # a new call (new texts) keeps the pooled acceptance as this many rounds of its mean:
 # the temperature's share carries over, the last text's fades (kept whole, a text the head accepted
 # little of put every tree below a probe's reach for the next calls: plain decoding for good)
@@ -181,13 +182,18 @@ class TreeChooser:
         for c in self.candidates:
             c.tokens.clear()
             c.probe_every = PROBE_EVERY
-        if (carried := self.carried_acceptance()) is not None:
-            self.carried[self.sampling] = carried
+        self.carried = self.acceptance_by_kind()
         self.sampling = sampling
         kept = self.carried.get(sampling)
         self.accepted = deque([] if kept is None else [kept[:2]] * CARRIED_ROUNDS, maxlen=ACCEPTANCE_WINDOW)
         self.accepted_at = 0.0 if kept is None else kept[2]
         self.scale = self.pooled_scale()
+
+    def acceptance_by_kind(self) -> Dict[bool, tuple]:
+        """Per kind of call (sampling or not): the mean (live, expected) accepted drafts a round
+        and when measured, the call under way's from its pool."""
+        now = self.carried_acceptance()
+        return self.carried if now is None else {**self.carried, self.sampling: now}
 
     def carried_acceptance(self) -> Optional[tuple]:
         """The pool's mean (live, expected) accepted drafts a round and the wall time of its last round, None when empty."""
@@ -219,10 +225,8 @@ class TreeChooser:
                   if c is not self.plain and (ratio := self.live_ratio(c, rows)) is not None}
         switch = {tree_key(c.tree): c.switch_cost / plain for c in self.candidates
                   if c is not self.plain and c.switch_cost > 0}
-        carried = dict(self.carried)
-        if (now := self.carried_acceptance()) is not None:
-            carried[self.sampling] = now
-        acceptance = {CALL_KINDS[kind]: [live / expected, when] for kind, (live, expected, when) in carried.items()}
+        acceptance = {CALL_KINDS[kind]: [live / expected, when]
+                      for kind, (live, expected, when) in self.acceptance_by_kind().items()}
         return dict(rows=rows, plain_seconds=plain, ratios=ratios, switch=switch, acceptance=acceptance)
 
     def start_from(self, kept: dict, now: Optional[float] = None) -> None:
@@ -238,8 +242,8 @@ class TreeChooser:
             ratio, when = kept["ratios"].get(tree_key(c.tree), (None, 0.0)) if c is not self.plain else (None, 0.0)
             if ratio is not None and 0 <= now - when <= KEEP_LIVE:
                 c.remembered_ratio, c.measured_at = ratio, when
-                c.switch_cost = kept.get("switch", {}).get(tree_key(c.tree), 0.0) * kept["plain_seconds"]
-        for kind, (scale, when) in kept.get("acceptance", {}).items():
+                c.switch_cost = kept["switch"].get(tree_key(c.tree), 0.0) * kept["plain_seconds"]
+        for kind, (scale, when) in kept["acceptance"].items():
             if 0 <= now - when <= KEEP_LIVE and self.prior_accepted > 0:
                 self.carried[kind == "sampling"] = (scale * self.prior_accepted, self.prior_accepted, when)
         self.kept_plain = (kept["rows"], kept["plain_seconds"])
@@ -416,9 +420,6 @@ class TreeChooser:
                 self.costs_disagree = True
                 if self.forget_costs is not None:
                     self.forget_costs()
-
-
-CALL_KINDS = ("greedy", "sampling")  # the kinds of call whose acceptance is pooled apart (index: sampling or not)
 
 
 def tree_key(tree: TreeConfig) -> str:

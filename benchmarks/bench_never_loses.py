@@ -52,7 +52,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2, help="passes over the calls")
     ap.add_argument("--out", default=os.path.join(RESULTS, "never_loses.csv"))
     ap.add_argument("--trace", help="also write every live choice's rounds here (CSV: configuration, arm, call, "
-                                    "round, tree, rows, seconds, tokens, catch-up seconds)")
+                                    "round, tree, rows, seconds, tokens, catch-up seconds, mean context)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from jakiro_ext.engine import adaptive
@@ -60,11 +60,12 @@ def main():
     if args.trace:  # each round the chooser records, with where it ran
         record = adaptive.TreeChooser.record
 
-        def traced(self, candidate, rows, seconds, tokens, catch_up=0.0):
+        def traced(self, candidate, rows, seconds, tokens, catch_up=0.0, context=None):
             tree = "plain" if candidate.tree is None else adaptive.tree_key(candidate.tree)
             trace.append(dict(where, round=self.round, tree=tree, rows=rows, seconds=round(seconds, 5),
-                              tokens=round(tokens, 3), catch_up=round(catch_up, 5)))
-            record(self, candidate, rows, seconds, tokens, catch_up)
+                              tokens=round(tokens, 3), catch_up=round(catch_up, 5),
+                              context=None if context is None else round(context, 1)))
+            record(self, candidate, rows, seconds, tokens, catch_up, context)
         adaptive.TreeChooser.record = traced
 
     from jakiro_ext.cli.common import HEADS_DIR, chat_ids, load_head

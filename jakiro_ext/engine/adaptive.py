@@ -41,8 +41,10 @@ seed then fixes the distribution, not the tokens. Pass ``tree=`` for reproducibl
 sampling.)
 
 When a candidate's live seconds per round disagree with the cached costs by more than a factor
-:data:`COSTS_DISAGREE` (at the batch size they were measured for), the cost cache is deleted:
-the next chooser (a new head, or a new process) measures the costs again. Rounds of plain
+:data:`COSTS_DISAGREE` (at the batch size they were measured for, the costs moved to the live
+context by their measured seconds per committed token: at 16 rows a 256-token context costs a
+fifth more than 66 tokens), the cost cache is deleted: the next chooser (a new head, or a new
+process) measures the costs again. Rounds of plain
 decoding leave the draft's catch-up for later: it runs over all their tokens in one draft
 forward before the next drafting round, timed apart from it (:meth:`BatchState.defer_catch_up`), and
 a draft left behind by more than a window of tokens is rebuilt from the last ones; a prompt
@@ -153,12 +155,16 @@ class TreeChooser:
     (:meth:`record`)."""
 
     def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[], None]] = None,
-                 keep: Optional[Callable[[dict], None]] = None):
+                 keep: Optional[Callable[[dict], None]] = None, context: float = 0.0, context_slope: float = 0.0):
         if not any(c.tree is None for c in candidates):
             raise ValueError("the candidates must include plain decoding (tree None)")
+        if not (0 <= context < math.inf and 0 <= context_slope < math.inf):
+            raise ValueError(f"context and context_slope must be finite numbers >= 0, got {context} and {context_slope}")
         self.candidates = candidates
         self.plain = next(c for c in candidates if c.tree is None)
         self.batch = batch  # the rows the cost model's seconds are for
+        # The committed tokens behind the cost model's seconds, and what each more costs a round.
+        self.context, self.context_slope = context, context_slope
         self.forget_costs = forget_costs
         self.keep = keep  # called with :meth:`kept` at the end of each call (for the next chooser: :meth:`start_from`)
         self.kept_plain: Optional[tuple] = None  # (rows, plain decoding's seconds) the kept ratios were measured with
@@ -382,10 +388,11 @@ class TreeChooser:
         return min((c for c in self.candidates if c is not self.plain), key=lambda c: c.tree.total_tokens)
 
     def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float,
-               catch_up_seconds: float = 0.0) -> None:
+               catch_up_seconds: float = 0.0, context: Optional[float] = None) -> None:
         """A round of ``candidate`` over ``rows`` batch rows took ``seconds`` and gave
         ``tokens_per_sequence`` new tokens (the mean over the batch's sequences); before it, the
-        draft's catch-up on what it was behind took ``catch_up_seconds`` (not the round's)."""
+        draft's catch-up on what it was behind took ``catch_up_seconds`` (not the round's).
+        ``context``: the mean committed tokens of its sequences (None: the cost model's)."""
         fresh = not candidate.seconds
         if candidate.last_round != self.round - 1:  # switched to: what that cost, against the best
             best = self.best(rows)
@@ -414,12 +421,19 @@ class TreeChooser:
             behind = self.best(rows) is not candidate
             candidate.probe_every = min(2 * candidate.probe_every, MAX_PROBE_EVERY) if behind else PROBE_EVERY
         if rows == self.batch and not self.costs_disagree:
-            ratio = statistics.median(candidate.seconds[rows]) / candidate.expected_seconds
+            ratio = statistics.median(candidate.seconds[rows]) / self.expected_seconds_at(candidate, context)
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
             if not 1 / allowed <= ratio <= allowed:
                 self.costs_disagree = True
                 if self.forget_costs is not None:
                     self.forget_costs()
+
+
+    def expected_seconds_at(self, c: Candidate, context: Optional[float]) -> float:
+        """The cost model's seconds of a round of ``c`` behind ``context`` committed tokens per
+        sequence (None: the model's own context), never below a quarter of the model's."""
+        shift = 0.0 if context is None else self.context_slope * (context - self.context)
+        return max(c.expected_seconds + shift, c.expected_seconds / 4)
 
 
 def tree_key(tree: TreeConfig) -> str:

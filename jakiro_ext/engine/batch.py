@@ -171,9 +171,11 @@ class DecodeBatch:
                 t0 = time.perf_counter()
                 caught_up = self._catch_up(drafter)
                 t1 = time.perf_counter()
+                lengths = [n for seq, n in zip(self.state.rows, self.state.host_lengths) if seq is not None]
                 accepted = self._round(drafter, caught_up)
                 if accepted:
-                    self.chooser.record(candidate, rows, time.perf_counter() - t1, 1 + statistics.fmean(accepted), t1 - t0)
+                    self.chooser.record(candidate, rows, time.perf_counter() - t1, 1 + statistics.fmean(accepted), t1 - t0,
+                                        statistics.fmean(lengths))
         finally:
             for listen in ROUND_LISTENERS:
                 listen(False)

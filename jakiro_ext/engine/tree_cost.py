@@ -11,8 +11,10 @@ depends on the machine (the c_*) and on the head (E):
 
 - the costs are measured once per machine, thread count, dtype, model shape, method and batch
   size (a power of two up to 64: B sequences verify B x N tokens in one forward, and a bigger
-  batch leaves less idle compute to a tree), and cached in ``$JAKIRO_CACHE/costs``
-  (:func:`load_costs`);
+  batch leaves less idle compute to a tree), behind CONTEXT committed tokens, with what each
+  committed token adds to a round (``context_slope``: a batch's attention reads every row's keys
+  and values: at 16 rows about a fifth of the round behind 256 tokens), and cached in
+  ``$JAKIRO_CACHE/costs`` (:func:`load_costs`);
 - E comes from the head's acceptance profile, recorded with the head when it is trained
   (``acceptance.json``): p[d][r], the probability that the target's token at depth d is the draft's
   r-th candidate given the path before it was right, measured on held-out answers drafting from
@@ -53,6 +55,7 @@ SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # target forwards
 DEPTHS = tuple(range(1, 7))  # per method: tree_depths
 WIDTHS = tuple(range(1, 9))
 CONTEXT = 256  # committed tokens behind the measured forwards (a typical chat position)
+SHORT_CONTEXT = 32  # ... and behind a one-token forward measured beside it: the seconds each committed token adds
 MAX_BATCH_MEASURED = 64  # batches beyond it use its costs
 MAX_VERIFY_ROWS = 1024  # a batch's target forwards are measured up to this many rows (batch x N)
 
@@ -138,25 +141,36 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     B = batch
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
-    one = target.new_cache(1, CONTEXT)
-    _, hidden = target(prompt[:CONTEXT].unsqueeze(0), one, last_logits_only=True)
-    one.commit(CONTEXT)
-
-    # B copies of the prompt's sequence, its draft side started as the engine starts it, in caches
-    # with the drafting scratch of the largest tree measured (every measured tree fits in it).
     depths = tree_depths(head, method)
     widest = Drafter(head, METHODS[method], TreeConfig(64, max(depths), max(WIDTHS)))
-    state = BatchState(target, widest, B, CONTEXT + max(SIZES))
-    started = Started(one, *widest.prefill(prompt[1:CONTEXT + 1], hidden[0]))
-    for b in range(B):
-        state.load(b, None, started)
 
-    def verify_once(n: int):
+    def batch_state(context: int) -> Tuple[BatchState, torch.Tensor]:
+        """B copies of the prompt's first ``context`` tokens, the draft side started as the engine
+        starts it, in caches with the drafting scratch of the largest tree measured (every
+        measured tree fits in it), and the target's hidden states of those tokens."""
+        one = target.new_cache(1, context)
+        _, hidden = target(prompt[:context].unsqueeze(0), one, last_logits_only=True)
+        one.commit(context)
+        state = BatchState(target, widest, B, context + max(SIZES))
+        started = Started(one, *widest.prefill(prompt[1:context + 1], hidden[0]))
+        for b in range(B):
+            state.load(b, None, started)
+        return state, hidden
+
+    state, hidden = batch_state(CONTEXT)
+    short, _ = batch_state(SHORT_CONTEXT)
+
+    def verify_once(n: int, state: BatchState = state):
         tokens = prompt[:n].expand(B, n)
         parents = (torch.arange(n, device=device) - 1).expand(B, n)
         logits, _ = target(tokens, state.target_kv, ops.build_tree_mask(parents))
         ops.verify_tree(parents, tokens, logits, None, 0.0, 1.0, 0)
 
+    # The one-token forward behind both contexts in turn (the machine drifts by a quarter within
+    # minutes: the difference of neighbours is what the context adds).
+    pairs = [(_median_seconds(lambda: verify_once(1), 1), _median_seconds(lambda: verify_once(1, short), 1))
+             for _ in range(max(repeats, 5))]
+    context_slope = max(0.0, statistics.median(a - b for a, b in pairs) / (CONTEXT - SHORT_CONTEXT))
     verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES if B * n <= MAX_VERIFY_ROWS}
     draft, catch_up = {}, {}
     roots = prompt[:1].expand(B)
@@ -167,7 +181,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing)
         catch_up[str(n)] = _median_seconds(
             lambda: widest.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats)
-    return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, batch=B)
+    return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, context_slope=context_slope, batch=B)
 
 
 def costs_key(target, head, method: str, batch: int = 1) -> str:
@@ -212,8 +226,11 @@ def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, prog
     if path.exists():
         try:
             costs = json.loads(path.read_text())
-            if not (isinstance(costs, dict) and {"verify", "draft", "catch_up"} <= set(costs)):
+            if not (isinstance(costs, dict) and {"verify", "draft", "catch_up", "context", "context_slope"} <= set(costs)):
                 raise ValueError("not a cost table")
+            if not all(isinstance(costs[k], (int, float)) and 0 <= costs[k] < math.inf for k in ("context", "context_slope")):
+                raise ValueError(f"context {costs['context']!r} and context_slope {costs['context_slope']!r} must be "
+                                 "finite numbers >= 0")
             if costs.get("build") == build:
                 return costs
             print(f"the cached costs {path} were measured with another build ({costs.get('build')}, this one "
@@ -309,7 +326,8 @@ def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = Fal
     candidates.append(Candidate(None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
     live = live_path(path)
     chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path),
-                                                    lambda measured: keep_live(live, measured))
+                                                    lambda measured: keep_live(live, measured), costs["context"],
+                                                    costs["context_slope"])
     measured = load_live(live)
     if measured is not None:
         chooser.start_from(measured)

@@ -174,6 +174,36 @@ def test_forgets_cached_costs_that_disagree_with_live_timing():
     assert forgotten == [True]
 
 
+def test_live_timing_is_judged_at_its_own_context():
+    # Costs measured behind 256 tokens, each committed token adding 0.1 ms a round: live rounds
+    # behind 32 tokens take 0.0224 s less, plain decoding's 0.55x its cached seconds (beyond
+    # 1 / 1.6), and agree with the costs moved to that context.
+    forgotten = []
+    moved = lambda c: c.expected_seconds - 224e-4  # noqa: E731
+    slow = [Candidate(BIG, 2.5, 0.060), Candidate(None, 1.0, 0.050)]
+
+    def live(chooser, rounds, seconds_of, context):
+        for _ in range(rounds):
+            c = chooser.choose(1)
+            chooser.record(c, 1, seconds_of(c), c.expected_tokens, context=context)
+
+    chooser = TreeChooser(slow, batch=1, forget_costs=lambda: forgotten.append(True), context=256, context_slope=1e-4)
+    live(chooser, 30, moved, 32)
+    assert not forgotten and not chooser.costs_disagree
+    assert chooser.expected_seconds_at(slow[1], 32) == pytest.approx(0.050 - 0.0224)
+    assert chooser.expected_seconds_at(slow[1], None) == 0.050
+    # Costs measured under load still disagree at any context: 2.5x faster than the moved ones.
+    chooser = TreeChooser(slow, batch=1, forget_costs=lambda: forgotten.append(True), context=256, context_slope=1e-4)
+    live(chooser, 30, lambda c: moved(c) / 2.5, 32)
+    assert forgotten == [True]
+    # Without the move the same timing disagrees.
+    chooser = TreeChooser(slow, batch=1, forget_costs=lambda: forgotten.append(True))
+    live(chooser, 30, moved, 32)
+    assert forgotten == [True, True]
+    with pytest.raises(ValueError, match="context_slope must be finite numbers >= 0"):
+        TreeChooser(slow, batch=1, context=256, context_slope=-1e-4)
+
+
 def test_costs_that_disagree_with_live_timing_try_trees_only_at_their_probes():
     """Costs measured under load (every round 2.5x faster live than cached, trees as plain
     decoding): the model's relative costs are suspect too, so no tree is tried at once (not even

@@ -11,7 +11,7 @@ from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.loss import evaluate
-from jakiro_ext.engine.tree_cost import (SIZES, auto_tree, choose_tree, expected_accepted, load_costs, measure_costs,
+from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, choose_tree, expected_accepted, load_costs, measure_costs,
                                          rate, round_seconds)
 from jakiro_ext.training.acceptance import acceptance_profile
 from helpers import copy_head, prompt, tiny_target
@@ -85,6 +85,7 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     costs = load_costs(target, head, "jakiro", tmp_path, progress=False)
     assert set(costs["verify"]) == {str(n) for n in SIZES} and all(v > 0 for v in costs["verify"].values())
     assert len(costs["draft"]) == 6 * 8 and all(v > 0 for v in costs["catch_up"].values())
+    assert costs["context"] == CONTEXT and costs["context_slope"] >= 0
     assert len(list(tmp_path.iterdir())) == 1
 
     def no_measuring(*args, **kwargs):
@@ -99,7 +100,7 @@ def test_costs_of_another_build_are_measured_again(tmp_path, monkeypatch, capsys
     from jakiro_ext.engine import tree_cost
 
     monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
-    measured = {"verify": {"1": 0.01}, "draft": {}, "catch_up": {"1": 0.01}}
+    measured = {"verify": {"1": 0.01}, "draft": {}, "catch_up": {"1": 0.01}, "context": 256, "context_slope": 0.0}
     calls = []
     monkeypatch.setattr(tree_cost, "measure_costs", lambda *a, **k: calls.append(1) or measured)
     (tmp_path / "k.json").write_text(json.dumps(dict(measured, build="0.0.1-123-456")))

@@ -12,8 +12,9 @@ that drift hits both alike:
   ``LlamaModel.prefill_chunk``), N in ``--prompt-lengths``, and the time to the first token's
   logits that each rate gives (N over it);
 * speculative decoding with the shipped heads (``--methods``, default Jakiro and EAGLE-2; each with
-  the cost model's tree and with the engine's default, the tree chosen live) and plain decoding on the first ``--prompts`` packaged prompts (greedy,
-  ``--max-new-tokens``): tokens/s of the generation loop, against llama.cpp's tg128 above;
+  the cost model's tree and with the engine's default, the tree chosen live) and plain decoding on
+  the first ``--prompts`` packaged prompts (greedy, ``--max-new-tokens``; the arms take turns
+  prompt by prompt): tokens/s of the generation loop, against llama.cpp's tg128 above;
 * the machine's read bandwidth (a 512 MiB sum), with the weights' bytes over it as the decoding
   floor.
 
@@ -131,28 +132,24 @@ def main():
     prompts = [json.loads(line) for line in (Path(HEADS_DIR).parent / "data" / "prompts.jsonl").read_text().splitlines()
                if line.strip()][:args.prompts]
     methods = [m for m in args.methods.split(",") if m]
-    speculative = {}  # (method, tree label) -> tokens/s
-
-    def packaged(m, head, tree) -> float:
-        tokens = seconds = 0.0
-        for p in prompts:
-            ids = chat_ids(tokenizer, p["prompt"], True)
-            out = speculative_generate(target, head, ids, args.max_new_tokens, method=m, tree=tree,
-                                       eos_token_id=tokenizer.eos_token_id)
-            tokens += out.stats.new_tokens - 1
-            seconds += out.stats.wall_time_s - out.stats.prefill_s
-        return tokens / seconds
-
-    for m in ["ar"] + methods if prompts else []:  # (--prompts 0: decoding and prefill only)
-        if not METHODS[m].drafts:
-            speculative[m, ""] = packaged(m, None, None)
-            continue
+    # The arms: plain decoding, then per method the cost model's tree and the engine's default
+    # (chosen round by round from live timing, plain decoding among the candidates), one head
+    # across the prompts as a user's would be. They take turns prompt by prompt, the order
+    # rotated, so that the machine's drift hits every arm alike.
+    arms = [("ar", "", None, None)] if prompts else []  # (method, tree label, head, tree)
+    for m in methods if prompts else []:
         head = load_head(METHODS[m].shipped_head, None, target, DEFAULT_MODEL)
         fixed = default_tree(target, head, m)
-        # The cost model's tree, then the engine's default: chosen round by round from live timing
-        # (plain decoding among the candidates), one head across the prompts as a user's would be.
-        speculative[m, f"{fixed.total_tokens}/{fixed.depth}/{fixed.top_k}"] = packaged(m, head, fixed)
-        speculative[m, "live"] = packaged(m, head, None)
+        arms += [(m, f"{fixed.total_tokens}/{fixed.depth}/{fixed.top_k}", head, fixed), (m, "live", head, None)]
+    totals = {(m, label): [0, 0.0] for m, label, _, _ in arms}  # new tokens, seconds
+    for i, p in enumerate(prompts):
+        ids = chat_ids(tokenizer, p["prompt"], True)
+        for m, label, head, tree in arms[i % len(arms):] + arms[:i % len(arms)]:
+            out = speculative_generate(target, head, ids, args.max_new_tokens, method=m, tree=tree,
+                                       eos_token_id=tokenizer.eos_token_id)
+            totals[m, label][0] += out.stats.new_tokens - 1
+            totals[m, label][1] += out.stats.wall_time_s - out.stats.prefill_s
+    speculative = {arm: tokens / seconds for arm, (tokens, seconds) in totals.items()}  # (method, tree label) -> tokens/s
     for (m, tree), value in speculative.items():
         print(f"{m} {tree}: {value:.1f} tokens/s on {len(prompts)} packaged prompts", flush=True)
 

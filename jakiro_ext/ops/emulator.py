@@ -16,6 +16,7 @@ default all: for work on one kernel), ``MAX_JOBS`` (parallel compiles, torch's v
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import pathlib
@@ -71,6 +72,19 @@ def emulated_ops(warp_size: int):
     if not (build_dir / f"{namespace}.so").exists():
         print(f"jakiro_ext: building the GPU kernels for the CPU SIMT emulator (warp {warp_size}) in {build_dir}; "
               "this takes a few minutes, once", file=sys.stderr, flush=True)
+    with open(build_dir / "build.flock", "w") as guard:
+        # One build at a time in a build directory. torch's own lock (the file "lock", created
+        # and deleted by the build) stays behind when a build is killed, and every later build
+        # would wait for it forever; this lock is the kernel's, released when its holder dies:
+        # whoever holds it knows a "lock" file there is such a leftover.
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        _build(csrc, namespace, build_dir, warp_size)
+    return getattr(torch.ops, namespace)
+
+
+def _build(csrc: pathlib.Path, namespace: str, build_dir: pathlib.Path, warp_size: int) -> None:
+    """Compile (what changed) and load the library ``namespace`` in ``build_dir``."""
     # The .cu glue is compiled as C++: one-line wrappers, since torch's builder sends .cu to nvcc.
     sources = []
     for cu in glue_sources():
@@ -95,4 +109,3 @@ def emulated_ops(warp_size: int):
         is_python_module=False,
         verbose=os.environ.get("JAKIRO_SIMT_VERBOSE") == "1",
     )
-    return getattr(torch.ops, namespace)

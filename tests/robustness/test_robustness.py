@@ -293,6 +293,20 @@ def test_a_damaged_feature_cache_is_recomputed_with_a_warning(small_corpus, tmp_
     assert read_feature_shard(cached, tokens) is not None  # written again, whole
 
 
+def test_a_killed_emulator_build_does_not_hold_up_the_next():
+    # torch's build lock (the file "lock"), left behind by an emulator build killed mid-way, made
+    # every later build wait for it forever: the next one goes on, and removes it.
+    from jakiro_ext.ops import emulator
+
+    build = emulator.build_root() / "w32"
+    build.mkdir(parents=True, exist_ok=True)
+    (build / "lock").touch()
+    code = "from jakiro_ext.ops import emulator; print(emulator.emulated_ops(32).linear)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, cwd="/")
+    assert out.returncode == 0 and "jakiro_simt32.linear" in out.stdout, out.stderr[-2000:]
+    assert not (build / "lock").exists()
+
+
 def test_damaged_cost_cache_is_measured_again(tmp_path, monkeypatch, capsys):
     from jakiro_ext.engine import tree_cost
 

@@ -62,9 +62,10 @@ def test_plain_decoding_equals_transformers_greedy(setup):
 def test_random_head_is_exact_on_every_prompt(setup):
     target = setup[0]
     head = DraftHead(DraftConfig.for_target(target.config, "jakiro", num_experts=8)).init_weights(seed=0).bind(target)
-    # A small tree: nothing is accepted, so each round verifies the whole tree for one token.
+    # A small tree: nothing is accepted, so each round verifies the whole tree for one token (the
+    # shipped heads' test covers every prompt; a third of them here).
     tree = TreeConfig(8, 3, 3)
-    generate_all(setup, head, "jakiro", range(30), tree)
+    generate_all(setup, head, "jakiro", range(10), tree)
     for method in ("eagle2", "jakiro_star"):
         generate_all(setup, head, method, range(5), tree)
 

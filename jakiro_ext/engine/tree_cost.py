@@ -109,6 +109,19 @@ def _interpolate(curve: Dict[str, float], x: float) -> float:
     return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
 
 
+def capped_by_larger(curve: Dict[str, float]) -> Dict[str, float]:
+    """A curve of seconds by size (str keys) with each size's seconds at most those of every
+    larger size: a forward over fewer tokens never costs more, so a size measured in a slow moment
+    (the machine drifts by a quarter within minutes) is capped by the next one. One such outlier
+    (5 tokens at 0.051 s between 4 and 6 at 0.039 and 0.040) made live rounds of that tree look
+    1.6x faster than the cached costs, which were then deleted as measured under load."""
+    sizes = sorted(curve, key=float)
+    capped = dict(curve)
+    for smaller, larger in reversed(list(zip(sizes, sizes[1:]))):
+        capped[smaller] = min(capped[smaller], capped[larger])
+    return capped
+
+
 def _median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
@@ -171,7 +184,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     pairs = [(_median_seconds(lambda: verify_once(1), 1), _median_seconds(lambda: verify_once(1, short), 1))
              for _ in range(max(repeats, 5))]
     context_slope = max(0.0, statistics.median(a - b for a, b in pairs) / (CONTEXT - SHORT_CONTEXT))
-    verify = {str(n): _median_seconds(lambda: verify_once(n), repeats) for n in SIZES if B * n <= MAX_VERIFY_ROWS}
+    verify = capped_by_larger({str(n): _median_seconds(lambda: verify_once(n), repeats)
+                               for n in SIZES if B * n <= MAX_VERIFY_ROWS})
     draft, catch_up = {}, {}
     roots = prompt[:1].expand(B)
     for k in WIDTHS:
@@ -181,6 +195,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing)
         catch_up[str(n)] = _median_seconds(
             lambda: widest.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats)
+    catch_up = capped_by_larger(catch_up)
     return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, context_slope=context_slope, batch=B)
 
 

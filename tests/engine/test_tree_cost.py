@@ -11,7 +11,7 @@ from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.loss import evaluate
-from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, choose_tree, expected_accepted, load_costs, measure_costs,
+from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, capped_by_larger, choose_tree, expected_accepted, load_costs, measure_costs,
                                          rate, round_seconds)
 from jakiro_ext.training.acceptance import acceptance_profile
 from helpers import copy_head, prompt, tiny_target
@@ -79,6 +79,12 @@ def test_the_choice_follows_the_costs_and_the_acceptance():
         synthetic_costs(0.001), good, "eagle2")[0].depth
 
 
+def test_a_size_measured_slow_is_capped_by_the_larger_ones():
+    curve = {"1": 0.032, "4": 0.039, "5": 0.051, "6": 0.040, "10": 0.046, "8": 0.045}
+    assert capped_by_larger(curve) == {"1": 0.032, "4": 0.039, "5": 0.040, "6": 0.040, "8": 0.045, "10": 0.046}
+    assert capped_by_larger({"1": 0.5, "2": 0.2, "3": 0.3}) == {"1": 0.2, "2": 0.2, "3": 0.3}
+
+
 def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     target = tiny_target()
     head = copy_head(target, "jakiro")
@@ -86,6 +92,8 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert set(costs["verify"]) == {str(n) for n in SIZES} and all(v > 0 for v in costs["verify"].values())
     assert len(costs["draft"]) == 6 * 8 and all(v > 0 for v in costs["catch_up"].values())
     assert costs["context"] == CONTEXT and costs["context_slope"] >= 0
+    by_size = [costs["verify"][str(n)] for n in SIZES]
+    assert by_size == sorted(by_size)  # (capped_by_larger)
     assert len(list(tmp_path.iterdir())) == 1
 
     def no_measuring(*args, **kwargs):

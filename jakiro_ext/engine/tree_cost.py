@@ -112,9 +112,9 @@ def _interpolate(curve: Dict[str, float], x: float) -> float:
 def capped_by_larger(curve: Dict[str, float]) -> Dict[str, float]:
     """A curve of seconds by size (str keys) with each size's seconds at most those of every
     larger size: a forward over fewer tokens never costs more, so a size measured in a slow moment
-    (the machine drifts by a quarter within minutes) is capped by the next one. One such outlier
-    (5 tokens at 0.051 s between 4 and 6 at 0.039 and 0.040) made live rounds of that tree look
-    1.6x faster than the cached costs, which were then deleted as measured under load."""
+    (the machine drifts by a quarter within minutes) is capped by the next one. Such an outlier
+    (seen: 5 tokens at 0.051 s between 4 and 6 at 0.039 and 0.040) makes live rounds of that tree
+    look up to 1.6x faster than the cached costs, which are then deleted as measured under load."""
     sizes = sorted(curve, key=float)
     capped = dict(curve)
     for smaller, larger in reversed(list(zip(sizes, sizes[1:]))):

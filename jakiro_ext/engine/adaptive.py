@@ -44,8 +44,8 @@ When a candidate's live seconds per round disagree with the cached costs by more
 :data:`COSTS_DISAGREE` (at the batch size they were measured for, the costs moved to the live
 context by their measured seconds per committed token: at 16 rows a 256-token context costs a
 fifth more than 66 tokens), the cost cache is deleted: the next chooser (a new head, or a new
-process) measures the costs again. Rounds of plain
-decoding leave the draft's catch-up for later: it runs over all their tokens in one draft
+process) measures the costs again. Rounds of plain decoding leave the draft's catch-up for
+later: it runs over all their tokens in one draft
 forward before the next drafting round, timed apart from it (:meth:`BatchState.defer_catch_up`), and
 a draft left behind by more than a window of tokens is rebuilt from the last ones; a prompt
 admitted while plain decoding is the best choice leaves its draft prefill to that round too.
@@ -427,7 +427,6 @@ class TreeChooser:
                 self.costs_disagree = True
                 if self.forget_costs is not None:
                     self.forget_costs()
-
 
     def expected_seconds_at(self, c: Candidate, context: Optional[float]) -> float:
         """The cost model's seconds of a round of ``c`` behind ``context`` committed tokens per

@@ -122,14 +122,15 @@ def capped_by_larger(curve: Dict[str, float]) -> Dict[str, float]:
     return capped
 
 
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def _median_seconds(fn, repeats: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_seconds(fn) for _ in range(repeats))
 
 
 def tree_depths(head, method: str) -> List[int]:
@@ -181,8 +182,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
 
     # The one-token forward behind both contexts in turn (the machine drifts by a quarter within
     # minutes: the difference of neighbours is what the context adds).
-    pairs = [(_median_seconds(lambda: verify_once(1), 1), _median_seconds(lambda: verify_once(1, short), 1))
-             for _ in range(max(repeats, 5))]
+    verify_once(1), verify_once(1, short)  # warm-up
+    pairs = [(_seconds(lambda: verify_once(1)), _seconds(lambda: verify_once(1, short))) for _ in range(max(repeats, 5))]
     context_slope = max(0.0, statistics.median(a - b for a, b in pairs) / (CONTEXT - SHORT_CONTEXT))
     verify = capped_by_larger({str(n): _median_seconds(lambda: verify_once(n), repeats)
                                for n in SIZES if B * n <= MAX_VERIFY_ROWS})

@@ -86,9 +86,12 @@ COSTS_DISAGREE = 1.6  # live / cached seconds of a round beyond this (or below i
 # beside two busy processes on two cores come out twice the idle ones or more; the 2-core Xeon drifts
 # by a quarter within minutes (live plain rounds at 0.75-0.93x of costs cached minutes before), too near
 # 1/1.4: a fast stretch crossed it and the chooser distrusted good costs
-MARGIN = 1.03  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
-# the rates are means of a few noisy rounds, and the candidate that looks best is the one whose noise
-# flattered it most; a tree within a few percent of plain decoding gains nothing worth that risk
+MARGIN = 1.10  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
+# the rates are means of a few noisy rounds (the candidate that looks best is the one whose noise flattered
+# it most), and a call pays for drafting what no round's rate shows: the draft's prefill, its catch-up
+# after plain rounds, the probes, a static batch waiting for its slowest row. On the 2-core Xeon a tree
+# 5-10% ahead per round at 4 rows ran at 0.94-0.95x plain decoding per call; with this margin (not 1.03)
+# 0.96-0.98x, and at 1 row with sampling 1.00x (0.99x), greedy 1 row unchanged (1.22x)
 KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
 # head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
 # or more, and each first call spent rounds finding that out again

@@ -374,8 +374,10 @@ def load_live(path: Path) -> Optional[dict]:
         switch = {str(k): float(r) for k, r in measured.get("switch", {}).items()}
         acceptance = {str(k): [float(r), float(t)] for k, (r, t) in measured.get("acceptance", {}).items()}
         plain = float(measured["plain_seconds"])
-        if not all(0 < r < math.inf for r, _ in [*checked.values(), *acceptance.values()]) or not 0 < plain < math.inf:
-            raise ValueError("a ratio, an acceptance or plain decoding's seconds not a positive finite number")
+        if not all(0 < r < math.inf for r, _ in checked.values()) or not 0 < plain < math.inf:
+            raise ValueError("a ratio or plain decoding's seconds not a positive finite number")
+        if not all(0 <= r < math.inf for r, _ in acceptance.values()):  # (0: no draft accepted, with sampling)
+            raise ValueError("an acceptance not a finite number >= 0")
         if not all(0 <= r < math.inf for r in switch.values()):
             raise ValueError("a switch cost not a finite number >= 0")
         if not set(acceptance) <= set(CALL_KINDS):

@@ -137,10 +137,17 @@ def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
                 json.dumps(dict(measured, ratios={"16,3,4": [-1.0, 0.0]})),
                 json.dumps(dict(measured, switch={"16,3,4": -1.0})),
                 json.dumps(dict(measured, acceptance={"beam search": [1.0, 0.0]})),
-                json.dumps(dict(measured, acceptance={"greedy": [0.0, 0.0]}))):
+                json.dumps(dict(measured, acceptance={"greedy": [-0.5, 0.0]}))):
         path.write_text(bad)
         assert tree_cost.load_live(path) is None
         assert "damaged" in capsys.readouterr().err
+    # Tree rounds that accepted no draft (sampling on a hard text) keep an acceptance of 0: the
+    # file is whole (it was found "damaged", and every ratio it kept was lost).
+    nothing = chooser()
+    run(nothing, 40, slow_big, tokens_of=lambda c: 1.0)
+    assert nothing.kept()["acceptance"]["greedy"][0] == 0.0 and nothing.kept()["ratios"]
+    tree_cost.keep_live(path, nothing.kept())
+    assert tree_cost.load_live(path) == nothing.kept() and "damaged" not in capsys.readouterr().err
     path.write_text(json.dumps(dict(measured, build="another build")))
     assert tree_cost.load_live(path) is None  # measured with other kernels: not this machine's rounds
     # An unwritable cache is a warning, never the call's failure.

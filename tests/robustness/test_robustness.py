@@ -322,8 +322,11 @@ def test_damaged_cost_cache_is_measured_again(tmp_path, monkeypatch, capsys):
 
 # ----------------------------------------------------------------------------- signals
 def start(args, env=ENV) -> subprocess.Popen:
+    # SIGINT restored to its default in the child: a suite started in the background of a shell
+    # (`pytest &`) inherits SIGINT ignored, and a Python started so never raises KeyboardInterrupt.
     return subprocess.Popen([sys.executable, "-m", "jakiro_ext", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, cwd="/", env=env)
+                            stderr=subprocess.PIPE, cwd="/", env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(proc: subprocess.Popen, stream: str, pattern: str, timeout: float = 300) -> str:

@@ -91,7 +91,7 @@ MARGIN = 1.10  # a tree runs instead of plain decoding when its live rate is at 
 # it most), and a call pays for drafting what no round's rate shows: the draft's prefill, its catch-up
 # after plain rounds, the probes, a static batch waiting for its slowest row. On the 2-core Xeon a tree
 # 5-10% ahead per round at 4 rows ran at 0.94-0.95x plain decoding per call; with this margin (not 1.03)
-# 0.96-0.98x, and at 1 row with sampling 1.00x (0.99x), greedy 1 row unchanged (1.22x)
+# 0.96-0.97x greedy, 0.98x sampling (was 0.94x), at 1 row sampling 1.00x (0.99x), greedy unchanged (1.22x)
 KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
 # head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
 # or more, and each first call spent rounds finding that out again

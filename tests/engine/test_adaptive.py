@@ -495,7 +495,7 @@ def test_a_new_call_keeps_the_machines_seconds_and_drops_the_texts_tokens():
     assert not small.tokens and small.probe_every == adaptive.PROBE_EVERY
     assert small.seconds == seconds and scale < chooser.acceptance_scale() < 1  # (the pool: a prior of a few rounds)
     # The next call's text: the tree is probed as soon as the probe budget allows (a switch cost
-    # 5 ms, 1% of ~40 rounds of 12 ms), not 128 rounds after the last probe.
+    # 5 ms, 1% of ~40 rounds of 12 ms), not MAX_PROBE_EVERY rounds after the last probe.
     ran = run(chooser, 2 * adaptive.PROBE_EVERY)
     assert SMALL in ran
 

@@ -148,6 +148,11 @@ def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
     assert nothing.kept()["acceptance"]["greedy"][0] == 0.0 and nothing.kept()["ratios"]
     tree_cost.keep_live(path, nothing.kept())
     assert tree_cost.load_live(path) == nothing.kept() and "damaged" not in capsys.readouterr().err
+    started = chooser()  # a chooser starting from it: the kept 0 as a prior of a few rounds
+    started.start_from(tree_cost.load_live(path))
+    started.new_call()
+    assert started.acceptance_scale() == pytest.approx(1 / 3)
+    run(started, 10)
     path.write_text(json.dumps(dict(measured, build="another build")))
     assert tree_cost.load_live(path) is None  # measured with other kernels: not this machine's rounds
     # An unwritable cache is a warning, never the call's failure.

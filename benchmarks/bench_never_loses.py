@@ -5,7 +5,8 @@ would find them:
 
 * ``fresh``: measured on the idle machine (deleted, then measured by the run's first call);
 * ``loaded``: measured while two other processes kept both cores busy (the cache a user gets
-  who first ran the engine during a build), then used on the idle machine.
+  who first ran the engine during a build), then used on the idle machine, and deleted after their
+  configuration (not left in the cache for the engine's next call).
 
 Four arms decode the same calls: plain decoding; ``live``: a new head for every call (its chooser
 starts from the cost file as measured and what the last choosers kept beside it, as a new process
@@ -152,6 +153,9 @@ def main():
                 write_csv(args.out, rows)  # after every configuration: a stopped run keeps what it measured
                 if args.trace:
                     write_csv(args.trace, trace)
+            if cache == "loaded":  # not left for the engine's next call (it would find them wrong and measure again)
+                path.unlink(missing_ok=True)
+                tree_cost.live_path(path).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -89,9 +89,8 @@ COSTS_DISAGREE = 1.6  # live / cached seconds of a round beyond this (or below i
 MARGIN = 1.10  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
 # the rates are means of a few noisy rounds (the candidate that looks best is the one whose noise flattered
 # it most), and a call pays for drafting what no round's rate shows: the draft's prefill, its catch-up
-# after plain rounds, the probes, a static batch waiting for its slowest row. On the 2-core Xeon a tree
-# 5-10% ahead per round at 4 rows ran at 0.94-0.95x plain decoding per call; with this margin (not 1.03)
-# 0.96-0.97x greedy, 0.98x sampling (was 0.94x), at 1 row sampling 1.00x (0.99x), greedy unchanged (1.22x)
+# after plain rounds, the probes, a static batch waiting for its slowest row (at 4 rows trees 5-10% ahead
+# per round ran 0.94-0.95x plain decoding per call with 1.03; docs/benchmarks.md, "never loses")
 KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
 # head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
 # or more, and each first call spent rounds finding that out again

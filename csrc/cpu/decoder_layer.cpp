@@ -228,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
         const auto [t0, t1] = share(B * Hkv * splits, role, roles);
         for (int64_t task = t0; task < t1; ++task) {
           const int64_t split = task % splits, kvh = (task / splits) % Hkv, b = task / (splits * Hkv);
-          attend_one_split(attention, q, keys, values, batch_stride, head_stride, b, kvh, split,
+          attend_one_split(attention, q, keys, values, batch_stride, head_stride, b, kvh, split, 0, T,
                            role_scratch[role].attention);
         }
       },

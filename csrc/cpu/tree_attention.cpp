@@ -13,6 +13,7 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <vector>
 
 #include "cpu/gemm.h"
@@ -89,28 +90,64 @@ void accumulate_pv_visible(const float* p, int64_t rows, int64_t n, const float*
   }
 }
 
+// One past the last tree position any of the mask rows [t0, t1) of sequence b sets (0: none).
+int64_t tree_keys_seen(const PartialArgs& a, int64_t b, int64_t t0, int64_t t1) {
+  const int64_t T = a.shape.tree_len, words = (T + 63) / 64;
+  int64_t end = 0;
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t* row = a.tree_mask + (b * T + t) * a.mask_stride;
+    for (int64_t w = words - 1; w >= 0 && 64 * (w + 1) > end; --w) {
+      uint64_t word = static_cast<uint64_t>(row[w]);
+      if (w == words - 1 && T % 64 != 0) word &= (uint64_t{1} << (T % 64)) - 1;  // bits past T: not keys
+      if (word != 0) {
+        end = std::max<int64_t>(end, 64 * w + 64 - __builtin_clzll(word));
+        break;
+      }
+    }
+  }
+  return end;
+}
+
+// Sets srow[j - j0] to -inf for the keys j in [first, end) (tree positions j - prefix) that the
+// mask row does not set, a 64-bit word at a time.
+inline void mask_scores(const int64_t* mask_row, int64_t prefix, int64_t first, int64_t end, int64_t j0,
+                        float* srow) {
+  for (int64_t j = first; j < end;) {
+    const int64_t bit = j - prefix, offset = bit & 63;
+    const int64_t span = std::min<int64_t>(64 - offset, end - j);
+    uint64_t hidden = ~(static_cast<uint64_t>(mask_row[bit >> 6]) >> offset);
+    if (span < 64) hidden &= (uint64_t{1} << span) - 1;
+    for (; hidden != 0; hidden &= hidden - 1) srow[j + __builtin_ctzll(hidden) - j0] = neg_inf();
+    j += span;
+  }
+}
+
 }  // namespace
 
 template <typename scalar_t>
 void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                       int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
-                      SplitScratch& s) {
+                      int64_t t0, int64_t t1, SplitScratch& s) {
   const auto& sh = a.shape;
-  const int64_t T = sh.tree_len, D = sh.head_dim, G = sh.group(), rows = G * T;
+  const int64_t T = sh.tree_len, D = sh.head_dim, G = sh.group(), tile = t1 - t0, rows = G * tile;
   const int64_t prefix = a.prefix_lens[b], kv_len = prefix + T;
   const int64_t chunk = a.split_len > 0 ? a.split_len : (kv_len + a.num_splits - 1) / a.num_splits;
-  const int64_t start = std::min(kv_len, split * chunk), stop = std::min(kv_len, start + chunk);
+  const int64_t start = std::min(kv_len, split * chunk);
+  int64_t stop = std::min(kv_len, start + chunk);
+  // A tile of a longer run reads no key after the last its rows see (the whole tree, the keys
+  // every row sees, reads them all: its results stay those of any tree of its length).
+  if (tile < T) stop = std::max(start, std::min(stop, prefix + tree_keys_seen(a, b, t0, t1)));
 
   auto out_row = [&](int64_t g, int64_t t) {
     const int64_t h = kvh * G + g;
-    return ((b * T + t) * sh.q_heads + h) * a.num_splits + split;
+    return ((b * T + t0 + t) * sh.q_heads + h) * a.num_splits + split;
   };
 
-  // Gather the query rows r = g * T + t (head kvh * G + g, tree token t), pre-scaled.
+  // Gather the query rows r = g * tile + t (head kvh * G + g, tree token t0 + t), pre-scaled.
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t t = 0; t < T; ++t) {
-      float* dst = s.q.data() + (g * T + t) * D;
-      to_float(q + ((b * T + t) * sh.q_heads + kvh * G + g) * D, dst, D);
+    for (int64_t t = 0; t < tile; ++t) {
+      float* dst = s.q.data() + (g * tile + t) * D;
+      to_float(q + ((b * T + t0 + t) * sh.q_heads + kvh * G + g) * D, dst, D);
       scale_in_place(dst, D, a.scale);
     }
   }
@@ -131,11 +168,8 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     if (j0 + n > prefix) {  // the block reaches into the tree: apply the ancestor mask
       const int64_t first = std::max(j0, prefix);
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t* mask_row = a.tree_mask + (b * T + r % T) * a.mask_stride;
-        float* srow = s.scores.data() + r * n;
-        for (int64_t j = first; j < j0 + n; ++j) {
-          if (!mask_bit(mask_row, j - prefix)) srow[j - j0] = neg_inf();
-        }
+        const int64_t* mask_row = a.tree_mask + (b * T + t0 + r % tile) * a.mask_stride;
+        mask_scores(mask_row, prefix, first, j0 + n, j0, s.scores.data() + r * n);
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -157,8 +191,8 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     const float* vb = float_rows(v_head, j0, n, D, s.v);
     const int64_t tree_col = std::max<int64_t>(0, prefix - j0);  // first tree key of the block
     if (tree_col < n && !all_finite(vb + tree_col * D, (n - tree_col) * D)) {
-      accumulate_pv_visible(s.scores.data(), rows, n, vb, D, s.acc.data(), a.tree_mask + b * T * a.mask_stride,
-                            a.mask_stride, T, j0, prefix);
+      accumulate_pv_visible(s.scores.data(), rows, n, vb, D, s.acc.data(),
+                            a.tree_mask + (b * T + t0) * a.mask_stride, a.mask_stride, tile, j0, prefix);
     } else if (streaming) {
       accumulate_pv_streaming(s.scores.data(), rows, n, vb, D, s.acc.data());
     } else {
@@ -167,8 +201,8 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   }
 
   for (int64_t g = 0; g < G; ++g) {
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t r = g * T + t, o = out_row(g, t);
+    for (int64_t t = 0; t < tile; ++t) {
+      const int64_t r = g * tile + t, o = out_row(g, t);
       const OnlineSoftmax& st = s.state[r];
       float* dst = a.out_partial + o * D;
       from_float(s.acc.data() + r * D, dst, D);
@@ -179,10 +213,10 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
 }
 
 template void attend_one_split<float>(const PartialArgs&, const float*, const float*, const float*, int64_t, int64_t,
-                                      int64_t, int64_t, int64_t, SplitScratch&);
+                                      int64_t, int64_t, int64_t, int64_t, int64_t, SplitScratch&);
 template void attend_one_split<c10::BFloat16>(const PartialArgs&, const c10::BFloat16*, const c10::BFloat16*,
                                               const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                              SplitScratch&);
+                                              int64_t, int64_t, SplitScratch&);
 
 namespace {
 
@@ -209,18 +243,25 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
                    mask.size(2),
                    out_partial.data_ptr<float>(),
                    lse_partial.data_ptr<float>()};
-  const int64_t tasks = sh.batch * sh.kv_heads * num_splits;
+  // A longer run (a prompt's chunk) goes in tiles of tokens; the last tiles first (in a causal
+  // chunk they see the most keys), each worker taking the next task when it is done with one.
+  const int64_t tile = sh.tree_len > kFixedSplitTreeLen ? kTileTokens : std::max<int64_t>(1, sh.tree_len);
+  const int64_t tiles = (sh.tree_len + tile - 1) / tile, per_tile = sh.batch * sh.kv_heads * num_splits;
+  const int64_t tasks = per_tile * tiles;
+  std::atomic<int64_t> next{0};
   JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_cpu", [&] {
     const auto* qp = qc.data_ptr<scalar_t>();
     const auto* kp = k_cache.data_ptr<scalar_t>();
     const auto* vp = v_cache.data_ptr<scalar_t>();
-    at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
       c10::InferenceMode worker_guard;  // for the GEMMs on scratch buffers; outputs are allocated outside
-      SplitScratch scratch(sh.group() * sh.tree_len, sh.head_dim, !std::is_same_v<scalar_t, float>);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t split = task % num_splits, kvh = (task / num_splits) % sh.kv_heads;
-        const int64_t b = task / (num_splits * sh.kv_heads);
-        attend_one_split(args, qp, kp, vp, k_cache.stride(0), k_cache.stride(1), b, kvh, split, scratch);
+      SplitScratch scratch(sh.group() * std::min(tile, sh.tree_len), sh.head_dim, !std::is_same_v<scalar_t, float>);
+      for (int64_t task = next++; task < tasks; task = next++) {
+        const int64_t t0 = (tiles - 1 - task / per_tile) * tile, rest = task % per_tile;
+        const int64_t split = rest % num_splits, kvh = (rest / num_splits) % sh.kv_heads;
+        const int64_t b = rest / (num_splits * sh.kv_heads);
+        attend_one_split(args, qp, kp, vp, k_cache.stride(0), k_cache.stride(1), b, kvh, split, t0,
+                         std::min(sh.tree_len, t0 + tile), scratch);
       }
     });
   });
@@ -245,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const
       split_len = kMinSplitLen;
       splits = fixed_splits(max_kv);
     } else {
-      splits = default_num_splits(sh.batch, sh.kv_heads, max_kv, at::get_num_threads(), kMinSplitLen);
+      splits = 1;  // the tiles spread the work (partial_attention)
     }
   }
   auto [out_partial, lse_partial] =

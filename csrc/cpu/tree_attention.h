@@ -18,8 +18,11 @@ constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this man
 // Up to this many tree tokens per sequence (decoding, draft trees), the automatic splits are
 // kMinSplitLen keys each, counted from each sequence's first key: a sequence's result depends
 // on its own length only, never on the batch it shares a call with. Longer runs (a prompt's
-// prefill) split evenly, a few splits per worker, to bound the partial buffers.
+// chunk) are one split of all keys, in tiles of kTileTokens tokens: a tile reads the keys up to
+// the last one its rows see (a causal chunk: about half of the chunk's own), and the tiles, not
+// the keys, spread the work over the workers.
 constexpr int64_t kFixedSplitTreeLen = 64;
+constexpr int64_t kTileTokens = 64;
 
 // Splits of kMinSplitLen keys over the longest sequence's max_kv keys (trees of at most
 // kFixedSplitTreeLen tokens).
@@ -56,10 +59,12 @@ struct PartialArgs {
 };
 
 // One task: sequence b, KV head kvh, split `split` of its keys, for the G query heads sharing the
-// KV head and the T tree tokens; writes their rows of a.out_partial and a.lse_partial.
+// KV head and the tree tokens [t0, t1) (all T of them, or a prompt chunk's tile: then only the keys
+// up to the last one the tile's mask rows set are read); writes their rows of a.out_partial and
+// a.lse_partial.
 template <typename scalar_t>
 void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                       int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
-                      SplitScratch& s);
+                      int64_t t0, int64_t t1, SplitScratch& s);
 
 }  // namespace jakiro::cpu

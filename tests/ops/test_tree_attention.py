@@ -246,3 +246,34 @@ def test_a_sequences_attention_does_not_depend_on_its_batch():
             torch.testing.assert_close(out, reference.tree_attention(q, k, v, lens, mask)[0], rtol=1e-4, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_run_goes_in_tiles_that_read_only_the_keys_they_see(dtype):
+    # Beyond 64 tokens (a prompt's chunk) the tokens go in tiles, each reading the keys up to the
+    # last one its mask rows set: a causal chunk after a prefix; tiles whose rows see no tree
+    # key at all (the prefix only; with no prefix: nothing, zeros and lse -inf); a row of the
+    # first tile seeing the last token; mask bits past the tree and extra mask words ignored.
+    B, T, Hq, Hkv, D = 3, 150, 6, 2, 32
+    q = randn(B, T, Hq, D, seed=71, dtype=dtype)
+    k, v = randn(B, Hkv, 400, D, seed=72, dtype=dtype), randn(B, Hkv, 400, D, seed=73, dtype=dtype)
+    bits = torch.ones(T, T).tril().bool().expand(B, T, T).clone()
+    bits[1, 64:128] = False  # a whole tile sees only the prefix
+    bits[2, 128:] = False    # the last tile sees nothing (no prefix)
+    bits[0, 3, T - 1] = True  # the first tile reaches the last token
+    lens = torch.tensor([200, 37, 0])
+    mask = ops.pack_bits(bits)
+    garbage = mask.clone()
+    garbage[..., -1] |= -(1 << (T % 64))  # the last word's bits past the tree set
+    garbage = torch.cat([garbage, torch.full_like(garbage[..., :1], -1)], 2)  # and an extra word of ones
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+    for m in (mask, garbage):
+        out, lse = ops.tree_attention(q, k, v, lens, m)
+        torch.testing.assert_close(out, ref_out, **TOL[dtype])
+        torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
+    assert torch.all(out[2, 128:] == 0) and torch.all(lse[2, 128:] == -math.inf)
+    for splits in (1, 4):
+        out, lse = ops.tree_attention_partial(q, k, v, lens, garbage, num_splits=splits)
+        merged, merged_lse = ops.merge_attention_states(out, lse, dtype)
+        torch.testing.assert_close(merged, ref_out, **TOL[dtype])
+        torch.testing.assert_close(merged_lse, ref_lse, **TOL[dtype])

@@ -4,6 +4,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "cpu/kernels.h"
 #include "cpu/skinny_avx512.h"
 #include "op_schemas.h"
 
@@ -19,12 +20,15 @@ namespace {
 
 PyObject* cpu_avx512(PyObject*, PyObject*) { return PyBool_FromLong(jakiro::cpu::avx512_enabled()); }
 PyObject* cpu_bf16_dot(PyObject*, PyObject*) { return PyBool_FromLong(jakiro::cpu::bf16_dot_enabled()); }
+PyObject* cpu_onednn(PyObject*, PyObject*) { return PyBool_FromLong(jakiro::cpu::onednn_linear_enabled()); }
 
 PyMethodDef methods[] = {
     {"cpu_avx512", cpu_avx512, METH_NOARGS,
      "Whether float32 products on the CPU run on 512-bit vectors (AVX-512; off with JAKIRO_CPU_AVX512=0)."},
     {"cpu_bf16_dot", cpu_bf16_dot, METH_NOARGS,
      "Whether bf16 products on the CPU use native bf16 dot instructions (AVX512-BF16; off with JAKIRO_CPU_BF16_DOT=0)."},
+    {"cpu_onednn", cpu_onednn, METH_NOARGS,
+     "Whether a prompt's float32 products on the CPU go to torch's oneDNN (off with JAKIRO_CPU_ONEDNN=0)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

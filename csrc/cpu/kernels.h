@@ -10,6 +10,8 @@
 namespace jakiro::cpu {
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// Whether many float32 rows (a prompt) go to torch's oneDNN linear rather than ATen's (MKL).
+bool onednn_linear_enabled();
 std::tuple<at::Tensor, at::Tensor> rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps,
                                                 const std::optional<at::Tensor>& residual);
 at::Tensor rope_kv_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,

@@ -68,6 +68,13 @@ def cpu_bf16_dot() -> bool:
     return bool(_C.cpu_bf16_dot()) if LOAD_ERROR is None else False
 
 
+def cpu_onednn() -> bool:
+    """Whether a prompt's float32 products on the CPU (``linear`` beyond 64 rows of one sequence)
+    go to torch's oneDNN (``mkldnn::_linear_pointwise``, where torch has it; ``JAKIRO_CPU_ONEDNN=0``
+    turns it off) rather than ATen's linear (MKL)."""
+    return bool(_C.cpu_onednn()) if LOAD_ERROR is None else False
+
+
 BACKENDS = ("native", "simt32", "simt64")
 _emulated = contextvars.ContextVar("jakiro_emulated_backend", default=None)  # (name, op namespace)
 

@@ -54,13 +54,21 @@ def test_linear_short_sequences_do_not_depend_on_their_batch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_many_rows_go_to_blas_where_it_wins(dtype):
-    """Beyond 64 rows of one sequence (a prompt), float32 is torch's BLAS product, bit for bit; bf16
-    too where the CPU multiplies bf16 natively (AMX / AVX512-BF16), else the weight is streamed 64
-    rows at a time (each chunk what it gives alone)."""
+    """Beyond 64 rows of one sequence (a prompt), float32 is oneDNN's product where torch has it
+    (bit for bit mkldnn::_linear_pointwise's; ATen's linear with JAKIRO_CPU_ONEDNN=0:
+    test_linear_cpu_kernel_choice_and_its_fallbacks), else torch's BLAS product; bf16 is torch's
+    where the CPU multiplies bf16 natively (AMX / AVX512-BF16), else the weight is streamed 64 rows
+    at a time (each chunk what it gives alone)."""
     x = randn(150, 96, seed=33, dtype=dtype)
     w = randn(70, 96, seed=34, dtype=dtype, scale=96**-0.5)
+    b = randn(70, seed=35, dtype=dtype)
     got = ops.linear(x, w)
-    if dtype == torch.float32 or ops.cpu_bf16_dot():
+    if dtype == torch.float32 and ops.cpu_onednn():
+        assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+        assert torch.equal(ops.linear(x, w, b), torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], ""))
+        assert torch.equal(ops.linear(x.view(2, 75, 96), w), got.view(2, 75, 70))
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w), **TOL[dtype])
+    elif dtype == torch.float32 or ops.cpu_bf16_dot():
         assert torch.equal(got, torch.nn.functional.linear(x, w))
     else:
         assert torch.equal(got, torch.cat([ops.linear(x[i: i + 64], w) for i in range(0, 150, 64)]))
@@ -108,12 +116,16 @@ tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
 torch.testing.assert_close(full, reference.linear(x, w), atol=tol, rtol=tol)
 for rows in (1, 3, 6, 7, 8, 9, 25, 64):  # every tile shape's edges, one stream and register tiles
     assert torch.equal(ops.linear(x[:rows], w), full[:rows]), rows
-print(ops.cpu_avx512(), ops.cpu_bf16_dot())
+prompt = torch.randn(150, 333, generator=g).to(dtype)  # a prompt's rows: oneDNN, else torch's BLAS
+if dtype == torch.float32 and not ops.cpu_onednn():
+    assert torch.equal(ops.linear(prompt, w), torch.nn.functional.linear(prompt, w))
+torch.testing.assert_close(ops.linear(prompt, w), reference.linear(prompt, w), atol=tol, rtol=tol)
+print(ops.cpu_avx512(), ops.cpu_bf16_dot(), ops.cpu_onednn())
 """
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("setting", ["detected", "JAKIRO_CPU_AVX512=0", "JAKIRO_CPU_BF16_DOT=0"])
+@pytest.mark.parametrize("setting", ["detected", "JAKIRO_CPU_AVX512=0", "JAKIRO_CPU_BF16_DOT=0", "JAKIRO_CPU_ONEDNN=0"])
 def test_linear_cpu_kernel_choice_and_its_fallbacks(setting, dtype, tmp_path):
     # float32 products run on 512-bit vectors and bf16 x bf16 on AVX512-BF16 dot products where the
     # CPU has them (chosen at run time), else on the 256-bit kernels (bf16 widened to float32); the
@@ -122,7 +134,7 @@ def test_linear_cpu_kernel_choice_and_its_fallbacks(setting, dtype, tmp_path):
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("JAKIRO_CPU_AVX512", "JAKIRO_CPU_BF16_DOT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("JAKIRO_CPU_AVX512", "JAKIRO_CPU_BF16_DOT", "JAKIRO_CPU_ONEDNN")}
     if setting != "detected":
         name, value = setting.split("=")
         env[name] = value
@@ -132,4 +144,5 @@ def test_linear_cpu_kernel_choice_and_its_fallbacks(setting, dtype, tmp_path):
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     avx512 = setting != "JAKIRO_CPU_AVX512=0" and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
     bf16_dot = avx512 and setting != "JAKIRO_CPU_BF16_DOT=0" and "avx512_bf16" in flags
-    assert out.stdout.split()[-2:] == [str(avx512), str(bf16_dot)]
+    onednn = setting != "JAKIRO_CPU_ONEDNN=0" and torch.backends.mkldnn.is_available()
+    assert out.stdout.split()[-3:] == [str(avx512), str(bf16_dot), str(onednn)]

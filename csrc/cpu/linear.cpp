@@ -76,7 +76,8 @@ std::optional<c10::OperatorHandle> onednn_linear() {
 at::Tensor many_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   const auto op = onednn_linear();
   if (!op.has_value() || x.scalar_type() != at::kFloat) return at::linear(x, weight, bias);
-  torch::jit::Stack stack{x.contiguous(), weight.contiguous(), bias, std::string("none"),
+  const std::optional<at::Tensor> b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
+  torch::jit::Stack stack{x.contiguous(), weight.contiguous(), b, std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), std::optional<std::string>(std::string(""))};
   op->callBoxed(&stack);
   return stack.back().toTensor();
@@ -102,7 +103,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   const bool is_float = x.scalar_type() == at::kFloat;
   const bool blas = is_float || bf16_dot_enabled();
   const bool short_sequences = x.dim() >= 3 && x.size(-2) <= kLinearStreamRows;
-  if (M == 0) return at::linear(x, weight, bias);
+  if (M == 0 || K == 0) return at::linear(x, weight, bias);
   if (blas && M > kLinearStreamRows && !short_sequences) {
     return many_rows_linear(x2, weight, bias).view(out_shape);
   }

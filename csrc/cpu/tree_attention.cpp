@@ -285,8 +285,9 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const
     if (sh.tree_len <= kFixedSplitTreeLen) {
       split_len = kMinSplitLen;
       splits = fixed_splits(max_kv);
-    } else {
-      splits = 1;  // the tiles spread the work (partial_attention)
+    } else {  // tiles of a longer run spread the work (partial_attention); splits only where they are too few
+      const int64_t tiles = (sh.tree_len + kTileTokens - 1) / kTileTokens;
+      splits = default_num_splits(sh.batch * tiles, sh.kv_heads, max_kv, at::get_num_threads(), kMinSplitLen);
     }
   }
   auto [out_partial, lse_partial] =

@@ -18,9 +18,9 @@ constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this man
 // Up to this many tree tokens per sequence (decoding, draft trees), the automatic splits are
 // kMinSplitLen keys each, counted from each sequence's first key: a sequence's result depends
 // on its own length only, never on the batch it shares a call with. Longer runs (a prompt's
-// chunk) are one split of all keys, in tiles of kTileTokens tokens: a tile reads the keys up to
-// the last one its rows see (a causal chunk: about half of the chunk's own), and the tiles, not
-// the keys, spread the work over the workers.
+// chunk) go in tiles of kTileTokens tokens: a tile reads the keys up to the last one its rows see
+// (a causal chunk: about half of the chunk's own), and the tiles spread the work over the
+// workers (the keys are split too only where the tiles are too few tasks for them).
 constexpr int64_t kFixedSplitTreeLen = 64;
 constexpr int64_t kTileTokens = 64;
 

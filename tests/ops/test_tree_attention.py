@@ -256,12 +256,12 @@ def test_a_long_run_goes_in_tiles_that_read_only_the_keys_they_see(dtype):
     # first tile seeing the last token; mask bits past the tree and extra mask words ignored.
     B, T, Hq, Hkv, D = 3, 150, 6, 2, 32
     q = randn(B, T, Hq, D, seed=71, dtype=dtype)
-    k, v = randn(B, Hkv, 400, D, seed=72, dtype=dtype), randn(B, Hkv, 400, D, seed=73, dtype=dtype)
+    k, v = randn(B, Hkv, 800, D, seed=72, dtype=dtype), randn(B, Hkv, 800, D, seed=73, dtype=dtype)
     bits = torch.ones(T, T).tril().bool().expand(B, T, T).clone()
     bits[1, 64:128] = False  # a whole tile sees only the prefix
     bits[2, 128:] = False    # the last tile sees nothing (no prefix)
     bits[0, 3, T - 1] = True  # the first tile reaches the last token
-    lens = torch.tensor([200, 37, 0])
+    lens = torch.tensor([600, 37, 0])  # 750 keys: the tiles cross a block of 512 keys
     mask = ops.pack_bits(bits)
     garbage = mask.clone()
     garbage[..., -1] |= -(1 << (T % 64))  # the last word's bits past the tree set

@@ -16,8 +16,6 @@
 #include <torch/library.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <functional>
 #include <thread>
@@ -89,10 +87,7 @@ inline std::pair<int64_t, int64_t> share(int64_t n, int64_t role, int64_t roles)
 }
 
 bool fused_layer_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("JAKIRO_CPU_FUSED_LAYER");
-    return env == nullptr || std::strcmp(env, "0") != 0;
-  }();
+  static const bool enabled = !env_disabled("JAKIRO_CPU_FUSED_LAYER");
   return enabled;
 }
 

@@ -11,8 +11,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -65,8 +63,7 @@ namespace {
 // ran 1.1-1.6x MKL's sgemm (2-core AMD EPYC, Zen 4: 167-212 against 128-184 GFLOP/s).
 std::optional<c10::OperatorHandle> onednn_linear() {
   static const std::optional<c10::OperatorHandle> op = []() -> std::optional<c10::OperatorHandle> {
-    const char* env = std::getenv("JAKIRO_CPU_ONEDNN");
-    if ((env != nullptr && std::strcmp(env, "0") == 0) || !at::hasMKLDNN()) return std::nullopt;
+    if (env_disabled("JAKIRO_CPU_ONEDNN") || !at::hasMKLDNN()) return std::nullopt;
     return c10::Dispatcher::singleton().findSchema({"mkldnn::_linear_pointwise", ""});
   }();
   return op;

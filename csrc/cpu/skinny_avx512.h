@@ -26,6 +26,9 @@ namespace jakiro::cpu {
 constexpr int kAvx512Rows = 4;
 constexpr int kAvx512Cols = 6;
 
+// Is the environment variable `name` set to 0 (a CPU kernel choice turned off)?
+bool env_disabled(const char* name);
+
 // Does this CPU run the 512-bit float32 kernel, and is it enabled (JAKIRO_CPU_AVX512 != 0)?
 bool avx512_enabled();
 

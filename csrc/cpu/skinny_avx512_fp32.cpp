@@ -62,12 +62,13 @@ void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const c10::BF
 #endif
 
 namespace jakiro::cpu {
-namespace {
 
 bool env_disabled(const char* name) {
   const char* env = std::getenv(name);
   return env != nullptr && std::strcmp(env, "0") == 0;
 }
+
+namespace {
 
 bool cpu_supports_avx512() {
 #ifdef JAKIRO_HAVE_AVX512_KERNELS

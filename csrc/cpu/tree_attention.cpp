@@ -245,7 +245,7 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
                    lse_partial.data_ptr<float>()};
   // A longer run (a prompt's chunk) goes in tiles of tokens; the last tiles first (in a causal
   // chunk they see the most keys), each worker taking the next task when it is done with one.
-  const int64_t tile = sh.tree_len > kFixedSplitTreeLen ? kTileTokens : std::max<int64_t>(1, sh.tree_len);
+  const int64_t tile = tile_tokens(sh.tree_len);
   const int64_t tiles = (sh.tree_len + tile - 1) / tile, per_tile = sh.batch * sh.kv_heads * num_splits;
   const int64_t tasks = per_tile * tiles;
   std::atomic<int64_t> next{0};
@@ -286,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const
       split_len = kMinSplitLen;
       splits = fixed_splits(max_kv);
     } else {  // tiles of a longer run spread the work (partial_attention); splits only where they are too few
-      const int64_t tiles = (sh.tree_len + kTileTokens - 1) / kTileTokens;
+      const int64_t tile = tile_tokens(sh.tree_len), tiles = (sh.tree_len + tile - 1) / tile;
       splits = default_num_splits(sh.batch * tiles, sh.kv_heads, max_kv, at::get_num_threads(), kMinSplitLen);
     }
   }

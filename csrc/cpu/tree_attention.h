@@ -24,6 +24,11 @@ constexpr int64_t kMinSplitLen = 512;  // automatic splits are at least this man
 constexpr int64_t kFixedSplitTreeLen = 64;
 constexpr int64_t kTileTokens = 64;
 
+// The tokens of a tile of a run of tree_len tokens (all of them up to kFixedSplitTreeLen).
+inline int64_t tile_tokens(int64_t tree_len) {
+  return tree_len > kFixedSplitTreeLen ? kTileTokens : std::max<int64_t>(1, tree_len);
+}
+
 // Splits of kMinSplitLen keys over the longest sequence's max_kv keys (trees of at most
 // kFixedSplitTreeLen tokens).
 inline int64_t fixed_splits(int64_t max_kv) { return std::max<int64_t>(1, (max_kv + kMinSplitLen - 1) / kMinSplitLen); }

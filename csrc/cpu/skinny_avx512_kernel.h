@@ -20,8 +20,9 @@ inline float reduce_lanes(__m512 v) {
 }
 
 // Rows [0, NR) of W against rows [0, MR) of X: one accumulator per output over k, then its
-// reduction, so every Y[m, j] takes the same path whatever the tile.
-template <typename Step, int NR, int MR>
+// reduction, so every Y[m, j] takes the same path whatever the tile. The weight is asked for
+// Ahead bytes ahead of what the tile reads (skinny_detail::prefetch_weight).
+template <typename Step, int NR, int MR, int64_t Ahead = skinny_detail::kPrefetchBytes>
 inline void tile(const typename Step::TX* X, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K, float* Y,
                  int64_t ldy) {
   __m512 acc[NR][MR];
@@ -31,7 +32,7 @@ inline void tile(const typename Step::TX* X, int64_t ldx, const typename Step::T
   for (; k + Step::kElems <= K; k += Step::kElems) {
     typename Step::RegW w[NR];
     for (int r = 0; r < NR; ++r) w[r] = Step::load_w(W + r * ldw + k);
-    for (int r = 0; r < NR; ++r) skinny_detail::prefetch_weight(W + r * ldw + k);
+    for (int r = 0; r < NR; ++r) skinny_detail::prefetch_weight<Ahead>(W + r * ldw + k);
     for (int m = 0; m < MR; ++m) {
       const auto x = Step::load_x(X + m * ldx + k);
       for (int r = 0; r < NR; ++r) acc[r][m] = Step::acc(acc[r][m], x, w[r]);
@@ -61,11 +62,24 @@ inline void with_static(int64_t n, F&& f) {
   }
 }
 
+// What one X row (a decoding step) asks for ahead of a W row it reads.
+constexpr int64_t kOneRowPrefetchBytes = 2048;
+
 // Y[:M, j0:j1) in tiles of NR W rows x up to MR X rows, the X rows innermost so that the NR W
-// rows are read from memory once.
+// rows are read from memory once. One X row reads W a row after the other instead: one
+// sequential stream, which the hardware prefetcher follows (measured on an AMD EPYC, Zen 4: a
+// decoding step of the default model 13% faster in bf16 and 7-9% in float32 than with the 4-row
+// tiles, whose four interleaved streams it follows less well; a prefetch 2 KB ahead neither
+// helped nor hurt there, 8 KB hurt). From two rows on the tiles are faster (a tree's
+// verification, a batch). The path of each Y[m, j] is the tile's, so the result is the same.
 template <typename Step, int NR, int MR>
 void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K,
             int64_t j0, int64_t j1, float* Y, int64_t ldy) {
+  if (M == 1) {
+    for (int64_t j = j0; j < j1; ++j)
+      tile<Step, 1, 1, kOneRowPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
+    return;
+  }
   for (int64_t j = j0; j < j1; j += NR) {
     with_static<NR>(std::min<int64_t>(NR, j1 - j), [&](auto nr) {
       for (int64_t m = 0; m < M; m += MR) {

@@ -45,9 +45,9 @@ constexpr int kTile = 4;
 // that is the same rows further on or the next tiles' rows. (Measured on the Intel Xeon, fp32,
 // the default model's weights: 8 KB ahead into L2 beat 2, 4, 16 and 32 KB, and L1 or L3.)
 constexpr int64_t kPrefetchBytes = 8192;
-template <typename T>
+template <int64_t Ahead = kPrefetchBytes, typename T>
 inline void prefetch_weight(const T* p) {
-  __builtin_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, 0, 2);
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + Ahead, 0, 2);
 }
 
 // Vec::size() consecutive weights as floats (bf16 widening is exact).

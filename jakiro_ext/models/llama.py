@@ -161,11 +161,21 @@ class Block(nn.Module):
         """The residual stream is residual + delta (delta: the last sublayer's output, added here,
         fused with the norm; residual None before the first layer). Returns the new pair; the
         layer's keys and values go into ``cache`` after each sequence's committed prefix."""
-        a = self.self_attn
-        return ops.decoder_layer(delta, residual, self.input_layernorm.weight, a.qkv_proj.weight, a.qkv_proj.bias,
-                                 a.o_proj.weight, self.post_attention_layernorm.weight, self.gate_up_proj.weight,
-                                 self.down_proj.weight, cos, sin, cache.kv[self.layer], cache.lengths, tree_mask,
-                                 self.eps)
+        return self.run(residual, delta, cos, sin, cache.kv[self.layer], cache.lengths, tree_mask)
+
+    def run(self, residual, delta, cos, sin, layer_kv, lengths, tree_mask):
+        """:meth:`forward` with this layer's slice of the cache given, and the weights read from
+        the modules' dicts: ``module.attr`` of a submodule or parameter raises and catches an
+        AttributeError inside nn.Module before finding it (about a microsecond each, fourteen a
+        layer: 0.4 ms of a decoding step at the default model's 30 layers)."""
+        mods = self._modules
+        attn = mods["self_attn"]._modules
+        qkv = attn["qkv_proj"]._parameters
+        return ops.decoder_layer(delta, residual, mods["input_layernorm"]._parameters["weight"], qkv["weight"],
+                                 qkv["bias"], attn["o_proj"]._parameters["weight"],
+                                 mods["post_attention_layernorm"]._parameters["weight"],
+                                 mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"],
+                                 cos, sin, layer_kv, lengths, tree_mask, self.eps)
 
 
 # A prompt (a chain of tokens) longer than this runs as chunks of this many tokens
@@ -240,10 +250,10 @@ class LlamaModel(nn.Module):
         cos, sin = self._rope(cache.lengths.unsqueeze(1) + depths, cache.capacity)
         residual, delta = None, self.embed_tokens(tokens)
         streams = []
-        for i, layer in enumerate(self.layers):
+        for i, (layer, layer_kv) in enumerate(zip(self.layers, cache.kv.unbind(0))):
             if feature_layers is not None and i in feature_layers:
                 streams.append((i, delta if residual is None else residual + delta))
-            residual, delta = layer(residual, delta, cos, sin, cache, tree_mask)
+            residual, delta = layer.run(residual, delta, cos, sin, layer_kv, cache.lengths, tree_mask)
         normed, _ = self.norm.add_and_norm(delta, residual)
         if feature_layers is None:
             return normed, normed

@@ -32,6 +32,11 @@ constexpr int kAvx512Cols = 6;
 constexpr int kAmdFp32Rows = 2;
 constexpr int kAmdFp32Cols = 8;
 
+// Is this CPU AMD's? There the skinny products take the shapes measured on an AMD EPYC (one X row
+// as one weight stream, kAmdFp32Rows x kAmdFp32Cols float32 tiles); elsewhere those measured on
+// an Intel Xeon, whose 4-row tiles already read a decoding step at its read floor.
+bool amd_cpu();
+
 // Is the environment variable `name` set to 0 (a CPU kernel choice turned off)?
 bool env_disabled(const char* name);
 

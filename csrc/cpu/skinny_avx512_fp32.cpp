@@ -49,16 +49,15 @@ struct Bf16WidenStep : Fp32Step {
 
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K,
                            int64_t j0, int64_t j1, float* Y, int64_t ldy) {
-  static const bool amd = __builtin_cpu_is("amd");
-  if (amd)
-    avx512::skinny<avx512::Fp32Step, kAmdFp32Rows, kAmdFp32Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
+  if (amd_cpu())
+    avx512::skinny<avx512::Fp32Step, kAmdFp32Rows, kAmdFp32Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy, true);
   else
-    avx512::skinny<avx512::Fp32Step, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
+    avx512::skinny<avx512::Fp32Step, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy, false);
 }
 
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw, int64_t K,
                            int64_t j0, int64_t j1, float* Y, int64_t ldy) {
-  avx512::skinny<avx512::Bf16WidenStep, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy);
+  avx512::skinny<avx512::Bf16WidenStep, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy, amd_cpu());
 }
 
 }  // namespace jakiro::cpu
@@ -85,6 +84,15 @@ bool cpu_supports_avx512() {
 }
 
 }  // namespace
+
+bool amd_cpu() {
+#ifdef JAKIRO_HAVE_AVX512_KERNELS
+  static const bool amd = (__builtin_cpu_init(), __builtin_cpu_is("amd"));
+  return amd;
+#else
+  return false;
+#endif
+}
 
 bool avx512_enabled() {
   static const bool enabled = !env_disabled("JAKIRO_CPU_AVX512") && cpu_supports_avx512();

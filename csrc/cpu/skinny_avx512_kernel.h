@@ -66,16 +66,16 @@ inline void with_static(int64_t n, F&& f) {
 constexpr int64_t kOneRowPrefetchBytes = 2048;
 
 // Y[:M, j0:j1) in tiles of NR W rows x up to MR X rows, the X rows innermost so that the NR W
-// rows are read from memory once. One X row reads W a row after the other instead: one
-// sequential stream, which the hardware prefetcher follows (measured on an AMD EPYC, Zen 4: a
-// decoding step of the default model 13% faster in bf16 and 7-9% in float32 than with the 4-row
-// tiles, whose four interleaved streams it follows less well; a prefetch 2 KB ahead neither
-// helped nor hurt there, 8 KB hurt). From two rows on the tiles are faster (a tree's
-// verification, a batch). The path of each Y[m, j] is the tile's, so the result is the same.
+// rows are read from memory once. With one_row_stream one X row reads W a row after the other
+// instead: one sequential stream, which the hardware prefetcher follows (measured on an AMD
+// EPYC, Zen 4: a decoding step of the default model 13% faster in bf16 and 7-9% in float32 than
+// with the 4-row tiles, whose four interleaved streams it follows less well; a prefetch 2 KB
+// ahead neither helped nor hurt there, 8 KB hurt). From two rows on the tiles are faster (a
+// tree's verification, a batch). The path of each Y[m, j] is the tile's, so the result is the same.
 template <typename Step, int NR, int MR>
 void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K,
-            int64_t j0, int64_t j1, float* Y, int64_t ldy) {
-  if (M == 1) {
+            int64_t j0, int64_t j1, float* Y, int64_t ldy, bool one_row_stream) {
+  if (M == 1 && one_row_stream) {
     for (int64_t j = j0; j < j1; ++j)
       tile<Step, 1, 1, kOneRowPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
     return;

@@ -34,7 +34,8 @@ constexpr int kAmdFp32Cols = 8;
 
 // Is this CPU AMD's? There the skinny products take the shapes measured on an AMD EPYC (one X row
 // as one weight stream, kAmdFp32Rows x kAmdFp32Cols float32 tiles); elsewhere those measured on
-// an Intel Xeon, whose 4-row tiles already read a decoding step at its read floor.
+// an Intel Xeon (4-row tiles, which read a decoding step near its read floor, and the next tile
+// asked for over the passes of many rows: avx512::WeightStream).
 bool amd_cpu();
 
 // Is the environment variable `name` set to 0 (a CPU kernel choice turned off)?

@@ -19,12 +19,21 @@ inline float reduce_lanes(__m512 v) {
   return _mm512_cvtss_f32(v);
 }
 
+// Bytes of W a tile asks for while it runs, spread over its k steps: `bytes_per_step` from
+// `begin` on at each step (whole cache lines, into L2).
+struct SpreadPrefetch {
+  const char* begin;
+  int64_t bytes_per_step;
+};
+
 // Rows [0, NR) of W against rows [0, MR) of X: one accumulator per output over k, then its
 // reduction, so every Y[m, j] takes the same path whatever the tile. The weight is asked for
-// Ahead bytes ahead of what the tile reads (skinny_detail::prefetch_weight).
+// Ahead bytes ahead of what the tile reads (skinny_detail::prefetch_weight), or, given `spread`,
+// what that names instead.
 template <typename Step, int NR, int MR, int64_t Ahead = skinny_detail::kPrefetchBytes>
 inline void tile(const typename Step::TX* X, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K, float* Y,
-                 int64_t ldy) {
+                 int64_t ldy, const SpreadPrefetch* spread = nullptr) {
+  const char* ahead = spread != nullptr ? spread->begin : nullptr;
   __m512 acc[NR][MR];
   for (int r = 0; r < NR; ++r)
     for (int m = 0; m < MR; ++m) acc[r][m] = _mm512_setzero_ps();
@@ -32,7 +41,12 @@ inline void tile(const typename Step::TX* X, int64_t ldx, const typename Step::T
   for (; k + Step::kElems <= K; k += Step::kElems) {
     typename Step::RegW w[NR];
     for (int r = 0; r < NR; ++r) w[r] = Step::load_w(W + r * ldw + k);
-    for (int r = 0; r < NR; ++r) skinny_detail::prefetch_weight<Ahead>(W + r * ldw + k);
+    if (ahead == nullptr) {
+      for (int r = 0; r < NR; ++r) skinny_detail::prefetch_weight<Ahead>(W + r * ldw + k);
+    } else {
+      for (int64_t b = 0; b < spread->bytes_per_step; b += 64) __builtin_prefetch(ahead + b, 0, 2);
+      ahead += spread->bytes_per_step;
+    }
     for (int m = 0; m < MR; ++m) {
       const auto x = Step::load_x(X + m * ldx + k);
       for (int r = 0; r < NR; ++r) acc[r][m] = Step::acc(acc[r][m], x, w[r]);
@@ -65,27 +79,54 @@ inline void with_static(int64_t n, F&& f) {
 // What one X row (a decoding step) asks for ahead of a W row it reads.
 constexpr int64_t kOneRowPrefetchBytes = 2048;
 
+// How a product reads W, per CPU (measured on the default model's weights, whole forwards).
+struct WeightStream {
+  // One X row reads W a row after the other instead of in NR-row tiles: one sequential stream,
+  // which the hardware prefetcher follows (an AMD EPYC, Zen 4: a decoding step 13% faster in bf16
+  // and 7-9% in float32 than with the 4-row tiles, whose four interleaved streams it follows
+  // less well; 2 KB ahead neither helped nor hurt there, 8 KB hurt; an Intel Xeon: 6% slower).
+  bool one_row_stream;
+  // Where the X rows take more than one pass over a tile's W rows, every pass asks for a share of
+  // the next tile's rows (spread over its k steps, in proportion to its X rows) instead of each
+  // pass asking for the same bytes 8 KB ahead: memory is then read during the later passes,
+  // which otherwise only compute on W in L1 (an Intel Xeon, float32: a forward of 8, 12 and 16
+  // tokens 0.92-0.95x, 0.88-0.89x and 0.86-0.90x the time, bf16 0.95-0.97x; one pass (up to 6
+  // rows) is faster with the 8 KB, spread there 1.04-1.07x. An AMD EPYC measured a spread slower).
+  bool next_tile_over_passes;
+};
+
+// The stream measured best on this CPU (on AMD's, the one-row stream; elsewhere the spread).
+inline WeightStream this_cpu_stream() {
+  const bool amd = amd_cpu();
+  return {amd, !amd};
+}
+
 // Y[:M, j0:j1) in tiles of NR W rows x up to MR X rows, the X rows innermost so that the NR W
-// rows are read from memory once. With one_row_stream one X row reads W a row after the other
-// instead: one sequential stream, which the hardware prefetcher follows (measured on an AMD
-// EPYC, Zen 4: a decoding step of the default model 13% faster in bf16 and 7-9% in float32 than
-// with the 4-row tiles, whose four interleaved streams it follows less well; a prefetch 2 KB
-// ahead neither helped nor hurt there, 8 KB hurt). From two rows on the tiles are faster (a
-// tree's verification, a batch). The path of each Y[m, j] is the tile's, so the result is the same.
+// rows are read from memory once (see WeightStream). The path of each Y[m, j] is the tile's
+// whatever the stream, so the result is the same.
 template <typename Step, int NR, int MR>
 void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K,
-            int64_t j0, int64_t j1, float* Y, int64_t ldy, bool one_row_stream) {
-  if (M == 1 && one_row_stream) {
+            int64_t j0, int64_t j1, float* Y, int64_t ldy, WeightStream stream) {
+  if (M == 1 && stream.one_row_stream) {
     for (int64_t j = j0; j < j1; ++j)
       tile<Step, 1, 1, kOneRowPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
     return;
   }
+  const bool spread = stream.next_tile_over_passes && M > MR;
+  const int64_t steps = (K + Step::kElems - 1) / Step::kElems;
   for (int64_t j = j0; j < j1; j += NR) {
     with_static<NR>(std::min<int64_t>(NR, j1 - j), [&](auto nr) {
+      // The next tile's rows within [j0, j1), contiguous but for the row gaps of ldw > K.
+      const int64_t next_rows = std::clamp<int64_t>(j1 - (j + NR), 0, NR);
+      const int64_t next_bytes = next_rows * ldw * int64_t(sizeof(typename Step::TW));
+      const char* next = reinterpret_cast<const char*>(W + (j + NR) * ldw);
       for (int64_t m = 0; m < M; m += MR) {
         with_static<MR>(std::min<int64_t>(MR, M - m), [&](auto mr) {
-          tile<Step, decltype(nr)::value, decltype(mr)::value>(X + m * ldx, ldx, W + j * ldw, ldw, K,
-                                                                Y + m * ldy + (j - j0), ldy);
+          constexpr int64_t rows = decltype(mr)::value;
+          const SpreadPrefetch share{next + next_bytes * m / M / 64 * 64,
+                                     ((next_bytes * rows / M + steps - 1) / steps + 63) / 64 * 64};
+          tile<Step, decltype(nr)::value, rows>(X + m * ldx, ldx, W + j * ldw, ldw, K, Y + m * ldy + (j - j0), ldy,
+                                                spread ? &share : nullptr);
         });
       }
     });

@@ -119,14 +119,14 @@ void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename S
       // The next tile's rows within [j0, j1), contiguous but for the row gaps of ldw > K.
       const int64_t next_rows = std::clamp<int64_t>(j1 - (j + NR), 0, NR);
       const int64_t next_bytes = next_rows * ldw * int64_t(sizeof(typename Step::TW));
-      const char* next = reinterpret_cast<const char*>(W + (j + NR) * ldw);
+      const char* next = next_rows > 0 ? reinterpret_cast<const char*>(W + (j + NR) * ldw) : nullptr;
       for (int64_t m = 0; m < M; m += MR) {
         with_static<MR>(std::min<int64_t>(MR, M - m), [&](auto mr) {
           constexpr int64_t rows = decltype(mr)::value;
           const SpreadPrefetch share{next + next_bytes * m / M / 64 * 64,
                                      ((next_bytes * rows / M + steps - 1) / steps + 63) / 64 * 64};
           tile<Step, decltype(nr)::value, rows>(X + m * ldx, ldx, W + j * ldw, ldw, K, Y + m * ldy + (j - j0), ldy,
-                                                spread ? &share : nullptr);
+                                                spread && next != nullptr ? &share : nullptr);
         });
       }
     });

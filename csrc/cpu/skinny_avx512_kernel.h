@@ -112,8 +112,8 @@ void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename S
       tile<Step, 1, 1, kOneRowPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
     return;
   }
-  const bool spread = stream.next_tile_over_passes && M > MR;
   const int64_t steps = (K + Step::kElems - 1) / Step::kElems;
+  const bool spread = stream.next_tile_over_passes && M > MR && steps > 0;
   for (int64_t j = j0; j < j1; j += NR) {
     with_static<NR>(std::min<int64_t>(NR, j1 - j), [&](auto nr) {
       // The next tile's rows within [j0, j1), contiguous but for the row gaps of ldw > K.
@@ -123,10 +123,11 @@ void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename S
       for (int64_t m = 0; m < M; m += MR) {
         with_static<MR>(std::min<int64_t>(MR, M - m), [&](auto mr) {
           constexpr int64_t rows = decltype(mr)::value;
-          const SpreadPrefetch share{next + next_bytes * m / M / 64 * 64,
-                                     ((next_bytes * rows / M + steps - 1) / steps + 63) / 64 * 64};
+          SpreadPrefetch share{nullptr, 0};
+          if (spread && next != nullptr)  // (steps > 0: K = 0 reads nothing)
+            share = {next + next_bytes * m / M / 64 * 64, ((next_bytes * rows / M + steps - 1) / steps + 63) / 64 * 64};
           tile<Step, decltype(nr)::value, rows>(X + m * ldx, ldx, W + j * ldw, ldw, K, Y + m * ldy + (j - j0), ldy,
-                                                spread && next != nullptr ? &share : nullptr);
+                                                share.begin != nullptr ? &share : nullptr);
         });
       }
     });

@@ -49,12 +49,11 @@ struct Bf16WidenStep : Fp32Step {
 
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K,
                            int64_t j0, int64_t j1, float* Y, int64_t ldy) {
+  const avx512::WeightStream stream = avx512::this_cpu_stream();
   if (amd_cpu())
-    avx512::skinny<avx512::Fp32Step, kAmdFp32Rows, kAmdFp32Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy,
-                                                                 avx512::this_cpu_stream());
+    avx512::skinny<avx512::Fp32Step, kAmdFp32Rows, kAmdFp32Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy, stream);
   else
-    avx512::skinny<avx512::Fp32Step, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy,
-                                                               avx512::this_cpu_stream());
+    avx512::skinny<avx512::Fp32Step, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy, stream);
 }
 
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw, int64_t K,

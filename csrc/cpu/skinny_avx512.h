@@ -31,10 +31,12 @@ constexpr int kAvx512Cols = 6;
 // there, 1-row steps aside; bf16 dot products showed no difference and keep 4 x 6).
 constexpr int kAmdFp32Rows = 2;
 constexpr int kAmdFp32Cols = 8;
+// On AMD CPUs up to this many X rows read W as one stream, a W row at a time (avx512::WeightStream).
+constexpr int kAmdOneStreamRows = 5;
 
-// Is this CPU AMD's? There the skinny products take the shapes measured on an AMD EPYC (one X row
-// as one weight stream, kAmdFp32Rows x kAmdFp32Cols float32 tiles); elsewhere those measured on
-// an Intel Xeon (4-row tiles, which read a decoding step near its read floor, and the next tile
+// Is this CPU AMD's? There the skinny products take the shapes measured on AMD EPYCs (up to
+// kAmdOneStreamRows X rows as one weight stream, kAmdFp32Rows x kAmdFp32Cols float32 tiles);
+// elsewhere those measured on an Intel Xeon (4-row tiles, which read a decoding step near its read floor, and the next tile
 // asked for over the passes of many rows: avx512::WeightStream).
 bool amd_cpu();
 

@@ -76,16 +76,20 @@ inline void with_static(int64_t n, F&& f) {
   }
 }
 
-// What one X row (a decoding step) asks for ahead of a W row it reads.
+// What the one-row stream (WeightStream) asks for ahead of the W row it reads.
 constexpr int64_t kOneRowPrefetchBytes = 2048;
 
 // How a product reads W, per CPU (measured on the default model's weights, whole forwards).
 struct WeightStream {
-  // One X row reads W a row after the other instead of in NR-row tiles: one sequential stream,
-  // which the hardware prefetcher follows (an AMD EPYC, Zen 4: a decoding step 13% faster in bf16
-  // and 7-9% in float32 than with the 4-row tiles, whose four interleaved streams it follows
-  // less well; 2 KB ahead neither helped nor hurt there, 8 KB hurt; an Intel Xeon: 6% slower).
-  bool one_row_stream;
+  // Up to this many X rows read W a row after the other instead of in NR-row tiles, every X row
+  // in one pass: one sequential stream, which the hardware prefetcher follows. On an AMD EPYC,
+  // Zen 4: one row (a decoding step) 13% faster in bf16 and 7-9% in float32 than with the 4-row
+  // tiles, whose interleaved streams it follows less well; 2 KB ahead neither helped nor hurt,
+  // 8 KB hurt. Zen 5: the products of a forward's weights at 2-4 rows 1.30x the one-row time in
+  // 2 x 8 tiles against 0.99-1.09x so; a forward of 2 / 3 / 4 / 5 tokens 0.80 / 0.87 / 0.85 /
+  // 0.96x the time in float32, 0.81 / 0.85 / 0.98 / 0.93x in bf16; 6 rows 1.05-1.10x (slower:
+  // the arithmetic no longer hides under the reading). 0: never (an Intel Xeon: one row 6% slower).
+  int64_t one_stream_rows;
   // Where the X rows take more than one pass over a tile's W rows, every pass asks for a share of
   // the next tile's rows (spread over its k steps, in proportion to its X rows) instead of each
   // pass asking for the same bytes 8 KB ahead: memory is then read during the later passes,
@@ -95,10 +99,11 @@ struct WeightStream {
   bool next_tile_over_passes;
 };
 
-// The stream measured best on this CPU (on AMD's, the one-row stream; elsewhere the spread).
+// The stream measured best on this CPU (on AMD's, the one-row stream up to kAmdOneStreamRows
+// rows; elsewhere the spread).
 inline WeightStream this_cpu_stream() {
   const bool amd = amd_cpu();
-  return {amd, !amd};
+  return {amd ? kAmdOneStreamRows : 0, !amd};
 }
 
 // Y[:M, j0:j1) in tiles of NR W rows x up to MR X rows, the X rows innermost so that the NR W
@@ -107,9 +112,11 @@ inline WeightStream this_cpu_stream() {
 template <typename Step, int NR, int MR>
 void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K,
             int64_t j0, int64_t j1, float* Y, int64_t ldy, WeightStream stream) {
-  if (M == 1 && stream.one_row_stream) {
-    for (int64_t j = j0; j < j1; ++j)
-      tile<Step, 1, 1, kOneRowPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
+  if (M <= stream.one_stream_rows) {
+    with_static<kAmdOneStreamRows>(M, [&](auto mr) {
+      for (int64_t j = j0; j < j1; ++j)
+        tile<Step, 1, decltype(mr)::value, kOneRowPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
+    });
     return;
   }
   const int64_t steps = (K + Step::kElems - 1) / Step::kElems;

@@ -30,8 +30,10 @@ namespace {
 
 // Up to this many query rows (G * T) per task the products are bound by reading K/V: they
 // stream it (skinny_gemm.h) instead of calling a BLAS GEMM, which is for the many-row
-// (compute-bound) case of a large tree.
-constexpr int64_t kStreamingRows = 8;
+// (compute-bound) case of a large tree. (An AMD EPYC, Zen 5, the default model's 3-query-head
+// groups behind 256 tokens: a forward of 3 / 4 tokens 0.96 / 0.98x the time with 32 against 8,
+// 6 / 8 tokens the same; an Intel Xeon measured 64 against 8 the same.)
+constexpr int64_t kStreamingRows = 32;
 
 // The float32 rows [start, start + n) of one head's [S, D] cache: the cache itself when it
 // is float32, else widened into `buffer`.

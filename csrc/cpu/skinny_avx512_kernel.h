@@ -77,7 +77,7 @@ inline void with_static(int64_t n, F&& f) {
 }
 
 // What the one-row stream (WeightStream) asks for ahead of the W row it reads.
-constexpr int64_t kOneRowPrefetchBytes = 2048;
+constexpr int64_t kOneRowPrefetchBytes = 4096;
 
 // How a product reads W, per CPU (measured on the default model's weights, whole forwards).
 struct WeightStream {
@@ -88,7 +88,9 @@ struct WeightStream {
   // 8 KB hurt. Zen 5: the products of a forward's weights at 2-4 rows 1.30x the one-row time in
   // 2 x 8 tiles against 0.99-1.09x so; a forward of 2 / 3 / 4 / 5 tokens 0.80 / 0.87 / 0.85 /
   // 0.96x the time in float32, 0.81 / 0.85 / 0.98 / 0.93x in bf16; 6 rows 1.05-1.10x (slower:
-  // the arithmetic no longer hides under the reading). 0: never (an Intel Xeon: one row 6% slower).
+  // the arithmetic no longer hides under the reading); 4 KB ahead: 1-5 tokens 0.95-0.97x the time
+  // of 2 KB ahead, fp32 and bf16 (8 and 16 KB no better, 1 KB worse). 0: never (an Intel Xeon:
+  // one row 6% slower).
   int64_t one_stream_rows;
   // Where the X rows take more than one pass over a tile's W rows, every pass asks for a share of
   // the next tile's rows (spread over its k steps, in proportion to its X rows) instead of each

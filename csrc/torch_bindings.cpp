@@ -21,6 +21,14 @@ namespace {
 PyObject* cpu_avx512(PyObject*, PyObject*) { return PyBool_FromLong(jakiro::cpu::avx512_enabled()); }
 PyObject* cpu_bf16_dot(PyObject*, PyObject*) { return PyBool_FromLong(jakiro::cpu::bf16_dot_enabled()); }
 PyObject* cpu_onednn(PyObject*, PyObject*) { return PyBool_FromLong(jakiro::cpu::onednn_linear_enabled()); }
+PyObject* cpu_weight_stream(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(jakiro::cpu::weight_stream_name());
+  } catch (const c10::Error& e) {  // a bad JAKIRO_CPU_WEIGHT_STREAM
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+}
 
 PyMethodDef methods[] = {
     {"cpu_avx512", cpu_avx512, METH_NOARGS,
@@ -29,6 +37,8 @@ PyMethodDef methods[] = {
      "Whether bf16 products on the CPU use native bf16 dot instructions (AVX512-BF16; off with JAKIRO_CPU_BF16_DOT=0)."},
     {"cpu_onednn", cpu_onednn, METH_NOARGS,
      "Whether a prompt's float32 products on the CPU go to torch's oneDNN (off with JAKIRO_CPU_ONEDNN=0)."},
+    {"cpu_weight_stream", cpu_weight_stream, METH_NOARGS,
+     "How the CPU's 512-bit products read a weight: zen5, zen4 or intel (the CPU's, or JAKIRO_CPU_WEIGHT_STREAM's)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -31,14 +31,50 @@ constexpr int kAvx512Cols = 6;
 // there, 1-row steps aside; bf16 dot products showed no difference and keep 4 x 6).
 constexpr int kAmdFp32Rows = 2;
 constexpr int kAmdFp32Cols = 8;
-// On AMD CPUs up to this many X rows read W as one stream, a W row at a time (avx512::WeightStream).
-constexpr int kAmdOneStreamRows = 5;
+// On AMD's Zen 5 (CPU family 0x1A) and later up to this many X rows read W as one stream, a W row
+// at a time (avx512::WeightStream); on earlier AMD CPUs one row.
+constexpr int kZen5Family = 0x1A;
+constexpr int kZen5OneStreamRows = 5;
 
-// Is this CPU AMD's? There the skinny products take the shapes measured on AMD EPYCs (up to
-// kAmdOneStreamRows X rows as one weight stream, kAmdFp32Rows x kAmdFp32Cols float32 tiles);
-// elsewhere those measured on an Intel Xeon (4-row tiles, which read a decoding step near its read floor, and the next tile
-// asked for over the passes of many rows: avx512::WeightStream).
+// How the 512-bit products read W (avx512::skinny), per CPU: measured on the default model's
+// weights, whole forwards.
+struct WeightStream {
+  // Up to this many X rows read W a row after the other instead of in NR-row tiles, every X row
+  // in one pass: one sequential stream, which the hardware prefetcher follows. An AMD EPYC, Zen 4:
+  // one row (a decoding step) 13% faster in bf16 and 7-9% in float32 than with the 4-row tiles,
+  // whose interleaved streams it follows less well; 4 and 16 rows 1.5x slower one row at a time
+  // than in tiles. Zen 5: the products of a forward's weights at 2-4 rows 1.30x the one-row time
+  // in 2 x 8 tiles against 0.99-1.09x so; a forward of 2 / 3 / 4 / 5 tokens 0.80 / 0.87 / 0.85 /
+  // 0.96x the time in float32, 0.81 / 0.85 / 0.98 / 0.93x in bf16; 6 rows 1.05-1.10x (slower:
+  // the arithmetic no longer hides under the reading). 0: never (an Intel Xeon: one row 6% slower).
+  int64_t one_stream_rows;
+  // The one stream asks for W kFarPrefetchBytes ahead instead of kNearPrefetchBytes (Zen 5: a
+  // forward of 1-5 tokens 0.95-0.97x the time, fp32 and bf16; 8 and 16 KB no better, 1 KB worse.
+  // Zen 4: 2 KB neither helped nor hurt against none, 8 KB hurt).
+  bool far_ahead;
+  // Where the X rows take more than one pass over a tile's W rows, every pass asks for a share of
+  // the next tile's rows (spread over its k steps, in proportion to its X rows) instead of each
+  // pass asking for the same bytes 8 KB ahead: memory is then read during the later passes,
+  // which otherwise only compute on W in L1 (an Intel Xeon, float32: a forward of 8, 12 and 16
+  // tokens 0.92-0.95x, 0.88-0.89x and 0.86-0.90x the time, bf16 0.95-0.97x; one pass (up to 6
+  // rows) is faster with the 8 KB, spread there 1.04-1.07x. An AMD EPYC measured a spread slower).
+  bool next_tile_over_passes;
+  // float32 register tiles of kAmdFp32Rows x kAmdFp32Cols instead of kAvx512Rows x kAvx512Cols.
+  bool amd_tiles;
+};
+
+// The stream measured best on this CPU: on AMD's Zen 5 and later one stream up to
+// kZen5OneStreamRows rows, far ahead; on earlier AMD CPUs one stream for one row; elsewhere the
+// spread, 4 x 6 tiles. JAKIRO_CPU_WEIGHT_STREAM=zen5, zen4 or intel names one of them instead
+// (each gives the same bits: the tests run them all on any CPU). Read once.
+WeightStream weight_stream();
+// Its name: zen5, zen4 or intel.
+const char* weight_stream_name();
+
+// Is this CPU AMD's? (weight_stream() takes the shapes measured on AMD EPYCs there.)
 bool amd_cpu();
+// This CPU's family as CPUID reports it (base + extended family: AMD's Zen 3/4 0x19, Zen 5 0x1A).
+int cpu_family();
 
 // Is the environment variable `name` set to 0 (a CPU kernel choice turned off)?
 bool env_disabled(const char* name);

@@ -42,7 +42,7 @@ struct Bf16DotStep {
 void skinny_gemm_nt_bf16_dot(const c10::BFloat16* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw,
                              int64_t K, int64_t j0, int64_t j1, float* Y, int64_t ldy) {
   avx512::skinny<avx512::Bf16DotStep, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy,
-                                                                avx512::this_cpu_stream());
+                                                                weight_stream());
 }
 
 }  // namespace jakiro::cpu

@@ -4,12 +4,15 @@
 #include "cpu/skinny_gemm.h"
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #ifdef JAKIRO_HAVE_AVX512_KERNELS
@@ -49,8 +52,8 @@ struct Bf16WidenStep : Fp32Step {
 
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* W, int64_t ldw, int64_t K,
                            int64_t j0, int64_t j1, float* Y, int64_t ldy) {
-  const avx512::WeightStream stream = avx512::this_cpu_stream();
-  if (amd_cpu())
+  const WeightStream stream = weight_stream();
+  if (stream.amd_tiles)
     avx512::skinny<avx512::Fp32Step, kAmdFp32Rows, kAmdFp32Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy, stream);
   else
     avx512::skinny<avx512::Fp32Step, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy, stream);
@@ -59,7 +62,7 @@ void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const float* 
 void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw, int64_t K,
                            int64_t j0, int64_t j1, float* Y, int64_t ldy) {
   avx512::skinny<avx512::Bf16WidenStep, kAvx512Rows, kAvx512Cols>(X, M, ldx, W, ldw, K, j0, j1, Y, ldy,
-                                                                  avx512::this_cpu_stream());
+                                                                  weight_stream());
 }
 
 }  // namespace jakiro::cpu
@@ -95,6 +98,47 @@ bool amd_cpu() {
   return false;
 #endif
 }
+
+int cpu_family() {
+  static const int family = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+#ifdef JAKIRO_HAVE_AVX512_KERNELS
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+#endif
+    const unsigned base = (eax >> 8) & 0xF, extended = (eax >> 20) & 0xFF;
+    return static_cast<int>(base == 0xF ? base + extended : base);
+  }();
+  return family;
+}
+
+namespace {
+
+struct NamedStream {
+  const char* name;
+  WeightStream stream;
+};
+
+const NamedStream& chosen_stream() {
+  static const NamedStream chosen = [] {
+    const NamedStream streams[] = {{"intel", {0, false, true, false}},
+                                   {"zen4", {1, false, false, true}},
+                                   {"zen5", {kZen5OneStreamRows, true, false, true}}};
+    const char* env = std::getenv("JAKIRO_CPU_WEIGHT_STREAM");
+    const std::string named = env == nullptr ? "" : env;
+    for (const auto& s : streams)
+      if (named == s.name) return s;
+    TORCH_CHECK(named.empty(), "JAKIRO_CPU_WEIGHT_STREAM must be zen5, zen4 or intel (or unset), got '", named, "'");
+    if (!amd_cpu()) return streams[0];
+    return cpu_family() >= kZen5Family ? streams[2] : streams[1];
+  }();
+  return chosen;
+}
+
+}  // namespace
+
+WeightStream weight_stream() { return chosen_stream().stream; }
+
+const char* weight_stream_name() { return chosen_stream().name; }
 
 bool avx512_enabled() {
   static const bool enabled = !env_disabled("JAKIRO_CPU_AVX512") && cpu_supports_avx512();

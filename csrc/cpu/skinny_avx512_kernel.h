@@ -76,37 +76,9 @@ inline void with_static(int64_t n, F&& f) {
   }
 }
 
-// What the one-row stream (WeightStream) asks for ahead of the W row it reads.
-constexpr int64_t kOneRowPrefetchBytes = 4096;
-
-// How a product reads W, per CPU (measured on the default model's weights, whole forwards).
-struct WeightStream {
-  // Up to this many X rows read W a row after the other instead of in NR-row tiles, every X row
-  // in one pass: one sequential stream, which the hardware prefetcher follows. On an AMD EPYC,
-  // Zen 4: one row (a decoding step) 13% faster in bf16 and 7-9% in float32 than with the 4-row
-  // tiles, whose interleaved streams it follows less well; 2 KB ahead neither helped nor hurt,
-  // 8 KB hurt. Zen 5: the products of a forward's weights at 2-4 rows 1.30x the one-row time in
-  // 2 x 8 tiles against 0.99-1.09x so; a forward of 2 / 3 / 4 / 5 tokens 0.80 / 0.87 / 0.85 /
-  // 0.96x the time in float32, 0.81 / 0.85 / 0.98 / 0.93x in bf16; 6 rows 1.05-1.10x (slower:
-  // the arithmetic no longer hides under the reading); 4 KB ahead: 1-5 tokens 0.95-0.97x the time
-  // of 2 KB ahead, fp32 and bf16 (8 and 16 KB no better, 1 KB worse). 0: never (an Intel Xeon:
-  // one row 6% slower).
-  int64_t one_stream_rows;
-  // Where the X rows take more than one pass over a tile's W rows, every pass asks for a share of
-  // the next tile's rows (spread over its k steps, in proportion to its X rows) instead of each
-  // pass asking for the same bytes 8 KB ahead: memory is then read during the later passes,
-  // which otherwise only compute on W in L1 (an Intel Xeon, float32: a forward of 8, 12 and 16
-  // tokens 0.92-0.95x, 0.88-0.89x and 0.86-0.90x the time, bf16 0.95-0.97x; one pass (up to 6
-  // rows) is faster with the 8 KB, spread there 1.04-1.07x. An AMD EPYC measured a spread slower).
-  bool next_tile_over_passes;
-};
-
-// The stream measured best on this CPU (on AMD's, the one-row stream up to kAmdOneStreamRows
-// rows; elsewhere the spread).
-inline WeightStream this_cpu_stream() {
-  const bool amd = amd_cpu();
-  return {amd ? kAmdOneStreamRows : 0, !amd};
-}
+// What the one-row stream (WeightStream) asks for ahead of the W row it reads: near (Zen 4) or far (Zen 5).
+constexpr int64_t kNearPrefetchBytes = 2048;
+constexpr int64_t kFarPrefetchBytes = 4096;
 
 // Y[:M, j0:j1) in tiles of NR W rows x up to MR X rows, the X rows innermost so that the NR W
 // rows are read from memory once (see WeightStream). The path of each Y[m, j] is the tile's
@@ -115,9 +87,14 @@ template <typename Step, int NR, int MR>
 void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K,
             int64_t j0, int64_t j1, float* Y, int64_t ldy, WeightStream stream) {
   if (M <= stream.one_stream_rows) {
-    with_static<kAmdOneStreamRows>(M, [&](auto mr) {
-      for (int64_t j = j0; j < j1; ++j)
-        tile<Step, 1, decltype(mr)::value, kOneRowPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
+    with_static<kZen5OneStreamRows>(M, [&](auto mr) {
+      constexpr int rows = decltype(mr)::value;
+      for (int64_t j = j0; j < j1; ++j) {
+        if (stream.far_ahead)
+          tile<Step, 1, rows, kFarPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
+        else
+          tile<Step, 1, rows, kNearPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
+      }
     });
     return;
   }

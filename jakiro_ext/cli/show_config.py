@@ -19,7 +19,8 @@ def show_config() -> int:
               f"CUDA kernels {'built' if ops._C.with_cuda else 'not built'}")
         print(f"CPU float32 products: {'512-bit (AVX-512)' if ops.cpu_avx512() else '256-bit'}; bf16 products: "
               f"{'native bf16 dot instructions (AVX512-BF16)' if ops.cpu_bf16_dot() else 'widened to float32'}; "
-              f"a prompt's float32 projections: {'oneDNN' if ops.cpu_onednn() else 'ATen (BLAS)'}")
+              f"a prompt's float32 projections: {'oneDNN' if ops.cpu_onednn() else 'ATen (BLAS)'}; "
+              f"weights read as measured best on: {ops.cpu_weight_stream()}")
         for name in ops.OP_NAMES:
             keys = [k for k in ("CPU", "CUDA") if torch._C._dispatch_has_kernel_for_dispatch_key(f"jakiro::{name}", k)]
             print(f"  jakiro::{name}: {', '.join(keys)}")

@@ -29,6 +29,9 @@ except ImportError as exc:  # pragma: no cover - exercised only on broken instal
     _C = None
     LOAD_ERROR = f"the compiled library jakiro_ext._C could not be loaded: {exc}"
 
+if LOAD_ERROR is None:
+    _C.cpu_weight_stream()  # a bad JAKIRO_CPU_WEIGHT_STREAM is a ValueError here, not in a product's worker
+
 USE_REFERENCE = os.environ.get("JAKIRO_USE_REFERENCE", "") == "1"
 if LOAD_ERROR and USE_REFERENCE:
     warnings.warn(f"{LOAD_ERROR}. JAKIRO_USE_REFERENCE=1: using the pure-PyTorch reference ops (slow).")
@@ -73,6 +76,15 @@ def cpu_onednn() -> bool:
     go to torch's oneDNN (``mkldnn::_linear_pointwise``, where torch has it; ``JAKIRO_CPU_ONEDNN=0``
     turns it off) rather than ATen's linear (MKL)."""
     return bool(_C.cpu_onednn()) if LOAD_ERROR is None else False
+
+
+def cpu_weight_stream() -> str:
+    """How the CPU's 512-bit products read a weight, as measured best on each kind of CPU and
+    chosen for this one at run time: ``"zen5"`` (AMD Zen 5 and later: up to 5 token rows a weight
+    row at a time, one stream, 4 KB ahead), ``"zen4"`` (earlier AMD CPUs: one row so, 2 x 8 float32
+    tiles beyond) or ``"intel"`` (4 x 6 tiles, the next tile asked for over the passes of many
+    rows); ``JAKIRO_CPU_WEIGHT_STREAM`` names one instead. Every one gives the same bits."""
+    return str(_C.cpu_weight_stream()) if LOAD_ERROR is None else "none"
 
 
 BACKENDS = ("native", "simt32", "simt64")

@@ -15,7 +15,11 @@ from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
 
 MAX_NEW = 32
-MIN_TAU = 1.3  # measured with the shipped heads: see the README (tau on these prompts is ~1.4-1.7)
+MIN_TAU = 1.3  # the shipped heads on FIXED_TREE: tau 1.49 (Gumiho) to 1.93 (EAGLE-2) on these prompts
+# One tree for every machine: the cost model's tree is the machine's (on a Zen 5 EPYC, where two
+# tokens verify in the time of one, it took 2 nodes for Gumiho: tau 1.26), so tau on it measures
+# the machine as much as the head.
+FIXED_TREE = TreeConfig(6, 3, 2)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +91,10 @@ def test_shipped_heads_are_the_documented_ones(setup, shipped_heads):
 @pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star"),
                                          ("gumiho", "gumiho")])
 def test_shipped_head_is_exact_on_every_prompt(setup, shipped_heads, kind, method):
-    # The cost model's tree, fixed: tau then measures the head (the live choice, the default, may
-    # run plain decoding where the head's trees do not pay on this machine).
-    tree = default_tree(setup[0], shipped_heads[kind], method)
-    tau = generate_all(setup, shipped_heads[kind], method, range(30), tree)
+    # A fixed tree: tau then measures the head (the live choice, the default, may run plain
+    # decoding where the head's trees do not pay on this machine; the cost model's tree, which the
+    # next test runs, is the machine's).
+    tau = generate_all(setup, shipped_heads[kind], method, range(30), FIXED_TREE)
     assert tau > MIN_TAU, f"the shipped head should accept multi-token paths (tau {tau:.2f})"
 
 

@@ -146,3 +146,46 @@ def test_linear_cpu_kernel_choice_and_its_fallbacks(setting, dtype, tmp_path):
     bf16_dot = avx512 and setting != "JAKIRO_CPU_BF16_DOT=0" and "avx512_bf16" in flags
     onednn = setting != "JAKIRO_CPU_ONEDNN=0" and torch.backends.mkldnn.is_available()
     assert out.stdout.split()[-3:] == [str(avx512), str(bf16_dot), str(onednn)]
+
+
+STREAM_CHECK = """
+import hashlib
+import torch
+from jakiro_ext import ops
+g = torch.Generator().manual_seed(0)
+digest = hashlib.sha256()
+for dtype in (torch.float32, torch.bfloat16):
+    x = torch.randn(64, 333, generator=g).to(dtype)
+    w = (torch.randn(97, 333, generator=g) * 333 ** -0.5).to(dtype)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 25, 64):
+        digest.update(ops.linear(x[:rows], w).float().numpy().tobytes())
+print(ops.cpu_weight_stream(), digest.hexdigest())
+"""
+
+
+def test_linear_weight_streams_give_the_same_bits(tmp_path):
+    # How a product's rows read the weight is chosen per CPU (one stream a weight row at a time for
+    # up to 5 rows on Zen 5, for one row on Zen 4, register tiles on Intel's) and can be named with
+    # JAKIRO_CPU_WEIGHT_STREAM: every one computes each output the same way, so the bits agree.
+    import os
+    import subprocess
+    import sys
+
+    if not ops.cpu_avx512():
+        pytest.skip("the weight streams are the 512-bit kernels'")
+
+    def run(value):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JAKIRO_CPU_")}
+        env["JAKIRO_CPU_WEIGHT_STREAM"] = value
+        return subprocess.run([sys.executable, "-c", STREAM_CHECK], env=env, cwd=tmp_path, capture_output=True, text=True)
+
+    digests = {}
+    for name in ("zen5", "zen4", "intel"):
+        out = run(name)
+        assert out.returncode == 0, out.stderr
+        chosen, digests[name] = out.stdout.split()[-2:]
+        assert chosen == name
+    assert len(set(digests.values())) == 1, digests
+    bad = run("zen6")
+    assert bad.returncode != 0
+    assert "JAKIRO_CPU_WEIGHT_STREAM must be zen5, zen4 or intel (or unset), got 'zen6'" in bad.stderr

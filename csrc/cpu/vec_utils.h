@@ -48,7 +48,10 @@ inline bool all_finite(const float* x, int64_t n) {
 }
 
 // x[i] = exp(x[i] - shift) in place; returns the sum. Fast exp (ATen's exp_u20): for
-// attention probabilities, where a few ulp do not matter.
+// attention probabilities, where a few ulp do not matter. Element i always adds into lane
+// i % Vec::size() (the tail too, the lanes past n adding zeros), so trailing x[i] = -inf (keys a
+// row does not see) leave the sum's bits as they are without them: a chain verified in one
+// forward attends bit for bit as its tokens decoded one at a time.
 inline float exp_shift_sum_fast(float* x, int64_t n, float shift) {
   Vec acc(0.f), s(shift);
   int64_t i = 0;
@@ -57,12 +60,13 @@ inline float exp_shift_sum_fast(float* x, int64_t n, float shift) {
     e.store(x + i);
     acc = acc + e;
   }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
-    sum += x[i];
+  if (i < n) {
+    const int64_t rest = n - i;
+    const Vec e = Vec::set(Vec(0.f), (Vec::loadu(x + i, rest) - s).exp_u20(), rest);
+    e.store(x + i, rest);
+    acc = acc + e;
   }
-  return sum;
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, acc);
 }
 
 // sum of exp(x[i] - shift), x unchanged, with the accurate (1 ulp) exp: for log-probabilities.

@@ -87,14 +87,15 @@ template <typename Step, int NR, int MR>
 void skinny(const typename Step::TX* X, int64_t M, int64_t ldx, const typename Step::TW* W, int64_t ldw, int64_t K,
             int64_t j0, int64_t j1, float* Y, int64_t ldy, WeightStream stream) {
   if (M <= stream.one_stream_rows) {
-    with_static<kZen5OneStreamRows>(M, [&](auto mr) {
-      constexpr int rows = decltype(mr)::value;
-      for (int64_t j = j0; j < j1; ++j) {
-        if (stream.far_ahead)
-          tile<Step, 1, rows, kFarPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
-        else
-          tile<Step, 1, rows, kNearPrefetchBytes>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
-      }
+    auto one_stream = [&](auto rows, auto ahead) {
+      for (int64_t j = j0; j < j1; ++j)
+        tile<Step, 1, decltype(rows)::value, decltype(ahead)::value>(X, ldx, W + j * ldw, ldw, K, Y + (j - j0), ldy);
+    };
+    with_static<kZen5OneStreamRows>(M, [&](auto rows) {
+      if (stream.far_ahead)
+        one_stream(rows, std::integral_constant<int64_t, kFarPrefetchBytes>{});
+      else
+        one_stream(rows, std::integral_constant<int64_t, kNearPrefetchBytes>{});
     });
     return;
   }

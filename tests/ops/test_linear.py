@@ -102,6 +102,17 @@ def test_linear_bad_input_errors():
             ops.linear(**{"bias": None, **kwargs})
 
 
+def run_kernel_check(script, cwd, args=(), **env):
+    """``script`` in a new Python process (the CPU kernel choices are read once a process), with
+    every JAKIRO_CPU_* setting of this one dropped and ``env`` set."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("JAKIRO_CPU_")}, **env}
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, cwd=cwd, capture_output=True, text=True)
+
+
 KERNEL_CHECK = """
 import sys
 import torch
@@ -131,15 +142,9 @@ def test_linear_cpu_kernel_choice_and_its_fallbacks(setting, dtype, tmp_path):
     # CPU has them (chosen at run time), else on the 256-bit kernels (bf16 widened to float32); the
     # environment variables force the fallbacks. Every path stays correct and row-independent.
     import os
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k not in ("JAKIRO_CPU_AVX512", "JAKIRO_CPU_BF16_DOT", "JAKIRO_CPU_ONEDNN")}
-    if setting != "detected":
-        name, value = setting.split("=")
-        env[name] = value
-    out = subprocess.run([sys.executable, "-c", KERNEL_CHECK, dtype], env=env, cwd=tmp_path, capture_output=True,
-                         text=True)
+    env = {} if setting == "detected" else dict([setting.split("=")])
+    out = run_kernel_check(KERNEL_CHECK, tmp_path, [dtype], **env)
     assert out.returncode == 0, out.stderr
     flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
     avx512 = setting != "JAKIRO_CPU_AVX512=0" and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512dq"))
@@ -167,17 +172,11 @@ def test_linear_weight_streams_give_the_same_bits(tmp_path):
     # How a product's rows read the weight is chosen per CPU (one stream a weight row at a time for
     # up to 5 rows on Zen 5, for one row on Zen 4, register tiles on Intel's) and can be named with
     # JAKIRO_CPU_WEIGHT_STREAM: every one computes each output the same way, so the bits agree.
-    import os
-    import subprocess
-    import sys
-
     if not ops.cpu_avx512():
         pytest.skip("the weight streams are the 512-bit kernels'")
 
     def run(value):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("JAKIRO_CPU_")}
-        env["JAKIRO_CPU_WEIGHT_STREAM"] = value
-        return subprocess.run([sys.executable, "-c", STREAM_CHECK], env=env, cwd=tmp_path, capture_output=True, text=True)
+        return run_kernel_check(STREAM_CHECK, tmp_path, JAKIRO_CPU_WEIGHT_STREAM=value)
 
     digests = {}
     for name in ("zen5", "zen4", "intel"):

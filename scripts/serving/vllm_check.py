@@ -111,8 +111,11 @@ def main() -> int:
     print("target", target_dir, "head", head_dir, json.loads((head_dir / "config.json").read_text())["architectures"])
 
     from vllm import LLM
+    # The KV cache's size given in bytes: on the CPU backend the default (a fraction of the machine's
+    # memory, less the worker's resident size) comes to nothing once the target and the head are loaded
+    # on a small machine. 256 MiB holds 512 positions of either target many times over.
     common = dict(model=str(target_dir), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-                  gpu_memory_utilization=0.1)  # (on the CPU backend: the fraction of memory for the KV cache)
+                  kv_cache_memory_bytes=256 << 20)
     plain_llm = LLM(**common)
     plain = generate(plain_llm, prompts, args.max_tokens)
     del plain_llm

@@ -40,6 +40,19 @@ inline void check_same_dtype(const char* op, const char* name, const at::Tensor&
               ref.scalar_type(), "), got ", t.scalar_type());
 }
 
+// A product's weight: the dtype of its activations ref, or, where the kernel reads them
+// (`bf16_weights`: the CPU's), bfloat16 beside float32 activations: a bf16 checkpoint's weights
+// kept at their own precision and widened exactly in registers (float32 arithmetic, half the
+// bytes read, the bits of the same weights in float32).
+inline void check_weight_dtype(const char* op, const char* name, const at::Tensor& w, const char* ref_name,
+                               const at::Tensor& ref, bool bf16_weights) {
+  const bool mixed = w.scalar_type() == at::kBFloat16 && ref.scalar_type() == at::kFloat;
+  if (mixed && bf16_weights) return;
+  TORCH_CHECK(!mixed, op, ": ", name, " in bfloat16 beside float32 ", ref_name, " is read by the CPU kernels only; here ",
+              name, " must have the dtype of ", ref_name, " (Float)");
+  check_same_dtype(op, name, w, ref_name, ref);
+}
+
 inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t expected,
                        const char* what) {
   TORCH_CHECK(t.size(dim) == expected, op, ": ", name, ".shape[", dim, "] (", what, ") must be ", expected,

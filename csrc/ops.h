@@ -70,21 +70,24 @@ struct DecoderLayerShape {
 // [(Hq + 2 Hkv) D, H]; qkv_bias [(Hq + 2 Hkv) D] or absent; o_weight [H, Hq D]; gate_up_weight
 // [2 I, H]; down_weight [H, I]; kv_cache [2, B, Hkv, S, D] (Hkv and D from it, Hq from o_weight);
 // cos, sin [B, T, D]; lengths [B] int64; tree_mask [B, T, ceil(T / 64)] int64; eps finite and
-// >= 0; one dtype (float32 or bfloat16) but the index tensors, one device. The cache positions
-// and the mask are checked by the parts (rope_kv_write, tree_attention).
+// >= 0; one dtype (float32 or bfloat16) but the index tensors, one device; `bf16_weights` (the
+// CPU kernel): float32 rows also take the four projection weights in bfloat16 (check_weight_dtype).
+// The cache positions and the mask are checked by the parts (rope_kv_write, tree_attention).
 DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::optional<at::Tensor>& residual,
                                       const at::Tensor& input_norm, const at::Tensor& qkv_weight,
                                       const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
                                       const at::Tensor& post_norm, const at::Tensor& gate_up_weight,
                                       const at::Tensor& down_weight, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& kv_cache, const at::Tensor& lengths,
-                                      const at::Tensor& tree_mask, double eps);
+                                      const at::Tensor& tree_mask, double eps, bool bf16_weights = false);
 
 // gate_up [..., 2 I] with I >= 1, float32 or bfloat16.
 void check_silu_mul(const at::Tensor& gate_up);
 
-// x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device.
-void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias);
+// x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device;
+// `bf16_weights` (the CPU kernel): a float32 x also takes a bfloat16 weight (check_weight_dtype).
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  bool bf16_weights = false);
 struct MlpHeadsShape {
   int64_t rows, in_features, heads, hidden, blocks;
 };

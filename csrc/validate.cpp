@@ -207,7 +207,7 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
                                       const at::Tensor& post_norm, const at::Tensor& gate_up_weight,
                                       const at::Tensor& down_weight, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& kv_cache, const at::Tensor& lengths,
-                                      const at::Tensor& tree_mask, double eps) {
+                                      const at::Tensor& tree_mask, double eps, bool bf16_weights) {
   const char* op = "jakiro::decoder_layer";
   check_dim(op, "delta", delta, 3, "[B, T, H]");
   check_dtype(op, "delta", delta, {at::kFloat, at::kBFloat16});
@@ -253,13 +253,22 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
                 at::IntArrayRef(table), ", got ", t->sizes());
   }
   const std::pair<const char*, const at::Tensor*> floats[] = {
-      {"input_norm", &input_norm}, {"qkv_weight", &qkv_weight}, {"o_weight", &o_weight}, {"post_norm", &post_norm},
-      {"gate_up_weight", &gate_up_weight}, {"down_weight", &down_weight}, {"cos", &cos}, {"sin", &sin},
-      {"kv_cache", &kv_cache}};
+      {"input_norm", &input_norm}, {"post_norm", &post_norm}, {"cos", &cos}, {"sin", &sin}, {"kv_cache", &kv_cache}};
   for (const auto& [name, t] : floats) {
     check_same_dtype(op, name, *t, "delta", delta);
     check_same_device(op, name, *t, delta);
   }
+  const std::pair<const char*, const at::Tensor*> weights[] = {
+      {"qkv_weight", &qkv_weight}, {"o_weight", &o_weight}, {"gate_up_weight", &gate_up_weight},
+      {"down_weight", &down_weight}};
+  for (const auto& [name, t] : weights) {
+    check_weight_dtype(op, name, *t, "delta", delta, bf16_weights);
+    check_same_device(op, name, *t, delta);
+  }
+  TORCH_CHECK(qkv_weight.scalar_type() == o_weight.scalar_type() && o_weight.scalar_type() == gate_up_weight.scalar_type() &&
+                  gate_up_weight.scalar_type() == down_weight.scalar_type(),
+              op, ": the four projection weights must share one dtype, got qkv ", qkv_weight.scalar_type(), ", o ",
+              o_weight.scalar_type(), ", gate_up ", gate_up_weight.scalar_type(), ", down ", down_weight.scalar_type());
   for (auto [name, t] : {std::pair{"residual", &residual}, std::pair{"qkv_bias", &qkv_bias}}) {
     if (t->has_value()) {
       check_same_dtype(op, name, **t, "delta", delta);
@@ -280,12 +289,13 @@ void check_silu_mul(const at::Tensor& gate_up) {
               ": gate_up must have shape [..., 2 I] with I >= 1 ([gate | up]), got ", gate_up.sizes());
 }
 
-void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                  bool bf16_weights) {
   const char* op = "jakiro::linear";
   TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");
   check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
   check_dim(op, "weight", weight, 2, "[N, K]");
-  check_same_dtype(op, "weight", weight, "x", x);
+  check_weight_dtype(op, "weight", weight, "x", x, bf16_weights);
   check_same_device(op, "weight", weight, x);
   check_size(op, "weight", weight, 1, x.size(-1), "in features K, as x.shape[-1]");
   if (bias.has_value()) {

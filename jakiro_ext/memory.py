@@ -71,35 +71,44 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start: start + nbytes]
 
 
+def copy_to_huge_pages(tensors) -> list:
+    """Copies of the CPU ``tensors`` in one buffer in huge pages (:func:`huge_page_buffer`, each
+    copy 64-byte aligned), in order; None where huge pages are off (:func:`huge_pages_enabled`),
+    the kernel refuses the advice or a tensor is not on the CPU."""
+    tensors = list(tensors)
+    if not huge_pages_enabled() or not tensors or any(t.device.type != "cpu" for t in tensors):
+        return None
+    align = 64
+    sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors]
+    try:
+        buffer = huge_page_buffer(sum(sizes))
+    except OSError:
+        return None
+    copies, offset = [], 0
+    with torch.no_grad():
+        for t, size in zip(tensors, sizes):
+            view = buffer[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            copies.append(view)
+            offset += size
+    return copies
+
+
 def move_to_huge_pages(module: torch.nn.Module) -> int:
     """Copy the CPU parameters of ``module`` into one buffer in huge pages
-    (:func:`huge_page_buffer`; each parameter's ``data`` becomes a view of it, tied parameters stay
-    tied) and return the bytes moved; 0 where huge pages are off (:func:`huge_pages_enabled`) or
+    (:func:`copy_to_huge_pages`; each parameter's ``data`` becomes a view of it, tied parameters
+    stay tied) and return the bytes moved; 0 where huge pages are off (:func:`huge_pages_enabled`) or
     nothing is on the CPU. Why: decoding streams every weight once a token, and with 4 KiB pages
     that stream misses the TLB every 4 KiB; a 2-core Xeon summed 425 MB at 26-28 GB/s from 4 KiB
     pages and at 32-33 GB/s from 2 MiB pages (docs/benchmarks.md)."""
-    if not huge_pages_enabled():
-        return 0
     groups: dict = {}  # one copy per distinct tensor (a tied LM head and embedding share one)
     for p in module.parameters():
         if p.device.type == "cpu" and p.numel() > 0:
             groups.setdefault((p.data_ptr(), p.dtype, tuple(p.shape), tuple(p.stride())), []).append(p)
-    if not groups:
+    copies = copy_to_huge_pages(ps[0].data for ps in groups.values())
+    if copies is None:
         return 0
-    align = 64
-    sizes = [-(-ps[0].numel() * ps[0].element_size() // align) * align for ps in groups.values()]
-    try:
-        buffer = huge_page_buffer(sum(sizes))
-    except OSError:
-        return 0
-    offset = 0
-    with torch.no_grad():
-        for ps, size in zip(groups.values(), sizes):
-            first = ps[0]
-            view = buffer[offset: offset + first.numel() * first.element_size()].view(first.dtype).view(first.shape)
-            view.copy_(first)
-            for p in ps:
-                p.data = view
-            offset += size
-    return offset
-
+    for ps, view in zip(groups.values(), copies):
+        for p in ps:
+            p.data = view
+    return sum(-(-v.numel() * v.element_size() // 64) * 64 for v in copies)

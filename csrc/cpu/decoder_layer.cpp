@@ -36,6 +36,7 @@ namespace {
 constexpr int64_t kSiluRowsPerTask = 8;
 
 struct CpuOps {
+  static constexpr bool kBf16Weights = true;
   std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
                                               const std::optional<at::Tensor>& residual) const {
     return rms_norm_cpu(x, w, eps, residual);
@@ -107,7 +108,8 @@ T* as(std::vector<char>& bytes) {
   return reinterpret_cast<T*>(bytes.data());
 }
 
-template <typename scalar_t>
+// weight_t: the projections' weights, scalar_t or bf16 beside float32 activations (check_weight_dtype).
+template <typename scalar_t, typename weight_t = scalar_t>
 std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
     const DecoderLayerShape& s, const at::Tensor& delta, const std::optional<at::Tensor>& residual,
     const at::Tensor& input_norm, const at::Tensor& qkv_weight, const std::optional<at::Tensor>& qkv_bias,
@@ -165,9 +167,9 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
 
   const scalar_t *px = x.data_ptr<scalar_t>(), *pres = res.defined() ? res.data_ptr<scalar_t>() : nullptr;
   const scalar_t* pqkv_b = qkv_b.defined() ? qkv_b.data_ptr<scalar_t>() : nullptr;
-  const scalar_t *wq = w_qkv.data_ptr<scalar_t>(), *wo = w_o.data_ptr<scalar_t>(), *wgu = w_gu.data_ptr<scalar_t>(),
-                 *wd = w_down.data_ptr<scalar_t>(), *win = w_in.data_ptr<scalar_t>(),
-                 *wpost = w_post.data_ptr<scalar_t>();
+  const weight_t *wq = w_qkv.data_ptr<weight_t>(), *wo = w_o.data_ptr<weight_t>(), *wgu = w_gu.data_ptr<weight_t>(),
+                 *wd = w_down.data_ptr<weight_t>();
+  const scalar_t *win = w_in.data_ptr<scalar_t>(), *wpost = w_post.data_ptr<scalar_t>();
   scalar_t *pstream2 = stream2.data_ptr<scalar_t>(), *pmlp = mlp.data_ptr<scalar_t>();
   scalar_t *keys = k_cache.data_ptr<scalar_t>(), *values = v_cache.data_ptr<scalar_t>();
   const int64_t batch_stride = kv_cache.stride(1), head_stride = kv_cache.stride(2);
@@ -178,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
                               mask.data_ptr<int64_t>(), mask.size(2), out_partial, lse_partial};
 
   // y[:, j0:j1) = rows @ w[j0:j1)^T (+ bias) for a stage's input rows (M x K, scalar_t).
-  auto project = [&](RoleScratch& rs, const scalar_t* rows, int64_t K, const scalar_t* w, const scalar_t* bias,
+  auto project = [&](RoleScratch& rs, const scalar_t* rows, int64_t K, const weight_t* w, const scalar_t* bias,
                      int64_t j0, int64_t j1, scalar_t* y, int64_t ldy) {
     if (j0 >= j1) return;
     StreamedRows in;
@@ -190,7 +192,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layer(
       to_float(rows, rs.widened.data(), M * K);
       in.f = rs.widened.data();
     }
-    linear_columns(in, M, K, w, bias, j0, j1, y, ldy, rs.product.data());
+    linear_columns<scalar_t, weight_t>(in, M, K, w, bias, j0, j1, y, ldy, rs.product.data());
   };
   auto columns = [&](int64_t N, int64_t role) {  // a role's output columns, in units of kColumnBlock
     const auto [b0, b1] = share((N + kColumnBlock - 1) / kColumnBlock, role, roles);
@@ -282,10 +284,15 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& lengths, const at::Tensor& tree_mask,
     double eps) {
   const auto s = check_decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm,
-                                     gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps);
+                                     gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps,
+                                     CpuOps::kBf16Weights);
   const int64_t rows = s.batch * s.tokens;
   if (fused_layer_enabled() && rows > 0 && rows <= kLinearStreamRows && s.tokens <= kFixedSplitTreeLen) {
     std::tuple<at::Tensor, at::Tensor> result;
+    if (qkv_weight.scalar_type() != delta.scalar_type())  // float32 rows, bf16 weights (check_weight_dtype)
+      return fused_decoder_layer<float, c10::BFloat16>(s, delta, residual, input_norm, qkv_weight, qkv_bias, o_weight,
+                                                       post_norm, gate_up_weight, down_weight, cos, sin, kv_cache,
+                                                       lengths, tree_mask, eps);
     JAKIRO_DISPATCH_FLOAT_BF16(delta.scalar_type(), "decoder_layer_cpu", [&] {
       result = fused_decoder_layer<scalar_t>(s, delta, residual, input_norm, qkv_weight, qkv_bias, o_weight,
                                              post_norm, gate_up_weight, down_weight, cos, sin, kv_cache, lengths,

@@ -23,15 +23,15 @@
 #include "ops.h"
 
 namespace jakiro::cpu {
-template <typename scalar_t>
-void linear_columns(StreamedRows x, int64_t rows, int64_t K, const scalar_t* w, const scalar_t* bias, int64_t j0,
+template <typename scalar_t, typename weight_t>
+void linear_columns(StreamedRows x, int64_t rows, int64_t K, const weight_t* w, const scalar_t* bias, int64_t j0,
                     int64_t j1, scalar_t* y, int64_t ldy, float* scratch) {
   constexpr bool is_float = std::is_same_v<scalar_t, float>;
   const int64_t n = j1 - j0;
   // The products land in float32: in y itself when it is float32, else in scratch.
   float* acc = is_float ? reinterpret_cast<float*>(y) + j0 : scratch;
   const int64_t lda = is_float ? ldy : n;
-  if constexpr (!is_float) {
+  if constexpr (!is_float) {  // (bf16 rows: bf16 weights)
     if (x.bf16 != nullptr) {
       skinny_gemm_nt_bf16_dot(x.bf16, rows, K, w, K, K, j0, j1, acc, lda);
       x.f = nullptr;
@@ -55,6 +55,8 @@ template void linear_columns<float>(StreamedRows, int64_t, int64_t, const float*
                                     float*, int64_t, float*);
 template void linear_columns<c10::BFloat16>(StreamedRows, int64_t, int64_t, const c10::BFloat16*,
                                             const c10::BFloat16*, int64_t, int64_t, c10::BFloat16*, int64_t, float*);
+template void linear_columns<float, c10::BFloat16>(StreamedRows, int64_t, int64_t, const c10::BFloat16*, const float*,
+                                                   int64_t, int64_t, float*, int64_t, float*);
 
 namespace {
 
@@ -85,7 +87,7 @@ at::Tensor many_rows_linear(const at::Tensor& x, const at::Tensor& weight, const
 bool onednn_linear_enabled() { return onednn_linear().has_value(); }
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  check_linear(x, weight, bias);
+  check_linear(x, weight, bias, /*bf16_weights=*/true);
   const int64_t K = x.size(-1), N = weight.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
@@ -101,8 +103,11 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
   const bool blas = is_float || bf16_dot_enabled();
   const bool short_sequences = x.dim() >= 3 && x.size(-2) <= kLinearStreamRows;
   if (M == 0 || K == 0) return at::linear(x, weight, bias);
+  // float32 x with bf16 weights (check_weight_dtype): the weights widened for BLAS, read as they
+  // are when streamed.
+  const bool widened_weights = weight.scalar_type() != x.scalar_type();
   if (blas && M > kLinearStreamRows && !short_sequences) {
-    return many_rows_linear(x2, weight, bias).view(out_shape);
+    return many_rows_linear(x2, widened_weights ? weight.to(at::kFloat) : weight, bias).view(out_shape);
   }
 
   auto w = weight.contiguous();
@@ -117,10 +122,7 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
     rows_in.f = xs.data_ptr<float>();
   const int64_t blocks = (N + kColumnBlock - 1) / kColumnBlock;
   // Each task owns a block of output columns for every row: W is read once, by one thread.
-  JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "linear_cpu", [&] {
-    const scalar_t* pw = w.data_ptr<scalar_t>();
-    const scalar_t* pb = b.defined() ? b.data_ptr<scalar_t>() : nullptr;
-    scalar_t* po = out.data_ptr<scalar_t>();
+  auto stream = [&](auto* pw, auto* pb, auto* po) {
     for (int64_t m0 = 0; m0 < M; m0 += kLinearStreamRows) {
       const int64_t rows = std::min(kLinearStreamRows, M - m0);
       at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
@@ -129,6 +131,13 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::
         linear_columns(rows_in.at(m0 * K), rows, K, pw, pb, j0, j1, po + m0 * N, N, scratch.data());
       });
     }
+  };
+  if (widened_weights) {
+    stream(w.data_ptr<c10::BFloat16>(), b.defined() ? b.data_ptr<float>() : nullptr, out.data_ptr<float>());
+    return out.view(out_shape);
+  }
+  JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "linear_cpu", [&] {
+    stream(w.data_ptr<scalar_t>(), b.defined() ? b.data_ptr<scalar_t>() : nullptr, out.data_ptr<scalar_t>());
   });
   return out.view(out_shape);
 }

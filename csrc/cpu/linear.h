@@ -29,9 +29,10 @@ struct StreamedRows {
 // y[m, j] = x[m] . w[j] (+ bias[j]) for m < rows and j0 <= j < j1, rounded once to scalar_t; x's
 // rows are K apart, w is [N, K] contiguous, y's rows ldy apart (column j at y[m * ldy + j]).
 // scratch: rows * (j1 - j0) floats, used for a bf16 y only. Each y[m, j] takes the same path
-// whatever rows, j0 and j1 are (cpu/skinny_gemm.h).
-template <typename scalar_t>
-void linear_columns(StreamedRows x, int64_t rows, int64_t K, const scalar_t* w, const scalar_t* bias, int64_t j0,
+// whatever rows, j0 and j1 are (cpu/skinny_gemm.h). weight_t: scalar_t, or bf16 beside a float32
+// y (a bf16 checkpoint's weights read as they are, widened exactly: the bits of the float32 weights).
+template <typename scalar_t, typename weight_t = scalar_t>
+void linear_columns(StreamedRows x, int64_t rows, int64_t K, const weight_t* w, const scalar_t* bias, int64_t j0,
                     int64_t j1, scalar_t* y, int64_t ldy, float* scratch);
 
 }  // namespace jakiro::cpu

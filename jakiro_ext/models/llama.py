@@ -6,6 +6,7 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
@@ -15,7 +16,7 @@ from torch import nn
 
 from jakiro_ext import ops
 from jakiro_ext.kv_cache import KVCache, causal_tree_mask
-from jakiro_ext.memory import move_to_huge_pages
+from jakiro_ext.memory import copy_to_huge_pages, move_to_huge_pages
 from jakiro_ext.ops import reference
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -163,19 +164,33 @@ class Block(nn.Module):
         layer's keys and values go into ``cache`` after each sequence's committed prefix."""
         return self.run(residual, delta, cos, sin, cache.kv[self.layer], cache.lengths, tree_mask)
 
-    def run(self, residual, delta, cos, sin, layer_kv, lengths, tree_mask):
+    def run(self, residual, delta, cos, sin, layer_kv, lengths, tree_mask, projections=None):
         """:meth:`forward` with this layer's slice of the cache given, and the weights read from
         the modules' dicts: ``module.attr`` of a submodule or parameter raises and catches an
         AttributeError inside nn.Module before finding it (about a microsecond each, fourteen a
-        layer: about 0.35 ms of a decoding step at the default model's 30 layers)."""
+        layer: about 0.35 ms of a decoding step at the default model's 30 layers).
+        ``projections``: the (qkv, o, gate_up, down) weights to read instead of the parameters
+        (:meth:`LlamaModel.streamed_weights`)."""
         mods = self._modules
         attn = mods["self_attn"]._modules
         qkv = attn["qkv_proj"]._parameters
-        return ops.decoder_layer(delta, residual, mods["input_layernorm"]._parameters["weight"], qkv["weight"],
-                                 qkv["bias"], attn["o_proj"]._parameters["weight"],
-                                 mods["post_attention_layernorm"]._parameters["weight"],
-                                 mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"],
+        w_qkv, w_o, w_gate_up, w_down = projections or (qkv["weight"], attn["o_proj"]._parameters["weight"],
+                                                        mods["gate_up_proj"]._parameters["weight"],
+                                                        mods["down_proj"]._parameters["weight"])
+        return ops.decoder_layer(delta, residual, mods["input_layernorm"]._parameters["weight"], w_qkv, qkv["bias"],
+                                 w_o, mods["post_attention_layernorm"]._parameters["weight"], w_gate_up, w_down,
                                  cos, sin, layer_kv, lengths, tree_mask, self.eps)
+
+
+# Rows up to which jakiro::linear and jakiro::decoder_layer stream the weights (csrc/ops.h,
+# kLinearStreamRows); more go to BLAS, which reads the float32 parameters.
+STREAM_ROWS = 64
+
+
+def bf16_weights_enabled() -> bool:
+    """Whether a float32 model on the CPU reads a bf16 checkpoint's weights as bf16 copies
+    (:meth:`LlamaModel.streamed_weights`); ``JAKIRO_CPU_BF16_WEIGHTS=0`` turns it off."""
+    return os.environ.get("JAKIRO_CPU_BF16_WEIGHTS") != "0"
 
 
 # A prompt (a chain of tokens) longer than this runs as chunks of this many tokens
@@ -232,15 +247,52 @@ class LlamaModel(nn.Module):
             raise ValueError(f"{T} new tokens after a prefix of {max(cache.host_lengths)} need {longest} cache "
                              f"positions, beyond the cache capacity {cache.max_capacity}")
         cache.reserve(longest)
+        streamed = self.streamed_weights() if B * (1 if last_logits_only else T) <= STREAM_ROWS else None
         if tree_mask is None and depths is None and 0 < self.prefill_chunk < T:
             normed, hidden = self._chunked(tokens, cache, feature_layers)
         else:
-            normed, hidden = self._layers(tokens, cache, tree_mask, depths, feature_layers)
-        return project(self.lm_head, normed[:, -1:] if last_logits_only else normed), hidden
+            normed, hidden = self._layers(tokens, cache, tree_mask, depths, feature_layers,
+                                          streamed if B * T <= STREAM_ROWS else None)
+        last = normed[:, -1:] if last_logits_only else normed
+        return (project(self.lm_head, last) if streamed is None else ops.linear(last, streamed[-1])), hidden
+
+    def streamed_weights(self) -> Optional[list]:
+        """What the streamed products (decoding, a tree's verification: at most STREAM_ROWS rows)
+        read instead of the float32 parameters, on the CPU, where every projection and LM-head
+        weight is exactly a bf16 value (a bf16 checkpoint loaded in float32, as the default
+        model's): bf16 copies of them, in huge pages, [(qkv, o, gate_up, down) per layer, then the
+        LM head]. The products widen them in registers: float32 arithmetic, the same bits, half
+        the bytes read (the parameters stay, for BLAS and for whoever reads them). Made once and
+        made again when a parameter changes (its version or storage); None: read the parameters
+        (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``)."""
+        if not bf16_weights_enabled():
+            return None
+        params = []
+        for layer in self._modules["layers"]._modules.values():  # (the modules' dicts: see Block.run)
+            mods = layer._modules
+            attn = mods["self_attn"]._modules
+            params += (attn["qkv_proj"]._parameters["weight"], attn["o_proj"]._parameters["weight"],
+                       mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"])
+        params.append(self._modules["lm_head"]._parameters["weight"])
+        key = [(p.data_ptr(), p._version) for p in params]
+        kept = self.__dict__.get("_bf16_weights")
+        if kept is not None and kept[0] == key:
+            return kept[1]
+        copies = None
+        if all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
+                                          for p in params) \
+                and not any(bool((p.detach().view(torch.int32) & 0xFFFF).any()) for p in params):
+            with torch.no_grad():
+                flat = copy_to_huge_pages(p.detach().bfloat16() for p in params) or [p.detach().bfloat16() for p in params]
+            copies = [tuple(flat[i: i + 4]) for i in range(0, len(flat) - 1, 4)] + [flat[-1]]
+        self.__dict__["_bf16_weights"] = (key, copies)
+        return copies
 
     def _layers(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor],
-                depths: Optional[torch.Tensor], feature_layers: Optional[Sequence[int]]):
-        """(the final hidden states after the norm, what the forward returns as hidden states)."""
+                depths: Optional[torch.Tensor], feature_layers: Optional[Sequence[int]],
+                streamed: Optional[list] = None):
+        """(the final hidden states after the norm, what the forward returns as hidden states);
+        ``streamed``: :meth:`streamed_weights`, read instead of the parameters."""
         B, T = tokens.shape
         device = tokens.device
         if tree_mask is None:
@@ -253,7 +305,8 @@ class LlamaModel(nn.Module):
         for i, (layer, layer_kv) in enumerate(zip(self.layers, cache.kv.unbind(0))):
             if feature_layers is not None and i in feature_layers:
                 streams.append((i, delta if residual is None else residual + delta))
-            residual, delta = layer.run(residual, delta, cos, sin, layer_kv, cache.lengths, tree_mask)
+            residual, delta = layer.run(residual, delta, cos, sin, layer_kv, cache.lengths, tree_mask,
+                                        None if streamed is None else streamed[i])
         normed, _ = self.norm.add_and_norm(delta, residual)
         if feature_layers is None:
             return normed, normed

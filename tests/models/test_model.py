@@ -280,3 +280,56 @@ def test_huge_pages_are_off_when_asked(monkeypatch):
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     assert len(weights) > 1  # each weight its own allocation, as torch made them
     assert memory.move_to_huge_pages(model) == 0
+
+
+def _forwards(model, tokens, parents):
+    """A 70-token prompt (BLAS rows, its last logits streamed), a 40-token one, a decoding step and
+    a tree after it: every logit and hidden state."""
+    out = [model(tokens[:, :70], model.new_cache(1, 128), last_logits_only=True)]
+    cache = model.new_cache(1, 128)
+    out.append(model(tokens[:, :40], cache))
+    cache.commit(40)
+    out.append(model(tokens[:, 40:41], cache))
+    cache.commit(1)
+    depth = torch.zeros_like(parents)
+    for i in range(1, parents.shape[1]):
+        depth[0, i] = depth[0, parents[0, i]] + 1
+    out.append(model(tokens[:, 41:41 + parents.shape[1]], cache, ops.build_tree_mask(parents), depth))
+    return [t for pair in out for t in pair]
+
+
+def test_a_bf16_checkpoint_in_float32_reads_bf16_copies_with_the_same_bits(monkeypatch):
+    """A float32 model on the CPU whose projection and LM-head weights are all exactly bf16 values
+    (a bf16 checkpoint loaded in float32) reads bf16 copies of them at decoding and verification
+    sizes: the same bits as reading the float32 parameters (JAKIRO_CPU_BF16_WEIGHTS=0); the copies
+    are made once, made again when a weight changes, and not made while one is not exactly bf16."""
+    hf = hf_model("qwen2", seed=5)  # an untied LM head, q/k/v biases
+    for p in hf.parameters():
+        p.data = p.data.bfloat16().float()
+    model = LlamaModel.from_hf(hf)
+    tokens = torch.randint(0, 211, (1, 80), generator=gen(8))
+    parents = random_parents(1, 6, seed=9, max_children=2)
+    copies = model.streamed_weights()
+    assert copies is not None and len(copies) == 3 + 1 and model.streamed_weights() is copies
+    assert all(w.dtype == torch.bfloat16 for layer in copies[:-1] for w in layer) and copies[-1].dtype == torch.bfloat16
+    assert torch.equal(copies[1][3].float(), model.layers[1].down_proj.weight)
+    assert not memory.huge_pages_enabled() or _huge_page_advice(copies[0][0])
+    read = _forwards(model, tokens, parents)
+    monkeypatch.setenv("JAKIRO_CPU_BF16_WEIGHTS", "0")
+    assert model.streamed_weights() is None
+    params = _forwards(model, tokens, parents)
+    for a, b in zip(read, params):
+        assert torch.equal(a, b)
+    monkeypatch.delenv("JAKIRO_CPU_BF16_WEIGHTS")
+    with torch.no_grad():  # a changed weight: copies made again, still the parameters' bits
+        model.layers[2].gate_up_proj.weight.mul_(2)
+    again = model.streamed_weights()
+    assert again is not copies and torch.equal(again[2][2].float(), model.layers[2].gate_up_proj.weight)
+    changed = _forwards(model, tokens, parents)
+    assert not torch.equal(changed[-2], read[-2])
+    monkeypatch.setenv("JAKIRO_CPU_BF16_WEIGHTS", "0")
+    assert all(torch.equal(a, b) for a, b in zip(changed, _forwards(model, tokens, parents)))
+    monkeypatch.delenv("JAKIRO_CPU_BF16_WEIGHTS")
+    with torch.no_grad():  # one weight beyond bf16's precision: the float32 parameters are read
+        model.lm_head.weight[0, 0] += 2.0 ** -20
+    assert model.streamed_weights() is None

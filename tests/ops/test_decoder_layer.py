@@ -98,6 +98,12 @@ class Layer:
         self.cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
         self.sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
 
+    def with_bf16_projections(self) -> "Layer":
+        """The four projection weights rounded to bf16 and kept so (the rest float32)."""
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            self.weights[name] = self.weights[name].bfloat16()
+        return self
+
     def args(self, kv_cache=None):
         w = self.weights
         return (self.delta, self.residual, w["input_norm"], w["qkv_weight"], w["qkv_bias"], w["o_weight"],
@@ -200,6 +206,30 @@ def test_decoder_layer_opcheck():
     for bias, residual in ((True, True), (False, False)):
         layer = Layer(B=2, T=3, bias=bias, residual=residual)
         torch.library.opcheck(torch.ops.jakiro.decoder_layer.default, layer.args())
+    layer = Layer(B=2, T=3).with_bf16_projections()
+    torch.library.opcheck(torch.ops.jakiro.decoder_layer.default, layer.args())
+
+
+PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
+@pytest.mark.covers("decoder_layer", "adversarial_shapes")
+def test_decoder_layer_bf16_projections_beside_float32_rows_give_the_float32_weights_bits(shape):
+    """The four projection weights in bf16 with float32 rows (a bf16 checkpoint's weights read as
+    they are; on the CPU) give the bits of the same weights in float32, fused (up to 64 rows) or
+    composed (a prompt), the cache written alike."""
+    B, T, H, Hq, Hkv, D, I, prefix = shape
+    layer = Layer(B, T, H, Hq, Hkv, D, I, prefix=prefix).with_bf16_projections()
+    widened = Layer(B, T, H, Hq, Hkv, D, I, prefix=prefix)
+    widened.weights.update({k: layer.weights[k].float() for k in PROJECTIONS})
+    got_cache, want_cache = layer.kv_cache.clone(), layer.kv_cache.clone()
+    got = ops.decoder_layer(*layer.args(got_cache))
+    want = ops.decoder_layer(*widened.args(want_cache))
+    assert got[0].dtype == got[1].dtype == torch.float32
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got_cache, want_cache)
+    ref_cache = layer.kv_cache.clone()
+    torch.testing.assert_close(got[1], reference.decoder_layer(*layer.args(ref_cache))[1], **TOL[torch.float32])
 
 
 def test_decoder_layer_bad_input_errors(any_backend):
@@ -223,7 +253,11 @@ def test_decoder_layer_bad_input_errors(any_backend):
                                           r"and Hq a multiple of Hkv = 2, got 50"),
         (with_(5, w["o_weight"][:, :48]), r"Hq a multiple of Hkv = 2, got 48"),
         (with_(7, w["gate_up_weight"][:79]), r"gate_up_weight.shape\[0\] \(2 I, I = down_weight.shape\[1\]\) must be 80, got 79"),
-        (with_(8, w["down_weight"].bfloat16()), r"down_weight must have the dtype of delta \(Float\), got BFloat16"),
+        (with_(8, w["down_weight"].half()), r"down_weight must have the dtype of delta \(Float\), got Half"),
+        (with_(6, w["post_norm"].bfloat16()), r"post_norm must have the dtype of delta \(Float\), got BFloat16"),
+        (with_(8, w["down_weight"].bfloat16()), r"the four projection weights must share one dtype, got qkv Float, o Float, "
+                                                r"gate_up Float, down BFloat16" if any_backend.name == "cpu" else
+                                                r"down_weight in bfloat16 beside float32 delta is read by the CPU kernels only"),
         (with_(9, layer.cos[:, :2]), r"cos must have shape \[B, T, D\] = \[2, 3, 16\], got \[2, 2, 16\]"),
         (with_(11, layer.kv_cache[:, :1].clone()), r"kv_cache.shape\[1\] \(batch, as delta.shape\[0\]\) must be 2, got 1"),
         (with_(11, layer.kv_cache[..., :15].clone()), r"kv_cache \[2, B, Hkv, S, D\] must have Hkv >= 1 and an even D >= 2"),

@@ -84,6 +84,24 @@ def test_linear_opcheck():
     x, w, b = randn(2, 3, 32, seed=8), randn(20, 32, seed=9), randn(20, seed=10)
     torch.library.opcheck(torch.ops.jakiro.linear.default, (x, w, b))
     torch.library.opcheck(torch.ops.jakiro.linear.default, (x, w, None))
+    torch.library.opcheck(torch.ops.jakiro.linear.default, (x, w.bfloat16(), b))  # bf16 weights, float32 rows
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-K{s[1]}-N{s[2]}")
+@pytest.mark.covers("linear", "adversarial_shapes")
+def test_linear_bf16_weights_beside_float32_rows_give_the_float32_weights_bits(shape, bias):
+    """A bf16 weight with float32 rows (a bf16 checkpoint's weights read as they are) is widened
+    exactly: the same bits as the same weight in float32, streamed (up to 64 rows, and sequences of
+    up to 64 tokens) or through BLAS; float32 out."""
+    lead, K, N = shape
+    x = randn(*lead, K, seed=1)
+    w = randn(N, K, seed=2, dtype=torch.bfloat16, scale=K**-0.5)
+    b = randn(N, seed=3) if bias else None
+    got = ops.linear(x, w, b)
+    assert got.dtype == torch.float32 and got.shape == (*lead, N)
+    assert torch.equal(got, ops.linear(x, w.float(), b))
+    torch.testing.assert_close(got, reference.linear(x, w, b), **TOL[torch.float32])
 
 
 def test_linear_bad_input_errors():
@@ -91,7 +109,9 @@ def test_linear_bad_input_errors():
     cases = [
         (dict(x=x, weight=w[:, :31]), r"weight.shape\[1\] \(in features K, as x.shape\[-1\]\) must be 32, got 31"),
         (dict(x=x, weight=w[0]), r"weight must have 2 dimensions \[N, K\]"),
-        (dict(x=x, weight=w.bfloat16()), r"weight must have the dtype of x \(Float\), got BFloat16"),
+        (dict(x=x.bfloat16(), weight=w), r"weight must have the dtype of x \(BFloat16\), got Float"),
+        (dict(x=x, weight=w.half()), r"weight must have the dtype of x \(Float\), got Half"),
+        (dict(x=x, weight=w.bfloat16(), bias=b.bfloat16()), r"bias must have the dtype of x \(Float\), got BFloat16"),
         (dict(x=x.double(), weight=w.double()), r"x must have dtype Float or BFloat16, got Double"),
         (dict(x=x, weight=w, bias=b[:19]), r"bias.shape\[0\] \(out features N, as weight.shape\[0\]\) must be 20, got 19"),
         (dict(x=x, weight=w, bias=b.bfloat16()), r"bias must have the dtype of x"),

@@ -284,7 +284,8 @@ def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
 
 def linear(x, weight, bias=None):
     """y = x @ weight.T (+ bias), like ``torch.nn.functional.linear``. x [..., K]; weight [N, K];
-    bias [N] or None; one dtype (float32 or bfloat16). At decoding and tree-verification sizes
+    bias [N] or None; one dtype (float32 or bfloat16), or on the CPU a bfloat16 weight beside a
+    float32 x (widened exactly: the bits of the same weight in float32). At decoding and tree-verification sizes
     (up to 64 rows) the weight is streamed once and each row is computed in the same order
     whatever the number of rows; more rows go to BLAS. Accumulates in float32."""
     return _kernel("linear")(x, weight, bias)
@@ -310,7 +311,8 @@ def decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, p
     o_weight [H, Hq D]; gate_up_weight [2 I, H] ([gate | up] rows); down_weight [H, I]; cos, sin
     [B, T, D] (the rotary table at each token's position); kv_cache [2, B, Hkv, S, D], written at
     slots lengths[b] + t (in place); lengths [B] int64; tree_mask [B, T, ceil(T / 64)] (see
-    ``tree_attention``). One dtype (float32 or bfloat16)."""
+    ``tree_attention``). One dtype (float32 or bfloat16), or on the CPU the four projection weights
+    in bfloat16 beside float32 rows (as ``linear`` takes them)."""
     return _kernel("decoder_layer")(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm,
                                     gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps)
 

@@ -87,6 +87,7 @@ def main():
               f"parameters ({params / copies:.2f}x)", flush=True)
 
     head = load_head("jakiro", None, target, DEFAULT_MODEL.split("/")[-1])
+    way("float32 parameters")  # both ways run the tree the float32 parameters' cached costs choose
     tree = auto_tree(target, head, "jakiro")
     prompts = [chat_ids(tokenizer, json.loads(line)["prompt"], True).flatten()
                for line in (Path(HEADS_DIR).parent / "data" / "prompts.jsonl").read_text().splitlines()

@@ -201,7 +201,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
 
 
 def costs_key(target, head, method: str, batch: int = 1) -> str:
-    """What the costs depend on: the CPU (or GPU), the threads, the dtype and the shapes."""
+    """What the costs depend on: the CPU (or GPU), the threads, the dtype (and whether the steps
+    read bf16 copies of the weights: :meth:`LlamaModel.streamed_weights`) and the shapes."""
     device = target.lm_head.weight.device
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()) + \
         f"-{torch.get_num_threads()}t"
@@ -211,6 +212,8 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
     if getattr(h, "num_mlp_heads", 0):
         shape += f"-l{h.num_layers}-m{h.num_mlp_heads}x{h.mlp_blocks}"
     dtype = str(target.lm_head.weight.dtype).replace("torch.", "")
+    if target.streamed_weights() is not None:  # a bf16 checkpoint in float32: its steps read half the bytes
+        dtype += "-bf16_weights"
     batched = f"-b{batch}" if batch > 1 else ""
     return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}{batched}")
 

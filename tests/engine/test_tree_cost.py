@@ -13,8 +13,9 @@ from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.loss import evaluate
 from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, capped_by_larger, choose_tree, expected_accepted, load_costs, measure_costs,
                                          rate, round_seconds)
+from jakiro_ext.engine import tree_cost
 from jakiro_ext.training.acceptance import acceptance_profile
-from helpers import copy_head, prompt, tiny_target
+from helpers import copy_head, prompt, random_head, tiny_target
 from test_train import make_examples
 
 
@@ -116,6 +117,21 @@ def test_costs_of_another_build_are_measured_again(tmp_path, monkeypatch, capsys
     assert calls == [1] and costs["build"] == tree_cost.build_id() != "0.0.1-123-456"
     assert "measured with another build" in capsys.readouterr().err
     assert load_costs(None, None, "jakiro", tmp_path, progress=False) == costs and calls == [1]
+
+
+def test_a_bf16_checkpoint_in_float32_has_its_own_costs(monkeypatch):
+    """Its steps read bf16 copies of the weights (half the bytes): other costs than the same
+    shapes read in float32, and than itself with the copies turned off."""
+    target = tiny_target()
+    head = random_head(target, "jakiro")
+    plain = tree_cost.costs_key(target, head, "jakiro")
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(p.bfloat16().float())
+    rounded = tree_cost.costs_key(target, head, "jakiro")
+    assert rounded != plain and rounded.replace("-bf16_weights", "") == plain
+    monkeypatch.setenv("JAKIRO_CPU_BF16_WEIGHTS", "0")
+    assert tree_cost.costs_key(target, head, "jakiro") == plain
 
 
 def test_costs_of_a_batch_are_measured_at_its_bucket(tmp_path, monkeypatch):

@@ -71,6 +71,11 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start: start + nbytes]
 
 
+def _aligned(t: torch.Tensor) -> int:
+    """The bytes ``t`` takes in a huge-page buffer: its own, rounded up to 64 (a cache line)."""
+    return -(-t.numel() * t.element_size() // 64) * 64
+
+
 def copy_to_huge_pages(tensors) -> list:
     """Copies of the CPU ``tensors`` in one buffer in huge pages (:func:`huge_page_buffer`, each
     copy 64-byte aligned), in order; None where huge pages are off (:func:`huge_pages_enabled`),
@@ -78,8 +83,7 @@ def copy_to_huge_pages(tensors) -> list:
     tensors = list(tensors)
     if not huge_pages_enabled() or not tensors or any(t.device.type != "cpu" for t in tensors):
         return None
-    align = 64
-    sizes = [-(-t.numel() * t.element_size() // align) * align for t in tensors]
+    sizes = [_aligned(t) for t in tensors]
     try:
         buffer = huge_page_buffer(sum(sizes))
     except OSError:
@@ -111,4 +115,4 @@ def move_to_huge_pages(module: torch.nn.Module) -> int:
     for ps, view in zip(groups.values(), copies):
         for p in ps:
             p.data = view
-    return sum(-(-v.numel() * v.element_size() // 64) * 64 for v in copies)
+    return sum(_aligned(v) for v in copies)

@@ -172,14 +172,18 @@ class Block(nn.Module):
         ``projections``: the (qkv, o, gate_up, down) weights to read instead of the parameters
         (:meth:`LlamaModel.streamed_weights`)."""
         mods = self._modules
-        attn = mods["self_attn"]._modules
-        qkv = attn["qkv_proj"]._parameters
-        w_qkv, w_o, w_gate_up, w_down = projections or (qkv["weight"], attn["o_proj"]._parameters["weight"],
-                                                        mods["gate_up_proj"]._parameters["weight"],
-                                                        mods["down_proj"]._parameters["weight"])
-        return ops.decoder_layer(delta, residual, mods["input_layernorm"]._parameters["weight"], w_qkv, qkv["bias"],
-                                 w_o, mods["post_attention_layernorm"]._parameters["weight"], w_gate_up, w_down,
+        w_qkv, w_o, w_gate_up, w_down = projections or self.projections()
+        return ops.decoder_layer(delta, residual, mods["input_layernorm"]._parameters["weight"], w_qkv,
+                                 mods["self_attn"]._modules["qkv_proj"]._parameters["bias"], w_o,
+                                 mods["post_attention_layernorm"]._parameters["weight"], w_gate_up, w_down,
                                  cos, sin, layer_kv, lengths, tree_mask, self.eps)
+
+    def projections(self) -> Tuple[torch.Tensor, ...]:
+        """The (qkv, o, gate_up, down) weight parameters, read from the modules' dicts (see :meth:`run`)."""
+        mods = self._modules
+        attn = mods["self_attn"]._modules
+        return (attn["qkv_proj"]._parameters["weight"], attn["o_proj"]._parameters["weight"],
+                mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"])
 
 
 # Rows up to which jakiro::linear and jakiro::decoder_layer stream the weights (csrc/ops.h,
@@ -259,29 +263,24 @@ class LlamaModel(nn.Module):
     def streamed_weights(self) -> Optional[list]:
         """What the streamed products (decoding, a tree's verification: at most STREAM_ROWS rows)
         read instead of the float32 parameters, on the CPU, where every projection and LM-head
-        weight is exactly a bf16 value (a bf16 checkpoint loaded in float32, as the default
-        model's): bf16 copies of them, in huge pages, [(qkv, o, gate_up, down) per layer, then the
+        weight is exactly a bf16 value (a bf16 checkpoint loaded in float32; not the default
+        model, dequantized from a Q4_1 GGUF): bf16 copies of them, in huge pages, [(qkv, o, gate_up, down) per layer, then the
         LM head]. The products widen them in registers: float32 arithmetic, the same bits, half
         the bytes read (the parameters stay, for BLAS and for whoever reads them). Made once and
         made again when a parameter changes (its version or storage); None: read the parameters
         (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``)."""
         if not bf16_weights_enabled():
             return None
-        params = []
-        for layer in self._modules["layers"]._modules.values():  # (the modules' dicts: see Block.run)
-            mods = layer._modules
-            attn = mods["self_attn"]._modules
-            params += (attn["qkv_proj"]._parameters["weight"], attn["o_proj"]._parameters["weight"],
-                       mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"])
+        params = [p for layer in self._modules["layers"]._modules.values() for p in layer.projections()]
         params.append(self._modules["lm_head"]._parameters["weight"])
         key = [(p.data_ptr(), p._version) for p in params]
         kept = self.__dict__.get("_bf16_weights")
         if kept is not None and kept[0] == key:
             return kept[1]
         copies = None
-        if all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous()
-                                          for p in params) \
-                and not any(bool((p.detach().view(torch.int32) & 0xFFFF).any()) for p in params):
+        exact = all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params) and \
+            not any(bool((p.detach().view(torch.int32) & 0xFFFF).any()) for p in params)  # (low 16 bits: beyond bf16)
+        if exact:
             with torch.no_grad():
                 flat = copy_to_huge_pages(p.detach().bfloat16() for p in params) or [p.detach().bfloat16() for p in params]
             copies = [tuple(flat[i: i + 4]) for i in range(0, len(flat) - 1, 4)] + [flat[-1]]

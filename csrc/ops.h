@@ -38,9 +38,11 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
                         const at::Tensor& w_up, const at::Tensor& w_down);
 
 // h_a [..., H]; h_b like h_a or absent; contrast_weight [..., 2] (present iff h_b is);
-// lm_head [V, H]; 1 <= k <= V.
+// lm_head [V, H] of h_a's dtype; 1 <= k <= V. `bf16_weights` (the CPU kernel): a float32 h_a
+// also takes a bfloat16 lm_head (check_weight_dtype).
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
-                            const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k);
+                            const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k,
+                            bool bf16_weights = false);
 
 // The per-token outputs of moe_top2, shaped like x's leading dims, allocated on x's device:
 // expert_out [..., 2, H] (x's dtype), expert_idx [..., 2] int64, expert_score and

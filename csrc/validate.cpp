@@ -337,13 +337,14 @@ MlpHeadsShape check_mlp_heads(const at::Tensor& x, const at::Tensor& w_in, const
 }
 
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
-                            const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k) {
+                            const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k,
+                            bool bf16_weights) {
   const char* op = "jakiro::contrastive_topk";
   TORCH_CHECK(h_a.dim() >= 1 && h_a.size(-1) >= 1, op, ": h_a must have shape [..., H] with H >= 1, got ",
               h_a.sizes());
   check_dtype(op, "h_a", h_a, {at::kFloat, at::kBFloat16});
   check_dim(op, "lm_head", lm_head, 2, "[V, H]");
-  check_same_dtype(op, "lm_head", lm_head, "h_a", h_a);
+  check_weight_dtype(op, "lm_head", lm_head, "h_a", h_a, bf16_weights);
   check_same_device(op, "lm_head", lm_head, h_a);
   check_size(op, "lm_head", lm_head, 1, h_a.size(-1), "hidden size, as h_a.shape[-1]");
   TORCH_CHECK(h_b.has_value() == contrast_weight.has_value(), op,

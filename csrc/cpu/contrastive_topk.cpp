@@ -6,7 +6,8 @@
 // [rows, kVocabChunk] block of logits exists per worker at a time; the workers' states are
 // merged at the end. For few rows the op is bound by reading the LM head, which is streamed
 // once in its own dtype (skinny_gemm.h; a bf16 block widened into an L1 scratch); 16+ float32
-// rows go to BLAS (cpu/gemm.h).
+// rows go to BLAS (cpu/gemm.h). The feature rows are float32 whatever h_a's dtype, so a bf16
+// LM head beside float32 features is the path bf16 features take.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -73,7 +74,7 @@ void scan_vocab(const float* f, int64_t rows, int64_t H, const scalar_t* lm_head
 std::tuple<at::Tensor, at::Tensor> contrastive_topk_cpu(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
                                                         const std::optional<at::Tensor>& contrast_weight,
                                                         const at::Tensor& lm_head, int64_t k) {
-  check_contrastive_topk(h_a, h_b, contrast_weight, lm_head, k);
+  check_contrastive_topk(h_a, h_b, contrast_weight, lm_head, k, /*bf16_weights=*/true);
   const int64_t H = h_a.size(-1), V = lm_head.size(0);
   auto f = feature_rows(h_a, h_b, contrast_weight);
   const int64_t rows = f.size(0);

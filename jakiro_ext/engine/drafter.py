@@ -172,6 +172,8 @@ class Drafter:
         self.forwards = 0
         self._plan: Optional[list] = None  # a static tree's index tensors (_static_plan)
         self._errors: Optional[torch.Tensor] = None  # the round's DRAFT_ERRORS flags
+        self._masks: dict = {}  # (_mask) the masks of a round's shapes
+        self._lm_head: Optional[torch.Tensor] = None  # the round's draft LM head (DraftHead.products)
         self.drafts = self.check(head, method, tree)
         # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
         # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
@@ -232,7 +234,18 @@ class Drafter:
         B, n = tokens.shape
         positions = cache.lengths.unsqueeze(1) + torch.arange(n, device=tokens.device)
         self.forwards += 1
-        return self.head(tokens, features, positions, cache, causal_tree_mask(B, n, tokens.device))
+        return self.head(tokens, features, positions, cache, self._mask(causal_tree_mask, B, n, tokens.device))
+
+    def _mask(self, make, B: int, n: int, device) -> torch.Tensor:
+        """``make(B, n, device)``, a mask the forwards only read, made once per shape where it is
+        small (a round's: n at most 64) and kept."""
+        if n > 64:
+            return make(B, n, device)
+        key = (make, B, n, device)
+        mask = self._masks.get(key)
+        if mask is None:
+            mask = self._masks[key] = make(B, n, device)
+        return mask
 
     def prefill(self, tokens: torch.Tensor, features: torch.Tensor):
         """A sequence's start from its prompt alone: tokens [n] (the prompt's tokens 1..n-1 and its
@@ -260,6 +273,7 @@ class Drafter:
         if not self.drafts:
             return tree.every_node()
         self._errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool, device=roots.device)
+        self._lm_head = self.head.products().lm_head
         if self.tree.choices is not None:
             verify = self._draft_static(tree, cache, root_step)
         else:
@@ -270,8 +284,9 @@ class Drafter:
         return verify
 
     def _topk(self, features: torch.Tensor, k: int):
-        """Top-k (log-probabilities, target token ids) of features [B, R, (E,) H] under the draft's LM head."""
-        lp, ids = ops.contrastive_topk(features, None, None, self.head.lm_head_weight, k)
+        """Top-k (log-probabilities, target token ids) of features [B, R, (E,) H] under the draft's LM
+        head (as :meth:`DraftHead.products` holds it)."""
+        lp, ids = ops.contrastive_topk(features, None, None, self._lm_head, k)
         bad = ids < 0  # the op's mark of a row whose logits are not finite
         self._errors[0] |= bad.any()
         return lp, self.head.target_ids(ids.masked_fill(bad, 0))
@@ -290,19 +305,20 @@ class Drafter:
         return self._topk(step.for_lm_head, k), None
 
     def _run_layer(self, cache: KVCache, tree: DraftTree, frontier: torch.Tensor, depth: int, features: torch.Tensor,
-                   tree_kv: TreeKV, kv_nodes: Optional[torch.Tensor]) -> DraftStep:
+                   tree_kv: TreeKV, kv_nodes: Optional[torch.Tensor], keep_kv: bool = True) -> DraftStep:
         """One draft forward over the frontier nodes [B, R] (all at ``depth``) with the features
         [B, R, H] their parents' step predicted, attending to the committed prefix, their
         ancestors among earlier layers' nodes ``kv_nodes`` [B, M] (keys in ``tree_kv``), and
-        themselves."""
+        themselves; their keys and values kept in ``tree_kv`` for a later layer (``keep_kv``;
+        the last layer run has none)."""
         B, R = frontier.shape
         positions = (cache.lengths.unsqueeze(1) - 1 + depth).expand(B, R)
         if kv_nodes is not None:
             tree_kv.visible = tree.ancestors_among(frontier, kv_nodes, depth)
-        rows = torch.arange(R, device=frontier.device)
-        itself = packed_bit_ranges(rows, rows, R).unsqueeze(0).expand(B, -1, -1)
+        itself = self._mask(_diagonal_mask, B, R, frontier.device)
         step = self.head(tree.tokens.gather(1, frontier), features, positions, cache, itself, tree_kv)
-        tree_kv.append(cache, R)
+        if keep_kv:
+            tree_kv.append(cache, R)
         self.forwards += 1
         return step
 
@@ -318,7 +334,7 @@ class Drafter:
             pick = tree.frontier(layer, k)
             frontier = layer.gather(1, pick)
             features = take_rows(prev_step.feature, prev_rows.gather(1, pick))
-            step = self._run_layer(cache, tree, frontier, d, features, tree_kv, kv_nodes)
+            step = self._run_layer(cache, tree, frontier, d, features, tree_kv, kv_nodes, keep_kv=d < expansions)
             kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
             hybrid = self.method.hybrid_last_layer and d == expansions
             (lp, ids), contrastive = self._children(step, hybrid)
@@ -364,11 +380,12 @@ class Drafter:
         a node are its draft's distinct tokens in rank order, and path (..., r) takes rank r."""
         B = tree.tokens.shape[0]
         step, tree_kv, kv_nodes = root_step, TreeKV(), None
-        for depth, (above, above_rows, parents, rows, ranks) in enumerate(self._static_plan(tree.tokens.device), 1):
+        plan = self._static_plan(tree.tokens.device)
+        for depth, (above, above_rows, parents, rows, ranks) in enumerate(plan, 1):
             if above is not None:  # run the layer above (the parents) to get their outputs
                 frontier = above.expand(B, -1)
                 step = self._run_layer(cache, tree, frontier, depth - 1, take_rows(step.feature, above_rows.expand(B, -1)),
-                                       tree_kv, kv_nodes)
+                                       tree_kv, kv_nodes, keep_kv=depth < len(plan))
                 kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
             (lp, ids), _ = self._children(step)  # [B, R, C] for the step's rows
             tree.add_children(parents.expand(B, -1), ids[:, rows, ranks].unsqueeze(-1), lp[:, rows, ranks].unsqueeze(-1))
@@ -399,6 +416,12 @@ class Drafter:
                              as_tensor([p[-1] for p in layer])))
             self._plan = plan
         return self._plan
+
+
+def _diagonal_mask(B: int, R: int, device) -> torch.Tensor:
+    """The mask [B, R, ceil(R / 64)] of R rows of one tree layer, each seeing itself only."""
+    rows = torch.arange(R, device=device)
+    return packed_bit_ranges(rows, rows, R).unsqueeze(0).expand(B, -1, -1)
 
 
 def _width(tree) -> int:

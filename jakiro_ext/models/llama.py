@@ -128,6 +128,26 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return torch.cat([cos, cos], -1).to(dtype).unsqueeze(2), torch.cat([sin, sin], -1).to(dtype).unsqueeze(2)
 
 
+class RopeTable:
+    """cos and sin at integer positions, gathered from a table of :func:`rope_cos_sin` over
+    [0, capacity) made once (and again for a larger capacity, another dtype or device): one index
+    op per forward instead of ten, the same values."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict] = None):
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.table: Optional[torch.Tensor] = None  # [capacity, 2, D]
+
+    def __call__(self, positions: torch.Tensor, capacity: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, D] at positions [B, T] (each < capacity)."""
+        table = self.table
+        if table is None or table.shape[0] < capacity or table.dtype != dtype or table.device != positions.device:
+            cos, sin = rope_cos_sin(torch.arange(capacity, device=positions.device).unsqueeze(0), self.head_dim,
+                                    self.theta, dtype, self.scaling)
+            table = self.table = torch.cat([cos, sin], 2)[0]
+        both = table[positions]  # [B, T, 2, D]
+        return both[:, :, 0], both[:, :, 1]
+
+
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE in the rotate-half layout of the Hugging Face checkpoints. x [B, T, H, D]; cos, sin [B, T, 1, D]."""
     half = x.shape[-1] // 2
@@ -193,8 +213,10 @@ STREAM_ROWS = 64
 
 def bf16_weights_enabled() -> bool:
     """Whether a float32 model on the CPU reads a bf16 checkpoint's weights as bf16 copies
-    (:meth:`LlamaModel.streamed_weights`); ``JAKIRO_CPU_BF16_WEIGHTS=0`` turns it off."""
-    return os.environ.get("JAKIRO_CPU_BF16_WEIGHTS") != "0"
+    (:meth:`LlamaModel.streamed_weights`): the CPU kernels run the ops (not the GPU kernels'
+    emulation, :func:`jakiro_ext.ops.use_backend`, which reads one dtype) and
+    ``JAKIRO_CPU_BF16_WEIGHTS`` is not ``0``."""
+    return os.environ.get("JAKIRO_CPU_BF16_WEIGHTS") != "0" and ops.backend() == "native"
 
 
 # A prompt (a chain of tokens) longer than this runs as chunks of this many tokens
@@ -207,6 +229,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.config = config
         self.prefill_chunk = PREFILL_CHUNK
+        self._rope_table = RopeTable(config.head_dim, config.rope_theta, config.rope_scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -336,17 +359,8 @@ class LlamaModel(nn.Module):
         return normed, normed if feature_layers is None else torch.cat(hidden, 1)
 
     def _rope(self, positions: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, D] at positions [B, T] (< capacity), gathered from a table of
-        :func:`rope_cos_sin` over [0, capacity) kept with the model: one index op per forward
-        instead of ten, the same values."""
-        c, dtype = self.config, self.embed_tokens.weight.dtype
-        table = getattr(self, "_rope_table", None)
-        if table is None or table.shape[0] < capacity or table.dtype != dtype or table.device != positions.device:
-            cos, sin = rope_cos_sin(torch.arange(capacity, device=positions.device).unsqueeze(0), c.head_dim,
-                                    c.rope_theta, dtype, c.rope_scaling)
-            table = self._rope_table = torch.cat([cos, sin], 2)[0]  # [capacity, 2, D]
-        both = table[positions]  # [B, T, 2, D]
-        return both[:, :, 0], both[:, :, 1]
+        """cos, sin [B, T, D] at positions [B, T] (< capacity), from the model's :class:`RopeTable`."""
+        return self._rope_table(positions, capacity, self.embed_tokens.weight.dtype)
 
     @classmethod
     def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":

@@ -268,13 +268,15 @@ def test_a_lossy_verifier_fails_the_sampling_statistic_at_its_size(monkeypatch):
     assert verified_token_p(counts, expected, SAMPLES) < 1e-6
 
 
-def test_gumiho_pairs_each_leaf_with_its_own_parent(target):
+def test_gumiho_pairs_each_leaf_with_its_own_parent(target, monkeypatch):
     # The MLP heads' input of a leaf is cat(x_parent, x_leaf): x_parent the fc output of the leaf's
     # own parent as its serial step ran it. (The released code pairs the r-th best leaf with the
     # r-th frontier node, usually another node's parent; here that pairing differs, so the test
-    # tells them apart.)
+    # tells them apart: in this tree, drafted with the LM head in float32.)
     from jakiro_ext.methods import METHODS
     from jakiro_ext.engine.drafter import Drafter
+
+    monkeypatch.setenv("JAKIRO_CPU_BF16_DRAFT_LM_HEAD", "0")
 
     head = random_head(target, "gumiho", seed=5)
     drafter = Drafter(head, METHODS["gumiho"], TreeConfig(40, 3, 3))

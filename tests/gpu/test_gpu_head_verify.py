@@ -74,6 +74,13 @@ def test_gpu_contrastive_feature_and_empty_rows(gpu_backend):
     assert empty[0].shape == (0, 3) and empty[1].shape == (0, 3)
 
 
+def test_gpu_contrastive_topk_refuses_a_bf16_lm_head_beside_float32_features(gpu_backend):
+    # The CPU kernel reads a bf16 LM head beside float32 features; the GPU's takes one dtype and says so.
+    h_a, lm_head = randn(3, 32, seed=40), randn(100, 32, seed=41, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"lm_head in bfloat16 beside float32 h_a is read by the CPU kernels only"):
+        gpu_backend.run("contrastive_topk", h_a, None, None, lm_head, 3)
+
+
 @pytest.mark.parametrize("V,k,ties", [(4099, 7, False), (4099, 64, True), (4097, 10, False), (4099, 65, False),
                                       (9000, 70, False)])
 def test_gpu_contrastive_topk_long_rows(gpu_backend, V, k, ties):

@@ -171,3 +171,59 @@ def test_training_time_test_unroll_is_what_drafting_computes(kind):
                 got = getattr(outs[s], name)[:, i]
                 torch.testing.assert_close(got, getattr(want, name)[:, -1], rtol=1e-6, atol=1e-6,  # the router computes in fp32
                                            msg=f"step {s} row {i} {name}")
+
+
+def _chain_and_layer(head, H):
+    """A catch-up chain of 9 rows, then one tree layer of 3 rows: every output field, in order."""
+    tokens = torch.randint(0, 211, (12,), generator=gen(1))
+    feats = torch.randn(12, H, generator=gen(2))
+    cache = head.new_cache(20)
+    chain = head(tokens[:9].unsqueeze(0), feats[:9].unsqueeze(0), torch.arange(9).unsqueeze(0), cache,
+                 causal_tree_mask(1, 9))
+    cache.commit(9)
+    layer = head(tokens[9:].unsqueeze(0), feats[9:].unsqueeze(0), torch.full((1, 3), 9), cache,
+                 ops.pack_bits(torch.eye(3, dtype=torch.bool)).unsqueeze(0))
+    return [t for step in (chain, layer) for t in step if t is not None]
+
+
+@pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
+def test_a_bf16_head_in_float32_drafts_from_bf16_copies_with_the_same_bits(monkeypatch, kind):
+    """A float32 head on the CPU whose fc and serial-layer projections are all exactly bf16 values
+    (the shipped heads, stored in bf16) drafts from bf16 copies of them, [q | k | v] (and a dense
+    MLP's [gate | up]) as one weight: the same bits as the float32 parameters read one by one
+    (JAKIRO_CPU_BF16_WEIGHTS=0 keeps float32 copies); made once, made again when a weight changes,
+    float32 while one is not exactly bf16. The LM head rows are read in bf16 unless
+    JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0."""
+    target = tiny_target()
+    head = make_head(target, kind)
+    for p in head.parameters():
+        p.data = p.data.bfloat16().float()
+    H = target.config.hidden_size
+    products = head.products()
+    assert head.products() is products
+    mine = products.layers[id(head)]
+    assert products.fc.dtype == mine.qkv.dtype == mine.o.dtype == torch.bfloat16
+    assert torch.equal(mine.qkv.float(), torch.cat([head.q_proj.weight, head.k_proj.weight, head.v_proj.weight]))
+    if kind == "eagle2":
+        assert torch.equal(mine.gate_up.float(), torch.cat([head.gate_proj.weight, head.up_proj.weight]))
+        assert torch.equal(mine.down.float(), head.down_proj.weight)
+    else:
+        assert mine.gate_up is None and mine.down is None
+    assert products.lm_head.dtype == torch.bfloat16 and torch.equal(products.lm_head, head.lm_head_weight.bfloat16())
+    read = _chain_and_layer(head, H)
+    monkeypatch.setenv("JAKIRO_CPU_BF16_WEIGHTS", "0")
+    assert head.products().fc.dtype == torch.float32
+    for a, b in zip(read, _chain_and_layer(head, H)):
+        assert torch.equal(a, b)
+    # The negative control: a float32 head's own weights are not bf16 values, and its outputs differ.
+    monkeypatch.delenv("JAKIRO_CPU_BF16_WEIGHTS")
+    with torch.no_grad():  # a changed weight: copies made again
+        head.o_proj.weight.mul_(2)
+    again = head.products()
+    assert again is not products and torch.equal(again.layers[id(head)].o.float(), head.o_proj.weight)
+    assert not torch.equal(_chain_and_layer(head, H)[0], read[0])
+    with torch.no_grad():  # a weight beyond bf16's precision: float32 products
+        head.fc.weight[0, 0] += 2.0 ** -20
+    assert head.products().fc.dtype == torch.float32 and head.products().layers[id(head)].qkv.dtype == torch.float32
+    monkeypatch.setenv("JAKIRO_CPU_BF16_DRAFT_LM_HEAD", "0")
+    assert head.products().lm_head is head.lm_head_weight

@@ -7,6 +7,7 @@ import transformers
 from conftest import gen, random_parents
 from jakiro_ext import memory, ops
 from jakiro_ext.models import LlamaConfig, LlamaModel
+from jakiro_ext.models.llama import RopeTable
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
@@ -226,7 +227,7 @@ def test_llama3_rope_scaling_matches_transformers():
     logits, _ = ours(tokens, ours.new_cache(batch=2, capacity=128))
     reference = reference_logits(hf, tokens)
     torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
-    ours.config.rope_scaling, ours._rope_table = None, None  # the negative control
+    ours._rope_table = RopeTable(ours.config.head_dim, ours.config.rope_theta)  # the negative control: no scaling
     plain, _ = ours(tokens, ours.new_cache(batch=2, capacity=128))
     assert float((plain - reference).abs().max()) > 0.1
     # Other scaling types, and llama3 without its numbers, stay errors.

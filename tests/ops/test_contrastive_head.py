@@ -34,6 +34,28 @@ def test_contrastive_topk_matches_reference(shape, dtype, contrastive):
     assert torch.all(logprobs[..., :-1] >= logprobs[..., 1:])
 
 
+@pytest.mark.parametrize("contrastive", [False, True], ids=["plain", "contrastive"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-V{s[2]}-k{s[3]}")
+@pytest.mark.covers("contrastive_topk", "adversarial_shapes")
+def test_contrastive_topk_bf16_lm_head_beside_float32_features(shape, contrastive):
+    """A bf16 LM head with float32 features (a float32 draft reading its LM head rows in bf16) is
+    widened exactly: fewer than 16 feature rows (a draft's) give the bits of the same LM head in
+    float32; more (float32 through BLAS) the reference's ids and close log-probabilities."""
+    lead, H, V, k = shape
+    h_a = randn(*lead, H, seed=1)
+    lm_head = randn(V, H, seed=2, dtype=torch.bfloat16, scale=H**-0.5)
+    h_b = randn(*lead, H, seed=3) if contrastive else None
+    w = contrast_weights(lead, seed=4) if contrastive else None
+    logprobs, ids = ops.contrastive_topk(h_a, h_b, w, lm_head, k)
+    assert logprobs.dtype == torch.float32 and ids.shape == (*lead, k)
+    if h_a[..., 0].numel() < 16:
+        widened = ops.contrastive_topk(h_a, h_b, w, lm_head.float(), k)
+        assert torch.equal(logprobs, widened[0]) and torch.equal(ids, widened[1])
+    ref_logprobs, ref_ids = reference.contrastive_topk(h_a, h_b, w, lm_head, k)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-5)
+
+
 def test_contrastive_topk_noncontiguous_features():
     h_a = randn(40, 6, seed=17).t()  # [6, 40] with transposed strides
     h_b = randn(40, 6, seed=18).t()
@@ -62,6 +84,7 @@ def test_contrastive_topk_opcheck():
     lm_head = randn(200, 32, seed=12)
     torch.library.opcheck(torch.ops.jakiro.contrastive_topk.default, (h_a, h_b, w, lm_head, 4))
     torch.library.opcheck(torch.ops.jakiro.contrastive_topk.default, (h_a, None, None, lm_head, 4))
+    torch.library.opcheck(torch.ops.jakiro.contrastive_topk.default, (h_a, None, None, lm_head.bfloat16(), 4))
 
 
 def test_contrastive_topk_bad_input_errors():
@@ -75,7 +98,8 @@ def test_contrastive_topk_bad_input_errors():
         (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b), r"h_b and contrast_weight go together"),
         (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b[:2], contrast_weight=w), r"h_b must have the shape of h_a"),
         (dict(h_a=h_a, lm_head=lm_head, k=3, h_b=h_b, contrast_weight=w[:, :1]), r"contrast_weight must have shape"),
-        (dict(h_a=h_a, lm_head=lm_head.bfloat16(), k=3), r"lm_head must have the dtype of h_a"),
+        (dict(h_a=h_a.bfloat16(), lm_head=lm_head, k=3), r"lm_head must have the dtype of h_a \(BFloat16\), got Float"),
+        (dict(h_a=h_a, lm_head=lm_head.half(), k=3), r"lm_head must have the dtype of h_a \(Float\), got Half"),
         (dict(h_a=h_a[:, :0], lm_head=lm_head[:, :0], k=3), r"h_a must have shape \[..., H\] with H >= 1"),
     ]
     for kwargs, message in cases:

@@ -37,7 +37,9 @@ from jakiro_ext.models.heads import formats as head_formats
 from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, CONFIG_FILE, WEIGHTS_FILE, DraftConfig, read_acceptance,
                                             write_head_files)
 from jakiro_ext.models.heads.step import DraftStep
-from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project, rope_cos_sin, rotary
+from jakiro_ext.models.heads import drafting
+from jakiro_ext.models.heads.drafting import Products
+from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, rope_cos_sin, rotary
 from jakiro_ext.profiling import scope
 from jakiro_ext.serving import format as serving_format
 
@@ -304,6 +306,10 @@ class DraftHead(nn.Module):
             except ValueError as exc:
                 raise ValueError(f"{weights}: draft_to_target: {exc}") from None
 
+    def products(self) -> Products:
+        """What drafting's products read (:func:`jakiro_ext.models.heads.drafting.drafting_products`)."""
+        return drafting.drafting_products(self)
+
     def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
         (default: fixed)."""
@@ -331,16 +337,18 @@ class DraftHead(nn.Module):
             their attention is merged with the prefix's by log-sum-exp (split-KV style).
         """
         c = self.config
+        products = self.products()
 
         def attention(weights: nn.Module, x: torch.Tensor, layer: int) -> torch.Tensor:
-            return self._attention(x, positions, cache, tree_mask, ancestors, layer, weights)
+            return drafting.attention(self, x, positions, cache, tree_mask, ancestors, layer, weights, products)
 
         def moe(normed: torch.Tensor):
             _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
                                                              c.renormalize)
             return expert_out, score, contrast
 
-        return self._layers(self.project_input(tokens, features), attention, lambda w, x: self._mlp(x, w), moe)
+        return self._layers(self.project_input(tokens, features, products=products), attention,
+                            lambda w, x: drafting.mlp(self, x, w, products), moe)
 
     def train_forward(self, tokens: torch.Tensor, features: torch.Tensor,
                       unrolled: Optional[list] = None) -> DraftStep:
@@ -380,7 +388,7 @@ class DraftHead(nn.Module):
 
         def mlp(w: nn.Module, x: torch.Tensor) -> torch.Tensor:
             with scope("mlp"):
-                return self._mlp(x, w, linear=_call)
+                return w.down_proj(F.silu(w.gate_proj(x)) * w.up_proj(x))
 
         def moe(normed: torch.Tensor):
             with scope("moe"):
@@ -415,11 +423,14 @@ class DraftHead(nn.Module):
             h = u + mlp(layer, layer.post_attention_layernorm(u))
         return DraftStep(h, u, projected=projected)
 
-    def project_input(self, tokens: torch.Tensor, features: torch.Tensor, train: bool = False) -> torch.Tensor:
+    def project_input(self, tokens: torch.Tensor, features: torch.Tensor, train: bool = False,
+                      products: Optional[Products] = None) -> torch.Tensor:
         """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input (with
-        ``train``, in plain PyTorch: the fused linear has no backward)."""
+        ``train``, in plain PyTorch: the fused linear has no backward; else reading :meth:`products`)."""
         x = torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1)
-        return self.fc(x) if train else project(self.fc, x)
+        if train:
+            return self.fc(x)
+        return ops.linear(x, (products or self.products()).fc, self.fc.bias)
 
     def mlp_heads(self, x: torch.Tensor, train: bool = False) -> torch.Tensor:
         """Gumiho's parallel MLP heads on x [..., 2H] (``cat(x_parent, x_leaf)``): features
@@ -439,30 +450,6 @@ class DraftHead(nn.Module):
             outs.append(h)
         return torch.stack(outs, -2)
 
-    def _attention(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, tree_mask: torch.Tensor,
-                   ancestors: Optional["TreeKV"], layer: int = 0, weights: Optional[nn.Module] = None) -> torch.Tensor:
-        """Layer ``layer``'s attention from x [B, T, *] (q, k, v are projections of x by
-        ``weights``' q/k/v_proj, default the head's own): k and v written after each sequence's
-        prefix, the prefix, the new rows of ``tree_mask`` and the tree ancestors attended;
-        returns o_proj of the output [B, T, H]."""
-        c, w = self.config, self if weights is None else weights
-        B, T = x.shape[:2]
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        q = rotary(project(w.q_proj, x).view(B, T, c.num_heads, c.head_dim), cos, sin)
-        k = rotary(project(w.k_proj, x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin)
-        v = project(w.v_proj, x).view(B, T, c.num_kv_heads, c.head_dim)
-        cache.write(layer, k, v)
-        out, lse = ops.tree_attention(q, cache.kv[layer, 0], cache.kv[layer, 1], cache.lengths, tree_mask)
-        if ancestors is not None and ancestors.keys:
-            out = ancestors.merge_into(q, out, lse, layer)
-        return project(w.o_proj, out.reshape(B, T, -1))
-
-    def _mlp(self, x: torch.Tensor, weights: Optional[nn.Module] = None, linear: Callable = project) -> torch.Tensor:
-        """The dense SwiGLU MLP (of ``weights``, default the head's own); ``linear(layer, x)`` runs
-        a product (the fused linear when drafting, the module's own call when training)."""
-        w = self if weights is None else weights
-        return linear(w.down_proj, F.silu(linear(w.gate_proj, x)) * linear(w.up_proj, x))
-
     def _train_experts(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """The two routed experts' outputs [R, 2, H] for rows x [R, H] and their experts idx
         [R, 2], differentiable: the (row, slot) pairs sorted by expert once, each expert one
@@ -475,10 +462,6 @@ class DraftHead(nn.Module):
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return torch.cat(outs)[inverse].view(x.shape[0], 2, -1)
-
-
-def _call(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return layer(x)
 
 
 def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:

@@ -32,6 +32,7 @@ from jakiro_ext.models.heads.config import DraftConfig, write_head_files
 from jakiro_ext.models.heads.draft_head import RELEASED_HEAD_CLASSES, DraftHead
 from jakiro_ext.models.heads.formats import ATTENTION, MLP, check_layer_config, tensor_getter
 from jakiro_ext.models.heads.step import DraftStep
+from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -116,8 +117,8 @@ class Eagle3Head(DraftHead):
         if h.shape[-1] == 3 * self.config.hidden_size:
             h = project(self.fc, h)
         x = torch.cat([self.input_layernorm(F.embedding(tokens, self.embed_weight)), self.hidden_norm(h)], -1)
-        u = h + self._attention(x, positions, cache, tree_mask, ancestors)
-        out = u + self._mlp(self.post_attention_layernorm(u))
+        u = h + drafting.attention(self, x, positions, cache, tree_mask, ancestors)
+        out = u + drafting.mlp(self, self.post_attention_layernorm(u))
         return DraftStep(out, u, lm_input=self.norm(out))
 
     # ------------------------------------------------------------------ the released format

@@ -2,7 +2,7 @@
 // (the SwiGLU activation of the fused [gate | up] projection in one pass).
 //
 // A layer of a few rows (decoding, a draft or verification tree: at most kLinearStreamRows
-// tokens) runs as one parallel region: every thread takes a share of every stage (a block of
+// tokens, or WeightStream::fused_layer_rows where a CPU kind measured fewer) runs as one parallel region: every thread takes a share of every stage (a block of
 // each projection's output columns, of the RoPE heads, of the attention's split-KV tasks and of
 // the merged rows), the stages separated by barriers, and each thread computes the norms of all
 // rows for itself (a row of H values: cheaper than a barrier). Composed of the ops instead, the
@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <functional>
@@ -287,7 +288,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
                                      gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps,
                                      CpuOps::kBf16Weights);
   const int64_t rows = s.batch * s.tokens;
-  if (fused_layer_enabled() && rows > 0 && rows <= kLinearStreamRows && s.tokens <= kFixedSplitTreeLen) {
+  if (fused_layer_enabled() && rows > 0 && rows <= std::min(kLinearStreamRows, weight_stream().fused_layer_rows) &&
+      s.tokens <= kFixedSplitTreeLen) {
     std::tuple<at::Tensor, at::Tensor> result;
     if (qkv_weight.scalar_type() != delta.scalar_type())  // float32 rows, bf16 weights (check_weight_dtype)
       return fused_decoder_layer<float, c10::BFloat16>(s, delta, residual, input_norm, qkv_weight, qkv_bias, o_weight,

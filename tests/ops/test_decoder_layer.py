@@ -2,6 +2,9 @@
 and every GPU backend against their references; the layer also equals the composition of the ops
 it is made of, and a sequence's result never depends on the batch or tree it shares a call with."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -153,8 +156,8 @@ COMPOSED_SHAPES = [(1, 1, 48, 4, 2, 16, 40, (9,), True, True), (2, 6, 48, 4, 2, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", COMPOSED_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
 def test_decoder_layer_equals_its_parts_composed(shape, dtype, threads):
-    # Bit for bit: the layer (one parallel region for up to 64 rows, whatever the threads) is the
-    # composition of the ops the unfused model called one by one.
+    # Bit for bit: the layer (one parallel region for up to the CPU kind's rows, whatever the
+    # threads) is the composition of the ops the unfused model called one by one.
     B, T, H, Hq, Hkv, D, I, prefix, bias, residual = shape
     layer = Layer(B, T, H, Hq, Hkv, D, I, dtype=dtype, bias=bias, residual=residual, prefix=prefix)
     cache = layer.kv_cache.clone()
@@ -173,6 +176,19 @@ def test_decoder_layer_equals_its_parts_composed(shape, dtype, threads):
     h, stream = ops.rms_norm(ops.linear(attention.reshape(B, T, -1), w["o_weight"]), w["post_norm"], 1e-5, stream)
     delta = ops.linear(ops.silu_mul(ops.linear(h, w["gate_up_weight"])), w["down_weight"])
     assert torch.equal(got[0], stream) and torch.equal(got[1], delta) and torch.equal(cache, parts_cache)
+
+
+@pytest.mark.parametrize("stream", ["intel", "zen5"])
+def test_decoder_layer_equals_its_parts_composed_as_far_as_each_cpu_kind_fuses(stream):
+    # Each CPU kind fuses the layer up to its own number of rows (Zen 5: one, measured; the others
+    # 64), so the test above exercises the fused kernel on many rows only where the kind allows:
+    # it runs again under each kind, named (JAKIRO_CPU_WEIGHT_STREAM), whatever this CPU is.
+    env = {**os.environ, "JAKIRO_CPU_WEIGHT_STREAM": stream}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
+                          "-k", "test_decoder_layer_equals_its_parts_composed and not cpu_kind"],
+                         env=env, cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True)
+    cases = 2 * 2 * len(COMPOSED_SHAPES)
+    assert out.returncode == 0 and f"{cases} passed" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
 def test_decoder_layer_sequences_do_not_depend_on_their_batch():

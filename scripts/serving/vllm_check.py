@@ -11,6 +11,7 @@ DIR: a directory with SmolLM2's tokenizer files (tokenizer.json, tokenizer_confi
 only when the outputs match; prints vLLM's speculative-decoding metrics."""
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -71,9 +72,10 @@ def generate(llm, prompts, max_tokens):
 
 def ours_as_a_chain(model, head, prompts, max_tokens, k):
     """This package's engine drafting the head as vLLM does (a chain of k top-1 tokens from the
-    main branch): the tokens and the drafted tokens accepted in all."""
+    main branch, the LM head in float32): the tokens and the drafted tokens accepted in all."""
     from jakiro_ext.config import TreeConfig
     from jakiro_ext.engine.generate import speculative_generate
+    os.environ["JAKIRO_CPU_BF16_DRAFT_LM_HEAD"] = "0"  # (on the CPU the engine's draft reads it in bf16 by default)
     target = LlamaModel.from_hf(model)
     outs = [speculative_generate(target, head.bind(target), torch.tensor(ids), max_tokens, method="eagle2",
                                  tree=TreeConfig(k + 1, k, 1)) for ids in prompts]

@@ -105,15 +105,6 @@ class KVCache(nn.Module):
         k, v = (self.kv[layer, i].gather(2, index).transpose(1, 2) for i in (0, 1))
         return k, v
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write keys and values [B, T, Hkv, D] of ``layer`` after each sequence's prefix (uncommitted)."""
-        B, T = k.shape[:2]
-        self.reserve(max(self.host_lengths) + T)
-        slots = self.lengths.unsqueeze(1) + torch.arange(T, device=k.device)
-        batch = torch.arange(B, device=k.device).unsqueeze(1)
-        self.kv[layer, 0][batch, :, slots] = k.to(self.kv.dtype)
-        self.kv[layer, 1][batch, :, slots] = v.to(self.kv.dtype)
-
     def load(self, row: int, other: "KVCache") -> None:
         """Sequence ``row`` becomes ``other``'s only sequence: its committed keys/values and length."""
         n = other.host_lengths[0]

@@ -98,6 +98,12 @@ def copy_to_huge_pages(tensors) -> list:
     return copies
 
 
+def in_huge_pages(tensors: list) -> list:
+    """The CPU ``tensors`` copied into one huge-page buffer (:func:`copy_to_huge_pages`), or the
+    tensors themselves where that is not done."""
+    return copy_to_huge_pages(tensors) or tensors
+
+
 def move_to_huge_pages(module: torch.nn.Module) -> int:
     """Copy the CPU parameters of ``module`` into one buffer in huge pages
     (:func:`copy_to_huge_pages`; each parameter's ``data`` becomes a view of it, tied parameters

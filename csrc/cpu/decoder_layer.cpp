@@ -2,9 +2,10 @@
 // (the SwiGLU activation of the fused [gate | up] projection in one pass).
 //
 // A layer of a few rows (decoding, a draft or verification tree: at most kLinearStreamRows
-// tokens, or WeightStream::fused_layer_rows where a CPU kind measured fewer) runs as one parallel region: every thread takes a share of every stage (a block of
-// each projection's output columns, of the RoPE heads, of the attention's split-KV tasks and of
-// the merged rows), the stages separated by barriers, and each thread computes the norms of all
+// tokens, or WeightStream::fused_layer_rows where a CPU kind measured fewer) runs as one
+// parallel region: every thread takes a share of every stage (a block of each projection's
+// output columns, of the RoPE heads, of the attention's split-KV tasks and of the merged
+// rows), the stages separated by barriers, and each thread computes the norms of all
 // rows for itself (a row of H values: cheaper than a barrier). Composed of the ops instead, the
 // layer is seven parallel regions with the small stages on one thread between them, run cold
 // after each projection's weight stream, and ~15 allocations. Every value comes from the row

@@ -16,7 +16,7 @@ from torch import nn
 
 from jakiro_ext import ops
 from jakiro_ext.kv_cache import KVCache, causal_tree_mask
-from jakiro_ext.memory import copy_to_huge_pages, move_to_huge_pages
+from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
 from jakiro_ext.ops import reference
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -219,6 +219,13 @@ def bf16_weights_enabled() -> bool:
     return os.environ.get("JAKIRO_CPU_BF16_WEIGHTS") != "0" and ops.backend() == "native"
 
 
+def exactly_bf16(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a contiguous float32 CPU tensor whose every value is a bf16 value (its low
+    16 bits zero): what a bf16 copy holds bit for bit."""
+    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and \
+        not bool((t.detach().view(torch.int32) & 0xFFFF).any())
+
+
 # A prompt (a chain of tokens) longer than this runs as chunks of this many tokens
 # (LlamaModel.prefill_chunk; 0: one forward): measured on a 2-core Xeon, fp32, see docs/benchmarks.md.
 PREFILL_CHUNK = 512
@@ -301,11 +308,9 @@ class LlamaModel(nn.Module):
         if kept is not None and kept[0] == key:
             return kept[1]
         copies = None
-        exact = all(p.device.type == "cpu" and p.dtype == torch.float32 and p.is_contiguous() for p in params) and \
-            not any(bool((p.detach().view(torch.int32) & 0xFFFF).any()) for p in params)  # (low 16 bits: beyond bf16)
-        if exact:
+        if all(exactly_bf16(p) for p in params):
             with torch.no_grad():
-                flat = copy_to_huge_pages(p.detach().bfloat16() for p in params) or [p.detach().bfloat16() for p in params]
+                flat = in_huge_pages([p.detach().bfloat16() for p in params])
             copies = [tuple(flat[i: i + 4]) for i in range(0, len(flat) - 1, 4)] + [flat[-1]]
         self.__dict__["_bf16_weights"] = (key, copies)
         return copies

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.memory import copy_to_huge_pages
-from jakiro_ext.models.llama import RopeTable, bf16_weights_enabled
+from jakiro_ext.memory import in_huge_pages
+from jakiro_ext.models.llama import RopeTable, bf16_weights_enabled, exactly_bf16
 
 if TYPE_CHECKING:  # annotations only
     from jakiro_ext.kv_cache import KVCache, TreeKV
@@ -34,7 +34,7 @@ class Products(NamedTuple):
     and the LM head rows the draft's top-k pass reads."""
     fc: torch.Tensor
     layers: Dict[int, LayerProducts]
-    lm_head: torch.Tensor
+    lm_head: Optional[torch.Tensor]  # (None: the head is not bound to a target)
 
 
 def bf16_draft_lm_head_enabled() -> bool:
@@ -46,16 +46,6 @@ def bf16_draft_lm_head_enabled() -> bool:
 
 # A serial layer's projections, in the order LayerProducts concatenates them (the MLP's: dense only).
 _PRODUCT_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _exactly_bf16(t: torch.Tensor) -> bool:
-    """A float32 tensor whose every value is a bf16 value (low 16 bits zero)."""
-    return t.dtype == torch.float32 and t.is_contiguous() and not bool((t.view(torch.int32) & 0xFFFF).any())
-
-
-def _in_huge_pages(tensors: list) -> list:
-    """The tensors copied into 2 MiB pages, or as they are where huge pages are off."""
-    return copy_to_huge_pages(tensors) or tensors
 
 
 def drafting_products(head) -> Products:
@@ -84,7 +74,7 @@ def drafting_products(head) -> Products:
     if kept is not None and kept[0] == key:
         return kept[1]
     cpu32 = fc_weight.device.type == "cpu" and fc_weight.dtype == torch.float32
-    as_bf16 = cpu32 and settings[0] and all(_exactly_bf16(w) for w in sources)
+    as_bf16 = cpu32 and settings[0] and all(exactly_bf16(w) for w in sources)
     with torch.no_grad():
         fc = fc_weight.detach()
         layers = {}
@@ -93,10 +83,10 @@ def drafting_products(head) -> Products:
             layers[id(m)] = LayerProducts(torch.cat(w[:3]), w[3], torch.cat(w[4:6]) if len(w) > 4 else None,
                                           w[6] if len(w) > 4 else None)
         if lm_head is not None and cpu32 and settings[1]:
-            lm_head = _in_huge_pages([lm_head.bfloat16()])[0]
+            lm_head = in_huge_pages([lm_head.bfloat16()])[0]
         if as_bf16:
             flat = [fc] + [t for p in layers.values() for t in p if t is not None]
-            copies = iter(_in_huge_pages([t.bfloat16() for t in flat]))
+            copies = iter(in_huge_pages([t.bfloat16() for t in flat]))
             fc = next(copies)
             layers = {k: LayerProducts(*(None if t is None else next(copies) for t in p)) for k, p in layers.items()}
     made = Products(fc, layers, lm_head)

@@ -180,6 +180,7 @@ class TreeChooser:
         # Per kind of call (sampling or not): the last pool's mean (live, expected) and when it was measured.
         self.carried: Dict[bool, tuple] = {}
         self.accepted_at = 0.0  # wall time of the pool's last round
+        self._rates: Optional[dict] = None  # (id(candidate), rows) -> rate, while :meth:`choose` runs
 
     def new_call(self, sampling: bool = False) -> None:
         """A new call, new texts (``sampling``: at a temperature above 0): the seconds measured stay
@@ -318,6 +319,15 @@ class TreeChooser:
         estimated from plain decoding's live seconds there: times its own live ratio to them (at
         the nearest number of rows where both ran, else the one it had when forgotten), else
         times the cost model's ratio, the rate then corrected by the model's live error."""
+        memo = self._rates
+        if memo is None:
+            return self._rate(c, rows)
+        key = (id(c), rows)
+        if key not in memo:
+            memo[key] = self._rate(c, rows)
+        return memo[key]
+
+    def _rate(self, c: Candidate, rows: int) -> float:
         plain = self.plain.seconds.get(rows)
         tokens = self.tokens(c)
         if not plain:
@@ -358,24 +368,32 @@ class TreeChooser:
 
     def choose(self, rows: int) -> Candidate:
         """The candidate for a round of ``rows`` batch rows."""
-        seconds = self.round_seconds(rows)
-        for c in self.candidates:  # (measured again from scratch: not before a probe would be)
-            if c.seconds and self.round - c.last_round >= c.forget_after and self.affordable(c, seconds):
-                c.forget(None if c is self.plain else self.ratio(c, rows))
+        overdue = [c for c in self.candidates if c.seconds and self.round - c.last_round >= c.forget_after]
+        if overdue:  # (measured again from scratch: not before a probe would be)
+            seconds = self.round_seconds(rows)
+            for c in overdue:
+                if self.affordable(c, seconds):
+                    c.forget(None if c is self.plain else self.ratio(c, rows))
         # First plain decoding is measured (the cost model may be wrong about it by any factor),
         # then the best if it is not (the others not measured wait for their probes).
         if not self.plain.measured(rows):
             return self.plain
-        best = self.best(rows)
-        if not best.measured(rows):
-            return best
-        rates = [self.rate(c, rows) for c in self.candidates]
-        close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)
-                 or (self.costs_disagree and c is self.smallest_tree)]  # (its estimate is the model's: suspect)
-        seconds = self.round_seconds(rows)
-        due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every
-               and self.affordable(c, seconds) and self.probed_untried(c)]
-        return min(due, key=lambda c: c.last_round) if due else best
+        # Nothing changes until the round is recorded: each candidate's rate is computed once
+        # (a round of plain decoding at 4 rows spent 1% of its time choosing, most of it here).
+        self._rates = {}
+        try:
+            best = self.best(rows)
+            if not best.measured(rows):
+                return best
+            rates = [self.rate(c, rows) for c in self.candidates]
+            close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)
+                     or (self.costs_disagree and c is self.smallest_tree)]  # (its estimate is the model's: suspect)
+            seconds = self.round_seconds(rows)
+            due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every
+                   and self.affordable(c, seconds) and self.probed_untried(c)]
+            return min(due, key=lambda c: c.last_round) if due else best
+        finally:
+            self._rates = None
 
     def probed_untried(self, c: Candidate) -> bool:
         """Whether ``c`` may be probed as far as trying an untried tree goes: always, but while the

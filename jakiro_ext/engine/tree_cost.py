@@ -26,6 +26,7 @@ depends on the machine (the c_*) and on the head (E):
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -330,7 +331,7 @@ def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = Fal
         kept[path, id(target)].new_call(sampling)
         return kept[path, id(target)]
     costs = load_costs(target, head, method, batch=batch)
-    _, ranked = choose_tree(costs, profile, method)
+    ranked = _ranked_trees(json.dumps(costs, sort_keys=True), json.dumps(profile, sort_keys=True), method)
     # One tree of each size (trees of one size and other depths or widths cost and accept about
     # the same: measuring several of them live buys nothing).
     sizes = {}
@@ -352,6 +353,13 @@ def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = Fal
         chooser.start_from(measured)
     chooser.new_call(sampling)
     return chooser
+
+
+@functools.lru_cache(maxsize=16)
+def _ranked_trees(costs: str, profile: str, method: str) -> list:
+    """:func:`choose_tree`'s ranking for the costs and profile as JSON: computed once per process
+    (5 ms, paid by every new head's first call otherwise: a few percent of a short call)."""
+    return choose_tree(json.loads(costs), json.loads(profile), method)[1]
 
 
 def live_path(costs_file: Path) -> Path:

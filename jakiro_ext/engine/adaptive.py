@@ -6,8 +6,9 @@ for the call at hand: the machine is loaded (or was, when the costs were measure
 not the one measured, the prompt is harder than the held-out text. So when the tree is left to the
 engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost model's best trees and
 plain decoding (no drafting: a one-node tree), and times every round as it runs: wall seconds per
-round (per number of batch rows) and new tokens per sequence, per candidate, over a window of its
-last rounds, a tree's tokens weighed against what the cost model expects of it scaled by the
+round (per number of batch rows) and new tokens per sequence (the mean over the batch; in a batch
+that drains, no request waiting for a row, how much nearer the round brought the slowest sequence's
+end: :meth:`DecodeBatch._progress`), per candidate, over a window of its last rounds, a tree's tokens weighed against what the cost model expects of it scaled by the
 acceptance pooled over every tree's recent rounds (the text and the temperature move every tree's
 acceptance alike; one tree's few rounds are noisy). It runs the candidate whose live rate
 (tokens / seconds) is best. At the start it

@@ -107,20 +107,25 @@ def _eos_ids(eos_token_id) -> set:
 
 
 def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, requests, max_rows: int,
-            chooser: Optional[TreeChooser] = None):
+            chooser: Optional[TreeChooser] = None, total: Optional[int] = None):
     """Decode the sequences ``requests`` gives (asked whenever a row is free: an iterator that
     ran dry may have more later), up to ``max_rows`` at once; yields each (sequence, output) as
-    it finishes. With a ``chooser``, each round runs the tree it picks (``tree``: the largest)."""
+    it finishes. With a ``chooser``, each round runs the tree it picks (``tree``: the largest).
+    ``total``: how many ``requests`` holds, when known (the batch drains once all are taken)."""
     batch = DecodeBatch(target, draft, method, tree, s, max_rows, chooser)  # checks the method, head and tree
+    taken, dry = 0, False
     while True:
         while len(batch.seqs) < max_rows:  # free rows take waiting requests
             pending = []
             while len(batch.seqs) + len(pending) < max_rows and (seq := next(requests, None)) is not None:
                 pending.append(seq)
+            dry, taken = len(batch.seqs) + len(pending) < max_rows, taken + len(pending)  # (asked, found none)
             if not pending:
                 break
             for seq in batch.admit(pending):  # done at their first token
                 yield seq, seq.output()
+        # No request waits for a row: the call ends with its slowest sequence (DecodeBatch.round).
+        batch.draining = dry or (total is not None and taken >= total)
         batch.compact()
         if not batch.seqs:
             if chooser is not None:
@@ -272,7 +277,8 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
         return (lambda tokens: on_tokens(i, tokens)) if batched else on_tokens
 
     seqs = [DecodeSequence(i, ids, s, limit, nodes, stream(i)) for i, ids in enumerate(prompts)]
-    outputs = {seq.index: out for seq, out in _decode(target, draft, method, tree, s, iter(seqs), len(seqs), chooser)}
+    outputs = {seq.index: out for seq, out in _decode(target, draft, method, tree, s, iter(seqs), len(seqs), chooser,
+                                                     len(seqs))}
     return [outputs[i] for i in range(len(seqs))] if batched else outputs[0]
 
 
@@ -305,8 +311,9 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     max_batch_size = int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
     tree, chooser = _trees(target, draft, method, tree, max_batch_size, s)
     nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size
+    total = len(requests) if isinstance(requests, (list, tuple)) else None
     return _generate_many(target, draft, method, tree, s, iter(requests), max_batch_size, nodes, limit, vocab,
-                          on_tokens, chooser)
+                          on_tokens, chooser, total)
 
 
 class _Arrivals:
@@ -331,7 +338,8 @@ class _Arrivals:
         return DecodeSequence(i, ids, self.s, self.limit, self.nodes, stream)
 
 
-def _generate_many(target, draft, method, tree, s, requests, max_batch_size, nodes, limit, vocab, on_tokens, chooser):
+def _generate_many(target, draft, method, tree, s, requests, max_batch_size, nodes, limit, vocab, on_tokens, chooser,
+                   total=None):
     arrivals = _Arrivals(requests, s, limit, nodes, vocab, on_tokens)
-    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size, chooser):
+    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size, chooser, total):
         yield seq.index, out

@@ -291,3 +291,55 @@ def test_a_read_planted_in_a_round_is_counted(target, planted, kind, monkeypatch
         speculative_generate(target, random_head(target, "eagle2"), PROMPTS[0], 8, method="eagle2",
                              tree=TREES["dynamic-small"])
     assert rounds[0] >= 3 and reads.counts["round", kind] == rounds[0], dict(reads.counts)
+
+
+def test_a_draining_batch_counts_how_much_nearer_each_round_brings_its_slowest_sequence():
+    # What the live tree choice weighs a round by: with requests waiting for rows, the mean of its
+    # sequences' new tokens (a finished row is taken at once); with none (the call ends with its
+    # slowest sequence), how much the most any sequence has left of its budget dropped, at most
+    # the farthest any went: a tree moving the rows on unevenly makes them finish apart.
+    from types import SimpleNamespace
+    from jakiro_ext.engine.batch import DecodeBatch
+
+    def seq(emitted, done=False):
+        return SimpleNamespace(budget=64, out=[0] * emitted, done=done)
+
+    batch = DecodeBatch.__new__(DecodeBatch)  # (only the draining flag is read)
+    after, left, accepted = [seq(13), seq(11), seq(10)], [54, 54, 55], [2, 0, 0]
+    batch.draining = False
+    assert batch._progress(after, left, accepted) == pytest.approx(1 + 2 / 3)
+    batch.draining = True
+    assert batch._progress(after, left, accepted) == 1.0  # the slowest, 55 left, went 1 further
+    # The slowest ended (EOS) this round: the drop to the next slowest, capped at the farthest any went.
+    assert batch._progress([seq(50), seq(10, done=True)], [16, 55], [1, 0]) == 2.0
+    assert batch._progress([seq(13)], [54], [2]) == 3.0  # one sequence: its own tokens
+
+
+def test_the_batch_knows_when_no_request_waits_for_a_row(monkeypatch):
+    from jakiro_ext.engine.batch import DecodeBatch
+
+    seen, round_ = [], DecodeBatch.round
+
+    def recording(self):
+        seen.append(self.draining)
+        round_(self)
+
+    monkeypatch.setattr(DecodeBatch, "round", recording)
+    target = tiny_target()
+    x = [prompt(5 + s, seed=s) for s in range(3)]
+
+    def draining(run):
+        seen.clear()
+        run()
+        return list(seen)
+
+    # Every prompt in a row from the start: draining all along.
+    assert draining(lambda: speculative_generate(target, None, x, 6)) == [True] * 5
+    # Two rows, three prompts: the third waits until the first two finish (5 rounds of plain
+    # decoding), then the batch drains; a list is known empty once its last prompt is taken, an
+    # iterator once asked in vain.
+    for given in (x, iter(x)):
+        assert draining(lambda: list(generate_many(target, None, given, 2, 6))) == [False] * 5 + [True] * 5
+    # Two prompts in two rows: a list drains from the start; an iterator is never asked in vain.
+    assert draining(lambda: list(generate_many(target, None, x[:2], 2, 6))) == [True] * 5
+    assert draining(lambda: list(generate_many(target, None, iter(x[:2]), 2, 6))) == [False] * 5

@@ -19,6 +19,26 @@ inline float reduce_lanes(__m512 v) {
   return _mm512_cvtss_f32(v);
 }
 
+// Sixteen sums at once: lane i of the result is reduce_lanes(a[i]) bit for bit (the same pairwise
+// tree, levels sharing their shuffles across the sixteen: halves, quarters, pairs, neighbours),
+// about 3 instructions a sum instead of 8.
+inline __m512 reduce16(const __m512 (&a)[16]) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int p = 0; p < 8; ++p)  // lanes 0-7: a[2p]'s lane l + lane l+8; lanes 8-15: a[2p+1]'s
+    halves[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int p = 0; p < 4; ++p)  // 128-bit part c: a[4p + c]'s l + l+4
+    quarters[p] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * p], halves[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_f32x4(halves[2 * p], halves[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int p = 0; p < 2; ++p)  // part c: a[8p + c]'s l + l+2 (l < 2), then a[8p + 4 + c]'s
+    pairs[p] = _mm512_add_ps(_mm512_shuffle_ps(quarters[2 * p], quarters[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(quarters[2 * p], quarters[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // Part c: the sums of a[c], a[4 + c], a[8 + c], a[12 + c]; lane 4c + i holds a[4i + c]'s.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), sums);
+}
+
 // Bytes of W a tile asks for while it runs, spread over its k steps: `bytes_per_step` from
 // `begin` on at each step (whole cache lines, into L2).
 struct SpreadPrefetch {

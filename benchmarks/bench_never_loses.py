@@ -86,7 +86,7 @@ def main():
         """(new tokens, seconds, token ids by prompt) of one call."""
         t0 = time.perf_counter()
         tokens, outs = 0, {}
-        for i, out in generate_many(target, head, iter(group), len(group), args.max_new_tokens, method=method,
+        for i, out in generate_many(target, head, group, len(group), args.max_new_tokens, method=method,
                                     tree=tree, temperature=temperature, top_p=0.9 if temperature else 1.0,
                                     eos_token_id=None if temperature else tokenizer.eos_token_id):
             tokens += out.stats.new_tokens

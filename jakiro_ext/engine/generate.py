@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import replace
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Sized, Tuple
 
 import torch
 
@@ -107,11 +107,12 @@ def _eos_ids(eos_token_id) -> set:
 
 
 def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, requests, max_rows: int,
-            chooser: Optional[TreeChooser] = None, total: Optional[int] = None):
+            chooser: Optional[TreeChooser] = None, listed: Optional[Sized] = None):
     """Decode the sequences ``requests`` gives (asked whenever a row is free: an iterator that
     ran dry may have more later), up to ``max_rows`` at once; yields each (sequence, output) as
     it finishes. With a ``chooser``, each round runs the tree it picks (``tree``: the largest).
-    ``total``: how many ``requests`` holds, when known (the batch drains once all are taken)."""
+    ``listed``: the collection ``requests`` iterates over, when it is one (the batch drains once
+    as many are taken as it holds: its length read each round, so prompts appended to it count)."""
     batch = DecodeBatch(target, draft, method, tree, s, max_rows, chooser)  # checks the method, head and tree
     taken, dry = 0, False
     while True:
@@ -125,7 +126,7 @@ def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, 
             for seq in batch.admit(pending):  # done at their first token
                 yield seq, seq.output()
         # No request waits for a row: the call ends with its slowest sequence (DecodeBatch.round).
-        batch.draining = dry or (total is not None and taken >= total)
+        batch.draining = dry or (listed is not None and taken >= len(listed))
         batch.compact()
         if not batch.seqs:
             if chooser is not None:
@@ -278,7 +279,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
 
     seqs = [DecodeSequence(i, ids, s, limit, nodes, stream(i)) for i, ids in enumerate(prompts)]
     outputs = {seq.index: out for seq, out in _decode(target, draft, method, tree, s, iter(seqs), len(seqs), chooser,
-                                                     len(seqs))}
+                                                     seqs)}
     return [outputs[i] for i in range(len(seqs))] if batched else outputs[0]
 
 
@@ -311,9 +312,9 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     max_batch_size = int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
     tree, chooser = _trees(target, draft, method, tree, max_batch_size, s)
     nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size
-    total = len(requests) if isinstance(requests, (list, tuple)) else None
+    listed = requests if isinstance(requests, (list, tuple)) else None
     return _generate_many(target, draft, method, tree, s, iter(requests), max_batch_size, nodes, limit, vocab,
-                          on_tokens, chooser, total)
+                          on_tokens, chooser, listed)
 
 
 class _Arrivals:
@@ -339,7 +340,7 @@ class _Arrivals:
 
 
 def _generate_many(target, draft, method, tree, s, requests, max_batch_size, nodes, limit, vocab, on_tokens, chooser,
-                   total=None):
+                   listed=None):
     arrivals = _Arrivals(requests, s, limit, nodes, vocab, on_tokens)
-    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size, chooser, total):
+    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size, chooser, listed):
         yield seq.index, out

@@ -343,3 +343,12 @@ def test_the_batch_knows_when_no_request_waits_for_a_row(monkeypatch):
     # Two prompts in two rows: a list drains from the start; an iterator is never asked in vain.
     assert draining(lambda: list(generate_many(target, None, x[:2], 2, 6))) == [True] * 5
     assert draining(lambda: list(generate_many(target, None, iter(x[:2]), 2, 6))) == [False] * 5
+    # A prompt appended to the list after the call (a follow-up turn) waits for a row like the others.
+    queue = list(x[:2])
+
+    def appended():
+        answers = generate_many(target, None, queue, 2, 6)
+        queue.append(x[2])
+        list(answers)
+
+    assert draining(appended) == [False] * 5 + [True] * 5

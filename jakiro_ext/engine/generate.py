@@ -299,7 +299,9 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     requests : an iterable of prompts (lists of ints or integer tensors [n]), asked for the next
         one whenever a row is free; an iterator that ran dry is asked again later (it may have
         more by then: follow-up turns queued as answers finish), the generation ending when it
-        has nothing while no sequence is in flight. A bad prompt raises when it is reached.
+        has nothing while no sequence is in flight. A bad prompt raises when it is reached. A
+        list or tuple also says when none is left to wait for a row (its length read as it goes),
+        which the tree chosen live uses (:meth:`DecodeBatch._progress`).
     max_batch_size : sequences decoded at once, in [1, MAX_BATCH].
     max_new_tokens, method, tree, temperature, top_p, top_k, eos_token_id, seed, max_cache_len, graphs :
         as for :func:`speculative_generate`, one setting for every prompt.

@@ -163,17 +163,15 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   const scalar_t* k_head = k_cache + b * k_batch_stride + kvh * k_head_stride;
   const scalar_t* v_head = v_cache + b * k_batch_stride + kvh * k_head_stride;
   // Few rows on 512-bit vectors (cpu/attention_avx512.cpp): scores for float32 keys, P @ V for any.
+  constexpr bool kFloatKeys = std::is_same_v<scalar_t, float>;
   const bool wide = D % 16 == 0 && D <= kMaxAttentionDim && avx512_enabled();
   for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
     const int64_t n = std::min(kBlock, stop - j0);
     const bool streaming = rows <= kStreamingRows;
-    if (streaming) {
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (wide) attention_scores_avx512(s.q.data(), rows, k_head + j0 * D, n, D, s.scores.data(), n);
-        else skinny_gemm_nt(s.q.data(), rows, D, k_head, D, D, j0, j0 + n, s.scores.data(), n);
-      } else {
-        skinny_gemm_nt(s.q.data(), rows, D, k_head, D, D, j0, j0 + n, s.scores.data(), n);
-      }
+    if (streaming && wide && kFloatKeys) {
+      if constexpr (kFloatKeys) attention_scores_avx512(s.q.data(), rows, k_head + j0 * D, n, D, s.scores.data(), n);
+    } else if (streaming) {
+      skinny_gemm_nt(s.q.data(), rows, D, k_head, D, D, j0, j0 + n, s.scores.data(), n);
     } else {
       gemm_nt(s.q.data(), D, float_rows(k_head, j0, n, D, s.k), D, s.scores.data(), n, rows, n, D);
     }

@@ -305,14 +305,17 @@ def test_a_draining_batch_counts_how_much_nearer_each_round_brings_its_slowest_s
         return SimpleNamespace(budget=64, out=[0] * emitted, done=done)
 
     batch = DecodeBatch.__new__(DecodeBatch)  # (only the draining flag is read)
-    after, left, accepted = [seq(13), seq(11), seq(10)], [54, 54, 55], [2, 0, 0]
-    batch.draining = False
-    assert batch._progress(after, left, accepted) == pytest.approx(1 + 2 / 3)
-    batch.draining = True
-    assert batch._progress(after, left, accepted) == 1.0  # the slowest, 55 left, went 1 further
+    before, after, accepted = [seq(10), seq(10), seq(9)], [seq(13), seq(11), seq(10)], [2, 0, 0]
+
+    def progress(draining, before, after, accepted):
+        batch.draining = draining
+        return batch._progress(after, batch._budgets_left(before), accepted)
+
+    assert progress(False, before, after, accepted) == pytest.approx(1 + 2 / 3)
+    assert progress(True, before, after, accepted) == 1.0  # the slowest, 55 left, went 1 further
     # The slowest ended (EOS) this round: the drop to the next slowest, capped at the farthest any went.
-    assert batch._progress([seq(50), seq(10, done=True)], [16, 55], [1, 0]) == 2.0
-    assert batch._progress([seq(13)], [54], [2]) == 3.0  # one sequence: its own tokens
+    assert progress(True, [seq(48), seq(9)], [seq(50), seq(10, done=True)], [1, 0]) == 2.0
+    assert progress(True, [seq(10)], [seq(13)], [2]) == 3.0  # one sequence: its own tokens
 
 
 def test_the_batch_knows_when_no_request_waits_for_a_row(monkeypatch):

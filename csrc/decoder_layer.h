@@ -36,4 +36,24 @@ std::tuple<at::Tensor, at::Tensor> compose_decoder_layer(
   return {stream2, ops.linear(act, down_weight, std::nullopt)};
 }
 
+// jakiro::decoder_layers as `layer` (a decoder_layer of the backend) applied to each layer in
+// turn, the residual stream passed on (the lists already checked by check_decoder_layers).
+template <typename Layer>
+std::tuple<at::Tensor, at::Tensor> compose_decoder_layers(
+    const Layer& layer, const at::Tensor& delta, const std::optional<at::Tensor>& residual,
+    at::TensorList input_norms, at::TensorList qkv_weights, at::TensorList qkv_biases, at::TensorList o_weights,
+    at::TensorList post_norms, at::TensorList gate_up_weights, at::TensorList down_weights, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& kv_cache, const at::Tensor& lengths, const at::Tensor& tree_mask,
+    double eps) {
+  std::tuple<at::Tensor, at::Tensor> stream{residual.value_or(at::Tensor()), delta};
+  for (size_t l = 0; l < input_norms.size(); ++l) {
+    const auto& [r, d] = stream;
+    stream = layer(d, r.defined() ? std::optional<at::Tensor>(r) : std::nullopt, input_norms[l], qkv_weights[l],
+                   qkv_biases.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_biases[l]), o_weights[l],
+                   post_norms[l], gate_up_weights[l], down_weights[l], cos, sin,
+                   kv_cache.select(0, static_cast<int64_t>(l)), lengths, tree_mask, eps);
+  }
+  return stream;
+}
+
 }  // namespace jakiro

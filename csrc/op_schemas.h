@@ -47,6 +47,14 @@ inline void define_ops(torch::Library& m) {
       "decoder_layer(Tensor delta, Tensor? residual, Tensor input_norm, Tensor qkv_weight, Tensor? qkv_bias, "
       "Tensor o_weight, Tensor post_norm, Tensor gate_up_weight, Tensor down_weight, Tensor cos, Tensor sin, "
       "Tensor(a!) kv_cache, Tensor lengths, Tensor tree_mask, float eps) -> (Tensor residual, Tensor delta)");
+  // decoder_layer applied to L layers in turn (layer l with the l-th tensor of each list and
+  // kv_cache[l]; qkv_biases one per layer or none), the residual stream passed from each to the
+  // next: one call for a model's layers.
+  m.def(
+      "decoder_layers(Tensor delta, Tensor? residual, Tensor[] input_norms, Tensor[] qkv_weights, "
+      "Tensor[] qkv_biases, Tensor[] o_weights, Tensor[] post_norms, Tensor[] gate_up_weights, "
+      "Tensor[] down_weights, Tensor cos, Tensor sin, Tensor(a!) kv_cache, Tensor lengths, Tensor tree_mask, "
+      "float eps) -> (Tensor residual, Tensor delta)");
   // SiLU(gate) * up of a fused [..., 2 I] projection ([gate | up]), in float32, rounded once: [..., I].
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.

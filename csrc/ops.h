@@ -83,6 +83,18 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
                                       const at::Tensor& kv_cache, const at::Tensor& lengths,
                                       const at::Tensor& tree_mask, double eps, bool bf16_weights = false);
 
+// jakiro::decoder_layers: L >= 1 layers, every list L tensors long (qkv_biases L, or empty: no
+// bias), kv_cache [L, 2, B, Hkv, S, D]; layer l checked by check_decoder_layer with kv_cache[l]
+// (its errors name the layer), every layer of one MLP width and one weight dtype. Returns the
+// layers' shape.
+DecoderLayerShape check_decoder_layers(const at::Tensor& delta, const std::optional<at::Tensor>& residual,
+                                       at::TensorList input_norms, at::TensorList qkv_weights,
+                                       at::TensorList qkv_biases, at::TensorList o_weights, at::TensorList post_norms,
+                                       at::TensorList gate_up_weights, at::TensorList down_weights,
+                                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                                       const at::Tensor& lengths, const at::Tensor& tree_mask, double eps,
+                                       bool bf16_weights = false);
+
 // gate_up [..., 2 I] with I >= 1, float32 or bfloat16.
 void check_silu_mul(const at::Tensor& gate_up);
 

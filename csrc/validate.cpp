@@ -282,6 +282,47 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
   return {B, T, H, Hq, Hkv, D, I};
 }
 
+DecoderLayerShape check_decoder_layers(const at::Tensor& delta, const std::optional<at::Tensor>& residual,
+                                       at::TensorList input_norms, at::TensorList qkv_weights,
+                                       at::TensorList qkv_biases, at::TensorList o_weights, at::TensorList post_norms,
+                                       at::TensorList gate_up_weights, at::TensorList down_weights,
+                                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
+                                       const at::Tensor& lengths, const at::Tensor& tree_mask, double eps,
+                                       bool bf16_weights) {
+  const char* op = "jakiro::decoder_layers";
+  const int64_t L = static_cast<int64_t>(input_norms.size());
+  TORCH_CHECK(L >= 1, op, ": input_norms must hold at least one layer's weight, got none");
+  const std::pair<const char*, at::TensorList> lists[] = {
+      {"qkv_weights", qkv_weights}, {"o_weights", o_weights}, {"post_norms", post_norms},
+      {"gate_up_weights", gate_up_weights}, {"down_weights", down_weights}};
+  for (const auto& [name, list] : lists) {
+    TORCH_CHECK(static_cast<int64_t>(list.size()) == L, op, ": ", name, " must hold one tensor per layer, ", L,
+                " as input_norms, got ", list.size());
+  }
+  TORCH_CHECK(qkv_biases.empty() || static_cast<int64_t>(qkv_biases.size()) == L, op,
+              ": qkv_biases must hold one tensor per layer, ", L, " as input_norms, or none, got ", qkv_biases.size());
+  check_dim(op, "kv_cache", kv_cache, 6, "[L, 2, B, Hkv, S, D]");
+  check_size(op, "kv_cache", kv_cache, 0, L, "layers, as len(input_norms)");
+  DecoderLayerShape first{};
+  for (int64_t l = 0; l < L; ++l) {
+    DecoderLayerShape s{};
+    try {
+      s = check_decoder_layer(delta, residual, input_norms[l], qkv_weights[l],
+                              qkv_biases.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_biases[l]),
+                              o_weights[l], post_norms[l], gate_up_weights[l], down_weights[l], cos, sin,
+                              kv_cache.select(0, l), lengths, tree_mask, eps, bf16_weights);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, op, ": layer ", l, ": ", e.msg());
+    }
+    if (l == 0) first = s;
+    TORCH_CHECK(s.intermediate == first.intermediate && qkv_weights[l].scalar_type() == qkv_weights[0].scalar_type(),
+                op, ": every layer must have layer 0's MLP width ", first.intermediate, " and weight dtype ",
+                qkv_weights[0].scalar_type(), ", layer ", l, " has ", s.intermediate, " and ",
+                qkv_weights[l].scalar_type());
+  }
+  return first;
+}
+
 void check_silu_mul(const at::Tensor& gate_up) {
   const char* op = "jakiro::silu_mul";
   check_dtype(op, "gate_up", gate_up, {at::kFloat, at::kBFloat16});

@@ -70,6 +70,8 @@ class GpuBackend:
             self.ops, self.device = emulator.emulated_ops(int(name.removeprefix("simt"))), torch.device("cpu")
 
     def to_device(self, value):
+        if isinstance(value, list):  # (an op's Tensor[] argument)
+            return [self.to_device(v) for v in value]
         return value.to(self.device) if isinstance(value, torch.Tensor) else value
 
     def run(self, op: str, *args, **kwargs):

@@ -35,7 +35,6 @@ constexpr int kAmdFp32Cols = 8;
 // at a time (avx512::WeightStream); on earlier AMD CPUs one row.
 constexpr int kZen5Family = 0x1A;
 constexpr int kZen5OneStreamRows = 5;
-constexpr int64_t kZen5FusedLayerRows = 1;  // (WeightStream::fused_layer_rows)
 
 // How the 512-bit products read W (avx512::skinny), per CPU: measured on the default model's
 // weights, whole forwards.
@@ -62,14 +61,6 @@ struct WeightStream {
   bool next_tile_over_passes;
   // float32 register tiles of kAmdFp32Rows x kAmdFp32Cols instead of kAvx512Rows x kAvx512Cols.
   bool amd_tiles;
-  // jakiro::decoder_layer runs as one parallel region (cpu/decoder_layer.cpp) up to this many
-  // rows, beyond them as its ops one after the other (the same bits). A 2-core Zen 5 EPYC,
-  // float32, the default model behind 300 tokens, fused against composed in alternating runs:
-  // a forward of 1 token 0.93-0.97x the time fused in either of the machine's memory phases, 2
-  // tokens 0.97x in the slow one (40-46 GB/s) and 1.05x in the fast one (68-75 GB/s), 3 / 4 / 6 /
-  // 8 tokens 1.05 / 1.02 / 1.09 / 1.24x (slow) and 4 tokens 1.16x (fast); a decoding step of 2 /
-  // 4 / 16 sequences 0.97-1.03x / 1.00x / 1.19-1.29x. Elsewhere kLinearStreamRows (measured on a Xeon).
-  int64_t fused_layer_rows;
 };
 
 // The stream measured best on this CPU: on AMD's Zen 5 and later one stream up to

@@ -121,9 +121,9 @@ struct NamedStream {
 
 const NamedStream& chosen_stream() {
   static const NamedStream chosen = [] {
-    const NamedStream streams[] = {{"intel", {0, false, true, false, kLinearStreamRows}},
-                                   {"zen4", {1, false, false, true, kLinearStreamRows}},
-                                   {"zen5", {kZen5OneStreamRows, true, false, true, kZen5FusedLayerRows}}};
+    const NamedStream streams[] = {{"intel", {0, false, true, false}},
+                                   {"zen4", {1, false, false, true}},
+                                   {"zen5", {kZen5OneStreamRows, true, false, true}}};
     const char* env = std::getenv("JAKIRO_CPU_WEIGHT_STREAM");
     const std::string named = env == nullptr ? "" : env;
     for (const auto& s : streams)

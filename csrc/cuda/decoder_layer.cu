@@ -1,5 +1,5 @@
-// Torch glue of the GPU jakiro::decoder_layer: the composition of csrc/decoder_layer.h over this
-// backend's own ops (jakiro::* on CUDA; under the emulator, its namespace's), called through the
+// Torch glue of the GPU jakiro::decoder_layer and decoder_layers (its layers one after the other):
+// the composition of csrc/decoder_layer.h over this backend's own ops (jakiro::* on CUDA; under the emulator, its namespace's), called through the
 // dispatcher from C++: the GPU kernels of the parts, launched in order on the current stream.
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -62,8 +62,24 @@ std::tuple<T, T> decoder_layer_gpu(const T& delta, const Opt& residual, const T&
                                gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps);
 }
 
+// The layers one after the other (each as above).
+std::tuple<T, T> decoder_layers_gpu(const T& delta, const Opt& residual, at::TensorList input_norms,
+                                    at::TensorList qkv_weights, at::TensorList qkv_biases, at::TensorList o_weights,
+                                    at::TensorList post_norms, at::TensorList gate_up_weights,
+                                    at::TensorList down_weights, const T& cos, const T& sin, const T& kv_cache,
+                                    const T& lengths, const T& tree_mask, double eps) {
+  check_decoder_layers(delta, residual, input_norms, qkv_weights, qkv_biases, o_weights, post_norms, gate_up_weights,
+                       down_weights, cos, sin, kv_cache, lengths, tree_mask, eps, DispatchedOps::kBf16Weights);
+  return compose_decoder_layers(&decoder_layer_gpu, delta, residual, input_norms, qkv_weights, qkv_biases, o_weights,
+                                post_norms, gate_up_weights, down_weights, cos, sin, kv_cache, lengths, tree_mask,
+                                eps);
+}
+
 }  // namespace
 
-JAKIRO_GPU_LIBRARY_IMPL(m) { m.impl("decoder_layer", &decoder_layer_gpu); }
+JAKIRO_GPU_LIBRARY_IMPL(m) {
+  m.impl("decoder_layer", &decoder_layer_gpu);
+  m.impl("decoder_layers", &decoder_layers_gpu);
+}
 
 }  // namespace jakiro::gpu

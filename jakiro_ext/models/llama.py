@@ -328,17 +328,34 @@ class LlamaModel(nn.Module):
             depths = torch.arange(T, device=device).expand(B, T)
         cos, sin = self._rope(cache.lengths.unsqueeze(1) + depths, cache.capacity)
         residual, delta = None, self.embed_tokens(tokens)
+        if feature_layers is None:  # every layer in one call
+            residual, delta = ops.decoder_layers(delta, None, *self._layer_weights(streamed), cos, sin, cache.kv,
+                                                 cache.lengths, tree_mask, self.config.rms_norm_eps)
+            normed, _ = self.norm.add_and_norm(delta, residual)
+            return normed, normed
         streams = []
         for i, (layer, layer_kv) in enumerate(zip(self.layers, cache.kv.unbind(0))):
-            if feature_layers is not None and i in feature_layers:
+            if i in feature_layers:
                 streams.append((i, delta if residual is None else residual + delta))
             residual, delta = layer.run(residual, delta, cos, sin, layer_kv, cache.lengths, tree_mask,
                                         None if streamed is None else streamed[i])
         normed, _ = self.norm.add_and_norm(delta, residual)
-        if feature_layers is None:
-            return normed, normed
         found = dict(streams)
         return normed, torch.cat([found[i] for i in feature_layers], -1)
+
+    def _layer_weights(self, streamed: Optional[list] = None) -> tuple:
+        """``jakiro::decoder_layers``' lists of the layers' weights (input_norms, qkv_weights,
+        qkv_biases, o_weights, post_norms, gate_up_weights, down_weights), read from the modules'
+        dicts each forward (see :meth:`Block.run`); ``streamed``: the projections to read instead
+        (:meth:`streamed_weights`)."""
+        blocks = list(self._modules["layers"]._modules.values())
+        projections = streamed[:-1] if streamed is not None else [b.projections() for b in blocks]
+        biases = [b._modules["self_attn"]._modules["qkv_proj"]._parameters["bias"] for b in blocks]
+        qkv, o, gate_up, down = zip(*projections)
+        return ([b._modules["input_layernorm"]._parameters["weight"] for b in blocks], list(qkv),
+                biases if biases[0] is not None else [], list(o),
+                [b._modules["post_attention_layernorm"]._parameters["weight"] for b in blocks], list(gate_up),
+                list(down))
 
     def _chunked(self, tokens: torch.Tensor, cache: KVCache, feature_layers: Optional[Sequence[int]]):
         """:meth:`_layers` of a chain longer than ``prefill_chunk`` (a prompt) as consecutive runs of

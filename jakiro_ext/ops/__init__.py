@@ -45,6 +45,7 @@ OP_NAMES = (
     "linear",
     "silu_mul",
     "decoder_layer",
+    "decoder_layers",
     "mlp_heads",
     "rms_norm",
     "rope_kv_write",
@@ -207,6 +208,16 @@ if LOAD_ERROR is None:
                      down_weight=down_weight, cos=cos, sin=sin, kv_cache=kv_cache, lengths=lengths, tree_mask=tree_mask)
         return delta.new_empty(delta.shape), delta.new_empty(delta.shape)
 
+    @torch.library.register_fake("jakiro::decoder_layers")
+    def _decoder_layers_fake(delta, residual, input_norms, qkv_weights, qkv_biases, o_weights, post_norms,
+                             gate_up_weights, down_weights, cos, sin, kv_cache, lengths, tree_mask, eps):
+        lists = dict(input_norms=input_norms, qkv_weights=qkv_weights, qkv_biases=qkv_biases, o_weights=o_weights,
+                     post_norms=post_norms, gate_up_weights=gate_up_weights, down_weights=down_weights)
+        _same_device("decoder_layers", delta=delta, residual=residual, cos=cos, sin=sin, kv_cache=kv_cache,
+                     lengths=lengths, tree_mask=tree_mask,
+                     **{f"{name}[{i}]": t for name, ts in lists.items() for i, t in enumerate(ts)})
+        return delta.new_empty(delta.shape), delta.new_empty(delta.shape)
+
     @torch.library.register_fake("jakiro::verify_tree")
     def _verify_tree_fake(parents, draft_tokens, target_logits, uniforms=None, temperature=0.0, top_p=1.0, top_k=0):
         _same_device("verify_tree", parents=parents, draft_tokens=draft_tokens, target_logits=target_logits, uniforms=uniforms)
@@ -315,6 +326,18 @@ def decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, p
     in bfloat16 beside float32 rows (as ``linear`` takes them)."""
     return _kernel("decoder_layer")(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm,
                                     gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps)
+
+
+def decoder_layers(delta, residual, input_norms, qkv_weights, qkv_biases, o_weights, post_norms, gate_up_weights,
+                   down_weights, cos, sin, kv_cache, lengths, tree_mask, eps: float):
+    """:func:`decoder_layer` applied to L layers in turn, the residual stream passed from each to
+    the next: layer l takes the l-th tensor of each list (``qkv_biases``: one per layer, or empty
+    for none) and ``kv_cache[l]`` (kv_cache [L, 2, B, Hkv, S, D]). Returns the last layer's
+    ``(residual, delta)``. One call for a model's layers: on the CPU, where a layer runs as one
+    parallel region, all of them run in one (nothing returns to Python, and no thread waits for
+    another region, between two layers); the same bits as the layers called one by one."""
+    return _kernel("decoder_layers")(delta, residual, input_norms, qkv_weights, qkv_biases, o_weights, post_norms,
+                                     gate_up_weights, down_weights, cos, sin, kv_cache, lengths, tree_mask, eps)
 
 
 def mlp_heads(x, w_in, b_in, w_blocks, b_blocks):

@@ -168,6 +168,16 @@ def decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, p
     return stream, linear(silu_mul(linear(h, gate_up_weight)), down_weight)
 
 
+def decoder_layers(delta, residual, input_norms, qkv_weights, qkv_biases, o_weights, post_norms, gate_up_weights,
+                   down_weights, cos, sin, kv_cache, lengths, tree_mask, eps: float):
+    for layer in range(len(input_norms)):
+        residual, delta = decoder_layer(delta, residual, input_norms[layer], qkv_weights[layer],
+                                        qkv_biases[layer] if qkv_biases else None, o_weights[layer],
+                                        post_norms[layer], gate_up_weights[layer], down_weights[layer], cos, sin,
+                                        kv_cache[layer], lengths, tree_mask, eps)
+    return residual, delta
+
+
 def mlp_heads(x, w_in, b_in, w_blocks, b_blocks):
     silu = torch.nn.functional.silu
     J, H, K = w_in.shape

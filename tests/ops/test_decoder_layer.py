@@ -156,8 +156,8 @@ COMPOSED_SHAPES = [(1, 1, 48, 4, 2, 16, 40, (9,), True, True), (2, 6, 48, 4, 2, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", COMPOSED_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
 def test_decoder_layer_equals_its_parts_composed(shape, dtype, threads):
-    # Bit for bit: the layer (one parallel region for up to the CPU kind's rows, whatever the
-    # threads) is the composition of the ops the unfused model called one by one.
+    # Bit for bit: the layer (one parallel region up to 64 rows, whatever the threads) is the
+    # composition of the ops the unfused model called one by one.
     B, T, H, Hq, Hkv, D, I, prefix, bias, residual = shape
     layer = Layer(B, T, H, Hq, Hkv, D, I, dtype=dtype, bias=bias, residual=residual, prefix=prefix)
     cache = layer.kv_cache.clone()
@@ -180,9 +180,9 @@ def test_decoder_layer_equals_its_parts_composed(shape, dtype, threads):
 
 @pytest.mark.parametrize("stream", ["intel", "zen5"])
 def test_decoder_layer_equals_its_parts_composed_as_far_as_each_cpu_kind_fuses(stream):
-    # Each CPU kind fuses the layer up to its own number of rows (Zen 5: one, measured; the others
-    # 64), so the test above exercises the fused kernel on many rows only where the kind allows:
-    # it runs again under each kind, named (JAKIRO_CPU_WEIGHT_STREAM), whatever this CPU is.
+    # Each CPU kind streams the weights its own way (Zen 5: one stream up to 5 rows; elsewhere
+    # register tiles), inside the fused layer as in the composed ops: the test above runs again
+    # under each kind, named (JAKIRO_CPU_WEIGHT_STREAM), whatever this CPU is.
     env = {**os.environ, "JAKIRO_CPU_WEIGHT_STREAM": stream}
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__),
                           "-k", "test_decoder_layer_equals_its_parts_composed and not cpu_kind"],

@@ -12,6 +12,7 @@ import jakiro_ext as J
 from conftest import randn
 from jakiro_ext.ops import reference
 import test_decoder_layer
+import test_decoder_layers
 
 NAN, INF = math.nan, math.inf
 
@@ -328,6 +329,7 @@ def _op_calls():
         "compact_kv": (randn(2, 2, 1, 12, 4, seed=30), torch.tensor([5, 4]), torch.tensor([[0, 1], [0, 1]]),
                        torch.tensor([2, 2])),
         "decoder_layer": test_decoder_layer.Layer(B=1, T=2).args(),
+        "decoder_layers": test_decoder_layers.Layers(2, B=1, T=2).args(),
     }
 
 

@@ -89,7 +89,8 @@ class KVCache(nn.Module):
         """Keep each sequence's accepted path of the tree last written: the keys/values of nodes
         path[b, :path_len[b]] move right after the prefix (``jakiro::compact_kv``, every layer
         in one call) and are committed. ``host_path_len``: path_len's values, known on the host."""
-        ops.compact_kv(self.kv, self.lengths, path, path_len)
+        if path.shape[1] > 1:  # (node 0, the root, is always the path's first: already in place)
+            ops.compact_kv(self.kv, self.lengths, path, path_len)
         self.commit(path_len, host_path_len)
 
     def clear(self, rows: List[int]) -> None:

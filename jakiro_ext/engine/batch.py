@@ -87,6 +87,7 @@ class DecodeBatch:
         self.state: Optional[BatchState] = None
         self.root_parent = torch.tensor([[-1]], device=self.device)
         self.replay = None if s.graphs == "eager" else Replay(self._draft_and_verify, s.graphs)
+        self._one_node_masks: dict = {}  # (_tree_mask)
         # The target's layers an EAGLE-3 head reads (None: its final hidden states, as the others)
         self.feature_layers = getattr(draft, "feature_layers", None) if method.drafts else None
 
@@ -263,6 +264,17 @@ class DecodeBatch:
             seq.emit(new)
         return [a for seq, a in zip(seqs, back.accepted) if seq is not None]
 
+    def _tree_mask(self, parents: torch.Tensor) -> torch.Tensor:
+        """The tree's mask; a round of plain decoding's (one node a row) made once per batch size
+        and kept (making it took 0.09 ms of a 9 ms round, its code out of the caches)."""
+        if parents.shape[1] > 1:
+            return ops.build_tree_mask(parents, check=False)
+        key = (parents.shape[0], parents.device)
+        mask = self._one_node_masks.get(key)
+        if mask is None:
+            mask = self._one_node_masks[key] = ops.build_tree_mask(parents, check=False)
+        return mask
+
     def _draft_and_verify(self, roots: torch.Tensor, *rest: torch.Tensor):
         """The round's device work, from the roots [B] (and with sampling the draws [B, nodes + 1])
         and the root step (its non-None tensors) to what the host reads: a function of these
@@ -278,8 +290,8 @@ class DecodeBatch:
         drafter = self._drafting
         forwards = drafter.forwards
         tree = drafter.draft(roots, state.draft_kv, root_step)
-        logits, hidden = self.target(tree.tokens, state.target_kv, ops.build_tree_mask(tree.parents, check=False),
-                                     tree.depths, feature_layers=self.feature_layers)
+        logits, hidden = self.target(tree.tokens, state.target_kv, self._tree_mask(tree.parents), tree.depths,
+                                     feature_layers=self.feature_layers)
         T = tree.tokens.shape[1]
         uniforms = None if draws is None else torch.cat([draws[:, :T], draws[:, -1:]], 1)
         path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,

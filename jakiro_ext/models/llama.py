@@ -206,6 +206,23 @@ class Block(nn.Module):
                 mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"])
 
 
+# Bumped whenever a module registers a parameter (``module.weight = nn.Parameter(...)`` included):
+# the layer lists a model keeps (LlamaModel._layer_weights) are made again after it.
+_registrations = [0]
+
+
+def _count_registration(module, name, param) -> None:
+    _registrations[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+
+# A model whose weights are not all exactly bf16 reads its parameters, which is right whatever
+# happens to them; it looks again whether they have become exact (walking every parameter: after
+# a forward has pushed them out of the caches, 0.27 ms of a 9 ms decoding step on a Zen 5 EPYC)
+# only every this many forwards.
+BF16_RECHECK_FORWARDS = 64
+
 # Rows up to which jakiro::linear and jakiro::decoder_layer stream the weights (csrc/ops.h,
 # kLinearStreamRows); more go to BLAS, which reads the float32 parameters.
 STREAM_ROWS = 64
@@ -281,7 +298,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"{T} new tokens after a prefix of {max(cache.host_lengths)} need {longest} cache "
                              f"positions, beyond the cache capacity {cache.max_capacity}")
         cache.reserve(longest)
-        streamed = self.streamed_weights() if B * (1 if last_logits_only else T) <= STREAM_ROWS else None
+        streamed = self.streamed_weights(lazy=True) if B * (1 if last_logits_only else T) <= STREAM_ROWS else None
         if tree_mask is None and depths is None and 0 < self.prefill_chunk < T:
             normed, hidden = self._chunked(tokens, cache, feature_layers)
         else:
@@ -290,7 +307,7 @@ class LlamaModel(nn.Module):
         last = normed[:, -1:] if last_logits_only else normed
         return (project(self.lm_head, last) if streamed is None else ops.linear(last, streamed[-1])), hidden
 
-    def streamed_weights(self) -> Optional[list]:
+    def streamed_weights(self, lazy: bool = False) -> Optional[list]:
         """What the streamed products (decoding, a tree's verification: at most STREAM_ROWS rows)
         read instead of the float32 parameters, on the CPU, where every projection and LM-head
         weight is exactly a bf16 value (a bf16 checkpoint loaded in float32; not the default
@@ -298,21 +315,27 @@ class LlamaModel(nn.Module):
         LM head]. The products widen them in registers: float32 arithmetic, the same bits, half
         the bytes read (the parameters stay, for BLAS and for whoever reads them). Made once and
         made again when a parameter changes (its version or storage); None: read the parameters
-        (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``)."""
+        (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``).
+        ``lazy`` (the forward's calls): a "not exact" found before is trusted for
+        :data:`BF16_RECHECK_FORWARDS` such calls before the weights are looked at again."""
         if not bf16_weights_enabled():
+            return None
+        kept = self.__dict__.get("_bf16_weights")
+        if lazy and kept is not None and kept[1] is None and kept[2] > 0:  # not exact when last looked
+            self.__dict__["_bf16_weights"] = (kept[0], None, kept[2] - 1)
             return None
         params = [p for layer in self._modules["layers"]._modules.values() for p in layer.projections()]
         params.append(self._modules["lm_head"]._parameters["weight"])
         key = [(p.data_ptr(), p._version) for p in params]
-        kept = self.__dict__.get("_bf16_weights")
         if kept is not None and kept[0] == key:
+            self.__dict__["_bf16_weights"] = (key, kept[1], BF16_RECHECK_FORWARDS)
             return kept[1]
         copies = None
         if all(exactly_bf16(p) for p in params):
             with torch.no_grad():
                 flat = in_huge_pages([p.detach().bfloat16() for p in params])
             copies = [tuple(flat[i: i + 4]) for i in range(0, len(flat) - 1, 4)] + [flat[-1]]
-        self.__dict__["_bf16_weights"] = (key, copies)
+        self.__dict__["_bf16_weights"] = (key, copies, BF16_RECHECK_FORWARDS)
         return copies
 
     def _layers(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor],
@@ -346,16 +369,28 @@ class LlamaModel(nn.Module):
     def _layer_weights(self, streamed: Optional[list] = None) -> tuple:
         """``jakiro::decoder_layers``' lists of the layers' weights (input_norms, qkv_weights,
         qkv_biases, o_weights, post_norms, gate_up_weights, down_weights), read from the modules'
-        dicts each forward (see :meth:`Block.run`); ``streamed``: the projections to read instead
-        (:meth:`streamed_weights`)."""
+        dicts (see :meth:`Block.run`); ``streamed``: the projections to read instead
+        (:meth:`streamed_weights`). Kept until a module registers a parameter or the model is
+        converted (``to``): the lists hold the parameters themselves, whose values the op reads
+        as they are then (walking the modules each forward cost 0.08 ms of a 9 ms decoding step,
+        their objects out of the caches after the forward's weight stream)."""
+        kept = self.__dict__.get("_layer_lists")
+        if kept is not None and kept[0] == _registrations[0] and kept[1] is streamed:
+            return kept[2]
         blocks = list(self._modules["layers"]._modules.values())
         projections = streamed[:-1] if streamed is not None else [b.projections() for b in blocks]
         biases = [b._modules["self_attn"]._modules["qkv_proj"]._parameters["bias"] for b in blocks]
         qkv, o, gate_up, down = zip(*projections)
-        return ([b._modules["input_layernorm"]._parameters["weight"] for b in blocks], list(qkv),
-                biases if biases[0] is not None else [], list(o),
-                [b._modules["post_attention_layernorm"]._parameters["weight"] for b in blocks], list(gate_up),
-                list(down))
+        lists = ([b._modules["input_layernorm"]._parameters["weight"] for b in blocks], list(qkv),
+                 biases if biases[0] is not None else [], list(o),
+                 [b._modules["post_attention_layernorm"]._parameters["weight"] for b in blocks], list(gate_up),
+                 list(down))
+        self.__dict__["_layer_lists"] = (_registrations[0], streamed, lists)
+        return lists
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_layer_lists", None)  # (a conversion may give the modules new parameters)
+        return super()._apply(fn, recurse)
 
     def _chunked(self, tokens: torch.Tensor, cache: KVCache, feature_layers: Optional[Sequence[int]]):
         """:meth:`_layers` of a chain longer than ``prefill_chunk`` (a prompt) as consecutive runs of

@@ -344,8 +344,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
 // Whether rows of T tokens run as one parallel region (fused_decoder_layers) rather than as the ops composed.
 bool fused(const DecoderLayerShape& s) {
   const int64_t rows = s.batch * s.tokens;
-  return fused_layer_enabled() && rows > 0 && rows <= kLinearStreamRows &&
-         s.tokens <= kFixedSplitTreeLen;
+  return fused_layer_enabled() && rows > 0 && rows <= kLinearStreamRows && s.tokens <= kFixedSplitTreeLen;
 }
 
 // fused_decoder_layers in the layers' dtypes.

@@ -1,6 +1,7 @@
 // Torch glue of the GPU jakiro::decoder_layer and decoder_layers (its layers one after the other):
-// the composition of csrc/decoder_layer.h over this backend's own ops (jakiro::* on CUDA; under the emulator, its namespace's), called through the
-// dispatcher from C++: the GPU kernels of the parts, launched in order on the current stream.
+// the composition of csrc/decoder_layer.h over this backend's own ops (jakiro::* on CUDA; under
+// the emulator, its namespace's), called through the dispatcher from C++: the GPU kernels of the
+// parts, launched in order on the current stream.
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include "cuda/launch.h"

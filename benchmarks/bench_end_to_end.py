@@ -90,7 +90,8 @@ def main():
 
     from jakiro_ext.cli.common import chat_ids, load_head
     from jakiro_ext.config import CPU_TREE, TreeConfig
-    from jakiro_ext.engine.generate import default_tree, speculative_generate
+    from jakiro_ext.engine.generate import speculative_generate
+    from jakiro_ext.engine.policy import default_tree
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
     from jakiro_ext.models.llama import LlamaModel
 

@@ -70,8 +70,9 @@ def main():
         adaptive.TreeChooser.record = traced
 
     from jakiro_ext.cli.common import HEADS_DIR, chat_ids, load_head
-    from jakiro_ext.engine import tree_cost
-    from jakiro_ext.engine.generate import default_tree, generate_many
+    from jakiro_ext.engine import policy, tree_cost
+    from jakiro_ext.engine.generate import generate_many
+    from jakiro_ext.engine.policy import default_tree
     from jakiro_ext.methods import METHODS
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_target
 
@@ -98,7 +99,7 @@ def main():
         for cache in args.caches:
             path = tree_cost.costs_path(target, fresh_head(), "jakiro", batch)
             path.unlink(missing_ok=True)
-            tree_cost.live_path(path).unlink(missing_ok=True)  # (what earlier choosers kept: this run's to measure)
+            policy.live_path(path).unlink(missing_ok=True)  # (what earlier choosers kept: this run's to measure)
             stop = multiprocessing.Event()
             burners = [multiprocessing.Process(target=burn, args=(stop,)) for _ in range(2 if cache == "loaded" else 0)]
             for p in burners:
@@ -155,7 +156,7 @@ def main():
                     write_csv(args.trace, trace)
             if cache == "loaded":  # not left for the engine's next call (it would find them wrong and measure again)
                 path.unlink(missing_ok=True)
-                tree_cost.live_path(path).unlink(missing_ok=True)
+                policy.live_path(path).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -87,7 +87,8 @@ def main():
     torch.set_num_threads(args.threads)
 
     from jakiro_ext.cli.common import HEADS_DIR, chat_ids, load_head
-    from jakiro_ext.engine.generate import default_tree, speculative_generate
+    from jakiro_ext.engine.generate import speculative_generate
+    from jakiro_ext.engine.policy import default_tree
     from jakiro_ext.methods import METHODS
     from jakiro_ext.models.default import DEFAULT_MODEL, gguf_path, load_default_target
     from jakiro_ext.paths import cache_root

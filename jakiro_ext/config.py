@@ -120,19 +120,9 @@ class TreeConfig:
                              "(total_tokens/depth/top_k)")
 
     def max_nodes_for(self, method) -> int:
-        """The most nodes one round of ``method`` can verify, the root included (what the KV caches
-        are sized by). A static tree has its nodes. A dynamic tree keeps at most ``total_tokens``,
-        and can't draft more than c children of the root plus, per expansion, c children of each
-        of its ``top_k`` frontier nodes, with c = ``top_k`` (``jakiro_star``: 2 ``top_k``, both
-        experts' proposals). ``jakiro`` runs depth - 1 expansions, the last one also attaching
-        ``top_k`` contrastive candidates per frontier node: the same count."""
-        method = METHODS[method] if isinstance(method, str) else method
-        if not method.drafts:
-            return 1
-        if self.choices is not None:
-            return len({tuple(p) for p in self.choices}) + 1
-        c = method.children(self.top_k)
-        return min(self.total_tokens, 1 + c + self.depth * self.top_k * c)
+        """The most nodes one round of ``method`` (a name or a :class:`Method`) can verify, the
+        root included (:meth:`Method.max_nodes`: what the KV caches are sized by)."""
+        return (METHODS[method] if isinstance(method, str) else method).max_nodes(self)
 
 
 # The published comparisons' tree, and the CPU default chosen by measurement (README, "Tree size").

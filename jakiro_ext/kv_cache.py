@@ -7,7 +7,8 @@ the keys and values a draft tree's layers add within one round; ``causal_tree_ma
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -15,8 +16,14 @@ from torch import nn
 from jakiro_ext import ops
 from jakiro_ext.memory import memory_errors
 
-if TYPE_CHECKING:  # annotations only: the model imports the cache
-    from jakiro_ext.models.llama import LlamaConfig
+@dataclass(frozen=True)
+class CacheShape:
+    """What a model's KV cache is shaped by: its layers, key-value heads and head size, and its
+    sliding window (None: none; a cache beyond it is refused, not silently wrong)."""
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    sliding_window: Optional[int] = None
 
 
 class KVCache(nn.Module):
@@ -30,16 +37,16 @@ class KVCache(nn.Module):
     the forwards) up to ``max_capacity`` (default ``capacity``: a fixed cache), so a caller sizes
     it by what can happen and pays for what does."""
 
-    def __init__(self, config: LlamaConfig, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
+    def __init__(self, shape: CacheShape, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
                  device=None, max_capacity: Optional[int] = None):
         super().__init__()
-        self.config, self.batch = config, batch
+        self.shape, self.batch = shape, batch
         self.max_capacity = capacity if max_capacity is None else max_capacity
         if not 1 <= capacity <= self.max_capacity:
             raise ValueError(f"cache capacity must be in [1, max_capacity {self.max_capacity}], got {capacity}")
-        if config.sliding_window is not None and self.max_capacity > config.sliding_window:
+        if shape.sliding_window is not None and self.max_capacity > shape.sliding_window:
             raise ValueError(f"cache capacity {self.max_capacity} exceeds the model's sliding window "
-                             f"{config.sliding_window}, which this implementation does not apply")
+                             f"{shape.sliding_window}, which this implementation does not apply")
         self.register_buffer("kv", self._new_buffer(capacity, dtype, device), persistent=False)
         self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
         self.host_lengths: List[int] = [0] * batch
@@ -49,7 +56,7 @@ class KVCache(nn.Module):
         return self.kv.shape[-2]
 
     def _new_buffer(self, capacity: int, dtype: torch.dtype, device) -> torch.Tensor:
-        c = self.config
+        c = self.shape
         shape = (c.num_layers, 2, self.batch, c.num_kv_heads, capacity, c.head_dim)
         nbytes = math.prod(shape) * dtype.itemsize
         with memory_errors(f"allocating a KV cache of {capacity} positions ({list(shape)}, {dtype}), which needs "

@@ -12,7 +12,8 @@ from typing import Dict, List, Optional
 import torch
 
 from jakiro_ext.config import CPU_TREE, GPU_TREE, MAX_BATCH, TreeConfig, check_sampling_options
-from jakiro_ext.engine.generate import default_tree, speculative_generate
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.engine.policy import default_tree
 from jakiro_ext.engine.sequence import GenerationOutput
 from jakiro_ext.methods import METHODS
 from jakiro_ext.models import load_default_target

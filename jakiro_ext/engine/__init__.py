@@ -3,7 +3,8 @@
 replay (``graphs``), the tree cost model (``tree_cost``) and a host-read counter for tests and
 benchmarks (``host_reads``)."""
 from jakiro_ext.config import CPU_TREE, GPU_TREE, MAX_BATCH, TreeConfig
-from jakiro_ext.engine.generate import default_tree, generate_many, speculative_generate
+from jakiro_ext.engine.generate import generate_many, speculative_generate
+from jakiro_ext.engine.policy import default_tree
 from jakiro_ext.engine.sequence import GenerationOutput, GenerationStats
 
 __all__ = ["CPU_TREE", "GPU_TREE", "MAX_BATCH", "GenerationOutput", "GenerationStats", "TreeConfig", "default_tree",

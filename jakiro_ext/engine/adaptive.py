@@ -55,11 +55,9 @@ from __future__ import annotations
 
 import math
 import statistics
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from jakiro_ext.config import TreeConfig
@@ -459,12 +457,3 @@ class TreeChooser:
 def tree_key(tree: TreeConfig) -> str:
     """A tree as kept (:meth:`TreeChooser.kept`): "N,D,K"."""
     return f"{tree.total_tokens},{tree.depth},{tree.top_k}"
-
-
-def forget_cost_file(path: Path) -> Callable[[], None]:
-    """A ``forget_costs`` that deletes the cached costs at ``path`` (the next call measures them)."""
-    def forget() -> None:
-        print(f"note: this machine's live round times disagree with the cached costs {path}; they are deleted "
-              "and will be measured again by the next call", file=sys.stderr)
-        path.unlink(missing_ok=True)
-    return forget

@@ -15,7 +15,7 @@ import torch
 
 from jakiro_ext import ops
 from jakiro_ext.kv_cache import KVCache, TreeKV, causal_tree_mask, packed_bit_ranges
-from jakiro_ext.methods import Method
+from jakiro_ext.methods import CONTRASTIVE, EXPERTS, FORWARD_KINDS, MLP, Method
 from jakiro_ext.models.llama import PREFILL_CHUNK
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.step import DraftStep, take_rows
@@ -175,6 +175,9 @@ class Drafter:
         self._masks: dict = {}  # (_mask) the masks of a round's shapes
         self._lm_head: Optional[torch.Tensor] = None  # the round's draft LM head (DraftHead.products)
         self.drafts = self.check(head, method, tree)
+        # The kinds of the tree's layers (methods.LAYER_KINDS), the root's children first.
+        self.schedule = method.schedule(tree.depth if tree.choices is None else max(map(len, tree.choices)) - 1,
+                                        getattr(head.config, "num_mlp_heads", 0)) if self.drafts else ()
         # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
         # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
         self.scratch = max(tree.top_k, tree.max_nodes_for(method)) if self.drafts else 0
@@ -188,21 +191,7 @@ class Drafter:
             raise ValueError(f"method {method.name!r} needs a draft head")
         if head.lm_head_weight is None:
             raise ValueError("the draft head is not bound to a target: call head.bind(target) (DraftHead.load does it)")
-        if head.config.kind not in method.heads:
-            raise ValueError(f"method {method.name!r} needs {method.needs}; this head is {head.config.kind!r}")
-        if method.parallel_heads and tree.choices is not None:
-            raise ValueError(f"method {method.name!r} (parallel MLP heads) builds the dynamic tree; with a static tree "
-                             "use 'eagle2'")
-        if method.parallel_heads and tree.depth < head.config.num_mlp_heads + 1:
-            raise ValueError(f"method {method.name!r} drafts at least one serial step before the head's "
-                             f"{head.config.num_mlp_heads} MLP heads and needs depth >= {head.config.num_mlp_heads + 1}, "
-                             f"got {tree.depth}")
-        if method.hybrid_last_layer and tree.choices is not None:
-            raise ValueError(f"method {method.name!r} (hybrid contrastive last step) builds the dynamic tree; "
-                             "with a static tree use 'eagle2' or 'jakiro_star'")
-        if method.hybrid_last_layer and tree.depth < 2:
-            raise ValueError(f"method {method.name!r} takes its last layer from the contrastive branch and needs "
-                             f"depth >= 2, got {tree.depth}")
+        method.check(head.config.kind, getattr(head.config, "num_mlp_heads", 0), tree)
         vocab = head.lm_head_weight.shape[0]
         width = _width(tree)
         if width > vocab:
@@ -291,12 +280,13 @@ class Drafter:
         self._errors[0] |= bad.any()
         return lp, self.head.target_ids(ids.masked_fill(bad, 0))
 
-    def _children(self, step: DraftStep, hybrid: bool = False):
-        """Candidate children of each row of ``step``: (logprobs, ids) [B, R, C], and with
-        ``hybrid`` also the contrastive branch's candidates two tokens ahead [B, R, k]. All the
-        features of one call share a single pass over the LM head."""
+    def _children(self, step: DraftStep, kind: str, hybrid: bool = False):
+        """Candidate children of each row of ``step`` for a layer of ``kind`` (SERIAL or EXPERTS):
+        (logprobs, ids) [B, R, C], and with ``hybrid`` (the next layer is CONTRASTIVE) also the
+        contrastive branch's candidates two tokens ahead [B, R, k]. All the features of one call
+        share a single pass over the LM head."""
         k = self.width
-        if self.method.children_per_expert:
+        if kind == EXPERTS:
             lp, ids = self._topk(step.branch_features(), k)  # [B, R, 2, k]
             return dedupe(lp.flatten(2), ids.flatten(2)), None
         if hybrid:
@@ -323,21 +313,22 @@ class Drafter:
         return step
 
     def _draft_dynamic(self, tree: DraftTree, cache: KVCache, root_step: DraftStep) -> VerifyTree:
-        k = self.tree.top_k
-        (lp, ids), _ = self._children(root_step)
+        k, kinds = self.tree.top_k, self.schedule
+        (lp, ids), _ = self._children(root_step, kinds[0])
         layer = tree.add_children(torch.zeros_like(tree.tokens), ids, lp)
         prev_step, prev_rows = root_step, torch.zeros_like(layer)  # the step row holding each parent's output
         tree_kv, kv_nodes = TreeKV(), None
-        heads = self.head.config.num_mlp_heads if self.method.parallel_heads else 0
-        expansions = self.tree.depth - 1 if self.method.hybrid_last_layer else self.tree.depth - heads
+        # The later layers: a forward's each (SERIAL, EXPERTS), the last of which also gives the
+        # CONTRASTIVE one's candidates; then the MLP heads' (MLP), all in one pass.
+        expansions = sum(kind in FORWARD_KINDS for kind in kinds[1:])
         for d in range(1, expansions + 1):
             pick = tree.frontier(layer, k)
             frontier = layer.gather(1, pick)
             features = take_rows(prev_step.feature, prev_rows.gather(1, pick))
             step = self._run_layer(cache, tree, frontier, d, features, tree_kv, kv_nodes, keep_kv=d < expansions)
             kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
-            hybrid = self.method.hybrid_last_layer and d == expansions
-            (lp, ids), contrastive = self._children(step, hybrid)
+            hybrid = d == expansions and CONTRASTIVE in kinds
+            (lp, ids), contrastive = self._children(step, kinds[d], hybrid)
             C = ids.shape[-1]
             layer = tree.add_children(frontier, ids, lp)
             prev_step, prev_rows = step, torch.arange(frontier.shape[1], device=layer.device).repeat_interleave(C).expand_as(layer)
@@ -348,7 +339,7 @@ class Drafter:
                 children = layer.view(layer.shape[0], -1, C)
                 best = children.gather(2, tree.scores.gather(1, layer).view_as(children).argmax(2, keepdim=True))
                 tree.add_children(best.squeeze(2), contrastive[1], contrastive[0])
-        if heads:
+        if MLP in kinds:
             self._draft_parallel(tree, layer, prev_step, prev_rows)
         return tree.kept(self.tree.total_tokens)
 
@@ -387,7 +378,7 @@ class Drafter:
                 step = self._run_layer(cache, tree, frontier, depth - 1, take_rows(step.feature, above_rows.expand(B, -1)),
                                        tree_kv, kv_nodes, keep_kv=depth < len(plan))
                 kv_nodes = frontier if kv_nodes is None else torch.cat([kv_nodes, frontier], 1)
-            (lp, ids), _ = self._children(step)  # [B, R, C] for the step's rows
+            (lp, ids), _ = self._children(step, self.schedule[depth - 1])  # [B, R, C] for the step's rows
             tree.add_children(parents.expand(B, -1), ids[:, rows, ranks].unsqueeze(-1), lp[:, rows, ranks].unsqueeze(-1))
         return tree.every_node()
 

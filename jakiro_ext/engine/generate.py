@@ -24,17 +24,15 @@ leave room for, and the largest tree the method can draft.
 from __future__ import annotations
 
 import numbers
-from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sized, Tuple
 
 import torch
 
-from jakiro_ext.config import CPU_TREE, GPU_TREE, MAX_BATCH, TreeConfig, brief, check_sampling_options, int_arg
+from jakiro_ext.config import MAX_BATCH, TreeConfig, brief, check_sampling_options, int_arg
 from jakiro_ext.engine.batch import DecodeBatch
 from jakiro_ext.engine.graphs import MODES
-from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, GenerationOutput
-from jakiro_ext.engine.adaptive import TreeChooser
-from jakiro_ext.engine.tree_cost import auto_tree, tree_chooser
+from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, GenerationOutput, check_room
+from jakiro_ext.engine.policy import TreePolicy, largest_tree, tree_policy
 from jakiro_ext.methods import METHOD_NAMES, METHODS, Method, method_for_head
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.llama import LlamaModel, as_target
@@ -106,14 +104,14 @@ def _eos_ids(eos_token_id) -> set:
     return {int(x) for x in values}
 
 
-def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, requests, max_rows: int,
-            chooser: Optional[TreeChooser] = None, listed: Optional[Sized] = None):
+def _decode(target, draft, method: Method, policy: TreePolicy, s: DecodeSettings, requests, max_rows: int,
+            listed: Optional[Sized] = None):
     """Decode the sequences ``requests`` gives (asked whenever a row is free: an iterator that
     ran dry may have more later), up to ``max_rows`` at once; yields each (sequence, output) as
-    it finishes. With a ``chooser``, each round runs the tree it picks (``tree``: the largest).
-    ``listed``: the collection ``requests`` iterates over, when it is one (the batch drains once
-    as many are taken as it holds: its length read each round, so prompts appended to it count)."""
-    batch = DecodeBatch(target, draft, method, tree, s, max_rows, chooser)  # checks the method, head and tree
+    it finishes. Each round runs the tree ``policy`` chooses. ``listed``: the collection
+    ``requests`` iterates over, when it is one (the batch drains once as many are taken as it
+    holds: its length read each round, so prompts appended to it count)."""
+    batch = DecodeBatch(target, draft, method, policy, s, max_rows)  # checks the method, head and tree
     taken, dry = 0, False
     while True:
         while len(batch.seqs) < max_rows:  # free rows take waiting requests
@@ -129,8 +127,7 @@ def _decode(target, draft, method: Method, tree: TreeConfig, s: DecodeSettings, 
         batch.draining = dry or (listed is not None and taken >= len(listed))
         batch.compact()
         if not batch.seqs:
-            if chooser is not None:
-                chooser.end_call()
+            policy.end_call()
             return
         batch.round()
         for seq in batch.drop_done():
@@ -165,34 +162,6 @@ def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, t
     if graphs == "cuda" and target.lm_head.weight.device.type != "cuda":
         raise ValueError(f"graphs='cuda' needs the target on a CUDA device, it is on {target.lm_head.weight.device}")
     return spec, DecodeSettings(max_new_tokens, temperature, top_p, top_k, eos, seed, max_cache_len, keep_features, graphs)
-
-
-def _trees(target, draft, method: Method, tree: Optional[TreeConfig], batch: int,
-           s: DecodeSettings) -> Tuple[TreeConfig, Optional[TreeChooser]]:
-    """The tree the caches are sized by, and the live chooser of each round's tree (None: every
-    round runs that tree). Chosen live when the tree is left to the engine on a CPU, for a head
-    with an acceptance profile and eager rounds (:mod:`jakiro_ext.engine.adaptive`)."""
-    chooser = None
-    if tree is None and method.drafts and s.graphs == "eager" and target.lm_head.weight.device.type == "cpu":
-        chooser = tree_chooser(target, draft, method.name, batch, s.temperature > 0)
-    if chooser is None:
-        return default_tree(target, draft, method, tree, batch), None
-    return max(chooser.trees, key=lambda t: t.max_nodes_for(method)), chooser
-
-
-def default_tree(target, draft, method, tree: Optional[TreeConfig] = None, batch: int = 1) -> TreeConfig:
-    """The tree given, else on CPU the one chosen by measured cost for ``batch`` sequences (for a
-    head with an acceptance profile) or CPU_TREE, elsewhere GPU_TREE (deepened to a serial step
-    and the head's MLP heads for ``gumiho``). ``method``: a name or a :class:`Method`."""
-    method = METHODS[method] if isinstance(method, str) else method
-    device = target.lm_head.weight.device
-    if tree is None and device.type == "cpu" and method.drafts:
-        tree = auto_tree(target, draft, method.name, batch)
-    if tree is None:
-        tree = CPU_TREE if device.type == "cpu" else GPU_TREE
-        if method.parallel_heads and draft is not None:  # a serial step, then one layer per MLP head
-            tree = replace(tree, depth=max(tree.depth, draft.config.num_mlp_heads + 1))
-    return tree
 
 
 _DOC_OPTIONS = """
@@ -269,8 +238,8 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, graphs=graphs)
     prompts, batched = _prompts(input_ids, lengths, target.config.vocab_size)
-    tree, chooser = _trees(target, draft, method, tree, len(prompts), s)
-    nodes, limit = tree.max_nodes_for(method), target.config.max_position_embeddings
+    policy = tree_policy(target, draft, method, tree, len(prompts), s.temperature > 0, s.graphs)
+    nodes, limit = largest_tree(policy, method).max_nodes_for(method), target.config.max_position_embeddings
 
     def stream(i):
         if on_tokens is None:
@@ -278,8 +247,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
         return (lambda tokens: on_tokens(i, tokens)) if batched else on_tokens
 
     seqs = [DecodeSequence(i, ids, s, limit, nodes, stream(i)) for i, ids in enumerate(prompts)]
-    outputs = {seq.index: out for seq, out in _decode(target, draft, method, tree, s, iter(seqs), len(seqs), chooser,
-                                                     seqs)}
+    outputs = {seq.index: out for seq, out in _decode(target, draft, method, policy, s, iter(seqs), len(seqs), seqs)}
     return [outputs[i] for i in range(len(seqs))] if batched else outputs[0]
 
 
@@ -312,11 +280,16 @@ def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_
     method, s = _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id,
                           seed, max_cache_len, on_tokens, bool(keep_features), graphs)
     max_batch_size = int_arg("max_batch_size", max_batch_size, 1, MAX_BATCH)
-    tree, chooser = _trees(target, draft, method, tree, max_batch_size, s)
-    nodes, limit, vocab = tree.max_nodes_for(method), target.config.max_position_embeddings, target.config.vocab_size
+    limit, vocab = target.config.max_position_embeddings, target.config.vocab_size
+    if isinstance(requests, (list, tuple)):  # every request checked before the tree policy measures anything
+        for i, prompt in enumerate(requests):
+            name = "the prompt" if i == 0 else f"prompt {i}"  # (as DecodeSequence names it)
+            check_room(name, _prompt_ids(prompt, vocab, f"request {i}").numel(), limit)
+    policy = tree_policy(target, draft, method, tree, max_batch_size, s.temperature > 0, s.graphs)
+    nodes = largest_tree(policy, method).max_nodes_for(method)
     listed = requests if isinstance(requests, (list, tuple)) else None
-    return _generate_many(target, draft, method, tree, s, iter(requests), max_batch_size, nodes, limit, vocab,
-                          on_tokens, chooser, listed)
+    return _generate_many(target, draft, method, policy, s, iter(requests), max_batch_size, nodes, limit, vocab,
+                          on_tokens, listed)
 
 
 class _Arrivals:
@@ -341,8 +314,8 @@ class _Arrivals:
         return DecodeSequence(i, ids, self.s, self.limit, self.nodes, stream)
 
 
-def _generate_many(target, draft, method, tree, s, requests, max_batch_size, nodes, limit, vocab, on_tokens, chooser,
+def _generate_many(target, draft, method, policy, s, requests, max_batch_size, nodes, limit, vocab, on_tokens,
                    listed=None):
     arrivals = _Arrivals(requests, s, limit, nodes, vocab, on_tokens)
-    for seq, out in _decode(target, draft, method, tree, s, arrivals, max_batch_size, chooser, listed):
+    for seq, out in _decode(target, draft, method, policy, s, arrivals, max_batch_size, listed):
         yield seq.index, out

@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 MODES = ("cuda", "recorded")
 
@@ -92,10 +92,12 @@ class _CudaGraph:
 
 class Replay:
     """``fn(*inputs) -> (tuple of output tensors, host value)`` captured for a key and replayed:
-    each call copies the inputs into the capture's static buffers and replays it, returning the
-    outputs (static: valid until the next call) and the host value the capture returned (e.g.
-    how many forwards it ran). A new key captures anew and drops the old capture (what it pointed
-    to may be gone: a grown cache, another batch)."""
+    ``inputs`` are pytrees (tuples, named tuples, lists, None) whose tensors are copied into the
+    capture's static buffers on each call and whose other leaves (objects: caches, a drafter) are
+    constants of the capture, part of its key with ``key``. Returns the outputs (static: valid
+    until the next call) and the host value the capture returned (e.g. how many forwards it ran).
+    A new key captures anew and drops the old capture (what it pointed to may be gone: a grown
+    cache, another batch)."""
 
     def __init__(self, fn: Callable[..., Tuple[Tuple[torch.Tensor, ...], Any]], mode: str):
         if mode not in MODES:
@@ -104,19 +106,24 @@ class Replay:
             raise RuntimeError("CUDA graphs need a CUDA device; none is available")
         self.fn, self.mode = fn, mode
         self.key: Optional[Hashable] = None
-        self.static: Tuple[torch.Tensor, ...] = ()
+        self.static: Tuple[Any, ...] = ()
         self.captured = None
         self.captures = 0  # how many times it captured (tests, statistics)
 
-    def __call__(self, key: Hashable, inputs: Sequence[torch.Tensor]):
+    def __call__(self, key: Hashable, inputs: Sequence[Any]):
+        leaves, spec = tree_flatten(list(inputs))
+        constants = tuple(id(x) for x in leaves if not isinstance(x, torch.Tensor))
+        key = (key, spec, constants)
         if key != self.key or self.captured is None:
             self.captured = None  # (frees the old capture's memory first)
-            self.static = tuple(t.clone() for t in inputs)
-            self.captured = (_CudaGraph(self.fn, self.static) if self.mode == "cuda"
-                             else _Recorded(self.fn, self.static))
+            # (the constants themselves are kept here: their ids in the key stay theirs)
+            self.static = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in leaves)
+            static = tree_unflatten(list(self.static), spec)
+            self.captured = (_CudaGraph(self.fn, static) if self.mode == "cuda" else _Recorded(self.fn, static))
             self.key = key
             self.captures += 1
             return self.captured.first, self.captured.host
-        for buffer, value in zip(self.static, inputs):
-            buffer.copy_(value)
+        for buffer, value in zip(self.static, leaves):
+            if isinstance(value, torch.Tensor):
+                buffer.copy_(value)
         return self.captured.replay(), self.captured.host

@@ -77,9 +77,7 @@ class DecodeSequence:
                  on_tokens: Optional[Callable[[List[int]], None]]):
         n = ids.numel()
         name = "the prompt" if index == 0 else f"prompt {index}"
-        if limit is not None and n >= limit:
-            raise ValueError(f"{name} has {n} tokens, but the target's context holds {limit} positions "
-                             f"(max_position_embeddings): no room for a new token")
+        check_room(name, n, limit)
         self.budget = s.max_new_tokens if limit is None else min(s.max_new_tokens, limit - n)  # new tokens at positions < limit
         self.bound = n + self.budget + tree_nodes  # the most its KV cache rows can hold: committed tokens + one tree
         if s.max_cache_len is not None:
@@ -122,6 +120,13 @@ class DecodeSequence:
         if self.settings.keep_features:
             features = torch.cat(self.features)[: self.ids.numel() + len(self.out) - 1]
         return GenerationOutput(self.out, self.stats, features)
+
+
+def check_room(name: str, n: int, limit: Optional[int]) -> None:
+    """A prompt of ``n`` tokens leaves room for a new one in a context of ``limit`` positions (None: no limit)."""
+    if limit is not None and n >= limit:
+        raise ValueError(f"{name} has {n} tokens, but the target's context holds {limit} positions "
+                         f"(max_position_embeddings): no room for a new token")
 
 
 def no_distribution_error() -> RuntimeError:

@@ -8,6 +8,7 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from jakiro_ext import ops
+from jakiro_ext.engine.draft_lag import DraftLag
 from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.sequence import DecodeSequence
 from jakiro_ext.kv_cache import KVCache
@@ -26,15 +27,6 @@ class Started(NamedTuple):
     draft_pairs: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
 
-# A row's draft left behind by more than this many tokens (rounds of plain decoding, or a prompt
-# whose draft prefill was left for later) is rebuilt from its last DRAFT_WINDOW tokens alone when
-# it drafts again, not caught up on all of them: while plain decoding wins, the draft costs a
-# window's forward per return to drafting, not a forward every few rounds (about 3% of a round at
-# 16 rows, the head's share of the compute). RoPE is relative, so the rebuilt rows attend as a
-# window of the sequence would; only the context the draft sees is shorter.
-DRAFT_WINDOW = 32
-
-
 class BatchState:
     """The rows of a decoding batch (``rows[b]``: the sequence in row b, None: a free row) with
     their target cache rows, draft cache rows and root steps. Caches hold ``room`` positions per
@@ -47,23 +39,12 @@ class BatchState:
         self.draft_kv = drafter.new_cache(batch, room, bound)
         self.drafter, self.scratch = drafter, drafter.scratch
         self.root_step: Optional[DraftStep] = None  # [B, 1, ...], made by the first load
-        # Rounds that drafted nothing (plain decoding, chosen live) and prompts whose draft prefill
-        # was left for later leave the draft behind: row b's last DRAFT_WINDOW (token, feature)
-        # pairs it has not run, in a ring (pair i of the row at column i % DRAFT_WINDOW), and how
-        # many it is behind (more than the window: its draft is rebuilt, :attr:`rebuild`).
-        self.window_tokens: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW], made by the first use
-        self.window_features: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW, H]
-        self.behind: List[int] = [0] * batch
+        self.lag = DraftLag(batch)  # what each row's draft has not run yet (rounds that drafted nothing)
 
     @property
     def seqs(self) -> List[DecodeSequence]:
         """The sequences in flight."""
         return [seq for seq in self.rows if seq is not None]
-
-    @property
-    def rebuild(self) -> List[bool]:
-        """Which rows' drafts are behind by more than DRAFT_WINDOW pairs (rebuilt when they catch up)."""
-        return [n > DRAFT_WINDOW for n in self.behind]
 
     @property
     def free(self) -> List[int]:
@@ -98,11 +79,10 @@ class BatchState:
         """Row ``b`` (free) takes a started sequence: its caches' committed positions and root step
         (or, its draft prefill left for later, the prompt's pairs as what the draft is behind)."""
         self.target_kv.load(b, started.target_kv)
-        self.behind[b] = 0
+        self.lag.behind[b] = 0
         if self.draft_kv is not None and started.draft_kv is None:
             self.draft_kv.clear([b])
-            tokens, features = started.draft_pairs
-            self._remember(b, tokens, features)
+            self.lag.remember(b, *started.draft_pairs)
         elif self.draft_kv is not None:
             self.draft_kv.load(b, started.draft_kv)
             if self.root_step is None:
@@ -134,14 +114,13 @@ class BatchState:
         """The rows become ``rows`` (indices of the current ones, in their new order; -1: a new,
         free one); ``bound`` raises the bound on committed positions."""
         self.target_kv.select_rows(rows, bound)
+        index = None
         if self.draft_kv is not None:
             self.draft_kv.select_rows(rows, None if bound is None else bound + self.scratch)
             index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.draft_kv.kv.device)
             if self.root_step is not None:
                 self.root_step = self.root_step.of_sequences(index)
-            if self.window_tokens is not None:
-                self.window_tokens, self.window_features = self.window_tokens[index], self.window_features[index]
-        self.behind = [self.behind[r] if r >= 0 else 0 for r in rows]
+        self.lag.select(rows, index)
         self.rows = [self.rows[r] if r >= 0 else None for r in rows]
 
     # ------------------------------------------------------------------ a round
@@ -184,62 +163,27 @@ class BatchState:
     def defer_catch_up(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """After :meth:`commit` of a round that drafted nothing (one new token per row): the draft
         catches up on ``tokens`` [B, 1] with ``features`` [B, 1, H] later, with the next ones, in one
-        forward (:meth:`catch_up_pending`; beyond DRAFT_WINDOW of them, a rebuild from the last ones)."""
-        if self.draft_kv is None:
-            return
-        self._make_window(features)
-        B, W = len(self.rows), DRAFT_WINDOW
-        column = ops.to_device(torch.tensor([n % W for n in self.behind]), tokens.device).view(B, 1)
-        self.window_tokens.scatter_(1, column, tokens)
-        self.window_features.scatter_(1, column.unsqueeze(-1).expand(B, 1, features.shape[-1]), features)
-        self.behind = [n + 1 for n in self.behind]
-
-    def _remember(self, b: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """Row ``b``'s draft (empty) is behind by the pairs ``tokens`` [n], ``features`` [n, H]: the
-        last DRAFT_WINDOW of them kept."""
-        self._make_window(features)
-        n, W = tokens.numel(), DRAFT_WINDOW
-        kept = torch.arange(max(n - W, 0), n)
-        column = ops.to_device(kept % W, tokens.device)
-        self.window_tokens[b, column] = tokens[-W:]
-        self.window_features[b, column] = features[-W:].to(self.window_features.dtype)
-        self.behind[b] = n
-
-    def _make_window(self, features: torch.Tensor) -> None:
-        if self.window_tokens is None:
-            B, W = len(self.rows), DRAFT_WINDOW
-            self.window_tokens = torch.zeros(B, W, dtype=torch.int64, device=features.device)
-            self.window_features = features.new_zeros(B, W, features.shape[-1])
+        forward (:meth:`catch_up_pending`; beyond a window of them, a rebuild from the last ones)."""
+        if self.draft_kv is not None:
+            self.lag.defer(tokens, features)
 
     def catch_up_pending(self) -> int:
         """Bring every row's draft up to date before it drafts, in forwards over each row's pairs
-        it is behind (the rows that were behind by more than DRAFT_WINDOW: emptied, then their
-        last DRAFT_WINDOW pairs): one forward unless a row is behind by more than a drafting
-        scratch. Each row keeps its own, its last becomes its root step. Returns the forwards run."""
-        if self.draft_kv is None or not any(self.behind):
+        it is behind (:class:`DraftLag`; the rows behind by more than its window emptied first):
+        one forward unless a row is behind by more than a drafting scratch. Each row keeps its
+        own, its last becomes its root step. Returns the forwards run."""
+        pending = None if self.draft_kv is None else self.lag.take([seq is not None for seq in self.rows])
+        if pending is None:
             return 0
-        W = DRAFT_WINDOW
-        behind = [n if seq is not None else 0 for n, seq in zip(self.behind, self.rows)]
-        counts = [min(n, W) for n in behind]
-        rebuilt = [b for b, n in enumerate(behind) if n > W]
-        self.behind = [0] * len(self.rows)
-        n = max(counts)
-        if n == 0:  # (only free rows were behind)
-            return 0
-        self.draft_kv.clear(rebuilt)
-        # Row b's kept pairs in order: pairs m - k .. m - 1 (m behind, k kept) at their ring columns,
-        # the last repeated past k (padding: computed, not committed).
-        index = torch.tensor([[(m - k + min(i, max(k - 1, 0))) % W for i in range(n)] for m, k in zip(behind, counts)])
-        index = ops.to_device(index, self.window_tokens.device)
-        tokens = self.window_tokens.gather(1, index)
-        features = self.window_features.gather(1, index.unsqueeze(-1).expand(*index.shape, self.window_features.shape[-1]))
+        self.draft_kv.clear(pending.rebuilt)
         # In forwards of at most a drafting scratch's width: every row writes the forward's width
         # after its own prefix, and beyond a sequence's bound the cache has that scratch alone.
-        width = max(1, self.scratch)
+        n, width = pending.tokens.shape[1], max(1, self.scratch)
         for start in range(0, n, width):
-            part = [min(max(k - start, 0), width) for k in counts]
+            part = [min(max(k - start, 0), width) for k in pending.counts]
             w = max(part)
             self.draft_kv.reserve(max(self.draft_kv.host_lengths) + w)
-            step = self.drafter.catch_up(self.draft_kv, tokens[:, start: start + w], features[:, start: start + w])
-            self._commit_draft(step, ops.to_device(torch.tensor(part), tokens.device), part)
+            step = self.drafter.catch_up(self.draft_kv, pending.tokens[:, start: start + w],
+                                         pending.features[:, start: start + w])
+            self._commit_draft(step, ops.to_device(torch.tensor(part), pending.tokens.device), part)
         return -(-n // width)

@@ -26,7 +26,6 @@ depends on the machine (the c_*) and on the head (E):
 """
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 import math
@@ -35,16 +34,14 @@ import re
 import statistics
 import sys
 import time
-import weakref
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 import jakiro_ext
 from jakiro_ext import atomic, ops
-from jakiro_ext.config import TreeConfig
-from jakiro_ext.engine.adaptive import CALL_KINDS, Candidate, TreeChooser, forget_cost_file
+from jakiro_ext.config import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K, TreeConfig, brief
 from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.machine import cpu_name
@@ -62,40 +59,10 @@ MAX_VERIFY_ROWS = 1024  # a batch's target forwards are measured up to this many
 
 
 # ----------------------------------------------------------------------------- expected acceptance
-def _prob(table: Sequence[Sequence[float]], depth: int, rank: int, first_depth: int) -> float:
-    i = depth - first_depth
-    return float(table[i][rank]) if 0 <= i < len(table) and rank < len(table[i]) else 0.0
-
-
-def node_probabilities(profile: dict, depth: int, top_k: int, method: str) -> List[float]:
-    """The probability that each node a dynamic tree of ``depth`` and ``top_k`` can draft is
-    accepted, best first (see the module's docstring): a tree of N tokens keeps the first N - 1.
-    ``profile``: {"depth_rank": [[p(d=1, r=0), p(1, 1), ...], [p(2, 0), ...], ...]}; for
-    ``jakiro`` "contrastive_depth_rank" (the same from depth 2 on); for ``gumiho``
-    "mlp_depth_rank" (one row per MLP head, head j drafting the layer j + 1 past the serial ones)."""
-    p = profile["depth_rank"]
-    m = METHODS[method]
-    pc = profile.get("contrastive_depth_rank") if m.hybrid_last_layer else None
-    pm = profile["mlp_depth_rank"] if m.parallel_heads else []
-    nodes: List[float] = []
-    layer = [_prob(p, 1, r, 1) for r in range(top_k)]
-    nodes += layer
-    expansions = depth - 1 if m.hybrid_last_layer else depth
-    serial = depth - len(pm)
-    for d in range(1, expansions + 1):
-        frontier = sorted(layer, reverse=True)[:top_k]
-        table, row = (p, d + 1) if d <= serial else (pm, d - serial)
-        layer = [v * _prob(table, row, r, 1) for v in frontier for r in range(top_k)]
-        nodes += layer
-        if pc is not None and d == expansions:
-            nodes += [v * _prob(p, d + 1, 0, 1) * _prob(pc, d + 2, r, 2) for v in frontier for r in range(top_k)]
-    return sorted(nodes, reverse=True)
-
-
 def expected_accepted(profile: dict, total_tokens: int, depth: int, top_k: int, method: str) -> float:
     """Expected drafted tokens accepted per round by a dynamic tree of ``total_tokens`` tokens (the
     root's included): the sum of its N - 1 best nodes' probabilities (:func:`node_probabilities`)."""
-    return float(sum(node_probabilities(profile, depth, top_k, method)[: total_tokens - 1]))
+    return float(sum(METHODS[method].node_probabilities(profile, depth, top_k)[: total_tokens - 1]))
 
 
 # ----------------------------------------------------------------------------- measured costs
@@ -137,7 +104,7 @@ def _median_seconds(fn, repeats: int) -> float:
 def tree_depths(head, method: str) -> List[int]:
     """The tree depths a method's costs are known at: DEPTHS, deeper by the layers it drafts past
     the serial expansions (``jakiro``: its contrastive step; ``gumiho``: its J MLP heads' layers)."""
-    return [d + METHODS[method].extra_layers(head) for d in DEPTHS]
+    return [d + METHODS[method].extra_layers(getattr(head.config, "num_mlp_heads", 0)) for d in DEPTHS]
 
 
 def batch_bucket(batch: int) -> int:
@@ -157,6 +124,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
     depths = tree_depths(head, method)
+    weights = target.prepare()
     widest = Drafter(head, METHODS[method], TreeConfig(64, max(depths), max(WIDTHS)))
 
     def batch_state(context: int) -> Tuple[BatchState, torch.Tensor]:
@@ -178,7 +146,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     def verify_once(n: int, state: BatchState = state):
         tokens = prompt[:n].expand(B, n)
         parents = (torch.arange(n, device=device) - 1).expand(B, n)
-        logits, _ = target(tokens, state.target_kv, ops.build_tree_mask(parents))
+        logits, _ = target(tokens, state.target_kv, ops.build_tree_mask(parents), weights=weights)
         ops.verify_tree(parents, tokens, logits, None, 0.0, 1.0, 0)
 
     # The one-token forward behind both contexts in turn (the machine drifts by a quarter within
@@ -235,33 +203,81 @@ def build_id() -> str:
         return f"{jakiro_ext.__version__}-reference"
 
 
+def _positive_seconds(name: str, table, key_ok, least: int) -> None:
+    """``table``: a dict of at least ``least`` entries, keys that ``key_ok`` accepts, values
+    finite seconds > 0 (a ValueError naming ``name`` otherwise)."""
+    if not isinstance(table, dict) or len(table) < least:
+        raise ValueError(f"{name} must be a table of at least {least} entries, got {brief(table)}")
+    for key, value in table.items():
+        if not key_ok(key):
+            raise ValueError(f"{name} has the key {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{name}[{key!r}] must be finite seconds > 0, got {brief(value)}")
+
+
+def _size_key(key: str) -> bool:
+    return key.isdigit() and 1 <= int(key) <= MAX_TREE_NODES
+
+
+def _depth_width_key(key: str) -> bool:
+    parts = key.split(",")
+    return (len(parts) == 2 and all(p.isdigit() for p in parts) and 1 <= int(parts[0]) <= MAX_TREE_DEPTH
+            and 1 <= int(parts[1]) <= MAX_TREE_TOP_K)
+
+
+def check_costs(costs) -> dict:
+    """``costs`` as read from a cost file, checked as user input is (a ValueError saying what is
+    wrong): the tables :func:`measure_costs` writes, every value finite seconds > 0 (a target
+    forward of 1 and 2 tokens among them, a draft entry at least), ``context`` and
+    ``context_slope`` finite numbers >= 0, ``batch`` an int >= 1."""
+    if not isinstance(costs, dict):
+        raise ValueError(f"not a cost table: {brief(costs)}")
+    missing = {"verify", "draft", "catch_up", "context", "context_slope"} - set(costs)
+    if missing:
+        raise ValueError(f"not a cost table: no {sorted(missing)}")
+    _positive_seconds("verify", costs["verify"], _size_key, 2)
+    if not {"1", "2"} <= set(costs["verify"]):
+        raise ValueError(f"verify must hold the seconds of 1 and 2 tokens, got the sizes {sorted(costs['verify'])}")
+    _positive_seconds("draft", costs["draft"], _depth_width_key, 1)
+    _positive_seconds("catch_up", costs["catch_up"], _size_key, 2)
+    for k in ("context", "context_slope"):
+        if isinstance(costs[k], bool) or not isinstance(costs[k], (int, float)) or not 0 <= costs[k] < math.inf:
+            raise ValueError(f"{k} must be a finite number >= 0, got {brief(costs[k])}")
+    batch = costs.get("batch", 1)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch must be an int >= 1, got {brief(batch)}")
+    return costs
+
+
 def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True,
                batch: int = 1) -> dict:
     """The cached costs of this machine and setting for ``batch`` sequences (its
-    :func:`batch_bucket`), measured (seconds to a minute) when missing or measured with another
-    build (:func:`build_id`)."""
+    :func:`batch_bucket`), measured (seconds to a minute) when missing, damaged in syntax or in
+    value (:func:`check_costs`: a warning) or measured with another build (:func:`build_id`). A
+    cache that cannot be read or written is a warning: the call goes on with the costs measured."""
     path = costs_path(target, head, method, batch, cache_dir)
     batch = batch_bucket(batch)
     build = build_id()
-    if path.exists():
-        try:
-            costs = json.loads(path.read_text())
-            if not (isinstance(costs, dict) and {"verify", "draft", "catch_up", "context", "context_slope"} <= set(costs)):
-                raise ValueError("not a cost table")
-            if not all(isinstance(costs[k], (int, float)) and 0 <= costs[k] < math.inf for k in ("context", "context_slope")):
-                raise ValueError(f"context {costs['context']!r} and context_slope {costs['context_slope']!r} must be "
-                                 "finite numbers >= 0")
-            if costs.get("build") == build:
-                return costs
-            print(f"the cached costs {path} were measured with another build ({costs.get('build')}, this one "
-                  f"{build}); measuring them again", file=sys.stderr)
-        except (ValueError, UnicodeDecodeError) as exc:  # a cache: measured again
-            print(f"warning: the cached costs {path} are damaged ({exc}); measuring them again", file=sys.stderr)
+    try:
+        costs = check_costs(json.loads(path.read_text()))
+        if costs.get("build") == build:
+            return costs
+        print(f"the cached costs {path} were measured with another build ({costs.get('build')}, this one "
+              f"{build}); measuring them again", file=sys.stderr)
+    except FileNotFoundError:
+        pass
+    except (ValueError, UnicodeDecodeError, OSError) as exc:  # a cache: measured again
+        print(f"warning: the cached costs {path} are damaged or unreadable ({exc}); measuring them again",
+              file=sys.stderr)
     if progress:
         print(f"measuring this machine's round costs once for the tree choice (cached in {path})", file=sys.stderr)
     costs = dict(measure_costs(target, head, method, repeats=5 if batch == 1 else 3, batch=batch), build=build)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.write_text(path, json.dumps(costs, indent=1) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, json.dumps(costs, indent=1) + "\n")
+    except OSError as exc:
+        print(f"warning: could not keep the costs in {path} ({exc}); they will be measured again by the next call",
+              file=sys.stderr)
     return costs
 
 
@@ -290,7 +306,7 @@ def choose_tree(costs: dict, profile: dict, method: str):
         depth, top_k = map(int, key.split(","))
         most = 1 + sum(top_k ** i for i in range(1, depth + 2))  # nodes the drafting can produce, root included
         # A tree of N tokens accepts the sum of the N - 1 best nodes: one ranking for every N.
-        accepted = [0.0, *itertools.accumulate(node_probabilities(profile, depth, top_k, method))]
+        accepted = [0.0, *itertools.accumulate(METHODS[method].node_probabilities(profile, depth, top_k))]
         for n in SIZES[1:]:
             if n <= most and str(n) in costs["verify"]:
                 a = accepted[min(n - 1, len(accepted) - 1)]
@@ -308,97 +324,3 @@ def auto_tree(target, head, method: str, batch: int = 1):
     if not profile:
         return None
     return choose_tree(load_costs(target, head, method, batch=batch), profile, method)[0]
-
-
-
-
-# head -> {(cost file, id(target)): its TreeChooser}: a head's live measurements outlive a call.
-_CHOOSERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-CANDIDATES = 3  # the cost model's best trees of distinct sizes a TreeChooser runs live, besides
-SMALL_TREE = 4  # plain decoding, and its best tree of at most this many nodes
-
-
-def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = False) -> Optional[TreeChooser]:
-    """The live choice among the cost model's best trees and plain decoding for ``head`` on this
-    machine, ``batch`` sequences decoding together (:mod:`jakiro_ext.engine.adaptive`), for a call
-    that samples (temperature > 0) or not; None without the head's acceptance profile."""
-    profile = getattr(head, "acceptance", None)
-    if not profile:
-        return None
-    path = costs_path(target, head, method, batch)
-    kept = _CHOOSERS.setdefault(head, {})
-    if (path, id(target)) in kept:
-        kept[path, id(target)].new_call(sampling)
-        return kept[path, id(target)]
-    costs = load_costs(target, head, method, batch=batch)
-    ranked = _ranked_trees(json.dumps(costs, sort_keys=True), json.dumps(profile, sort_keys=True), method)
-    # One tree of each size (trees of one size and other depths or widths cost and accept about
-    # the same: measuring several of them live buys nothing).
-    sizes = {}
-    for row in ranked:
-        sizes.setdefault(row[2], row)
-    best = list(sizes.values())
-    picked = best[:CANDIDATES] + [next((row for row in best if row[2] <= SMALL_TREE), best[0])]
-    candidates = []
-    for _, accepted, n, depth, top_k in dict.fromkeys(picked):
-        candidates.append(Candidate(TreeConfig(n, depth, top_k), 1 + accepted,
-                                    round_seconds(costs, n, depth, top_k, accepted)))
-    candidates.append(Candidate(None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
-    live = live_path(path)
-    chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path),
-                                                    lambda measured: keep_live(live, measured), costs["context"],
-                                                    costs["context_slope"])
-    measured = load_live(live)
-    if measured is not None:
-        chooser.start_from(measured)
-    chooser.new_call(sampling)
-    return chooser
-
-
-@functools.lru_cache(maxsize=16)
-def _ranked_trees(costs: str, profile: str, method: str) -> list:
-    """:func:`choose_tree`'s ranking for the costs and profile as JSON: computed once per process
-    (5 ms, paid by every new head's first call otherwise: a few percent of a short call)."""
-    return choose_tree(json.loads(costs), json.loads(profile), method)[1]
-
-
-def live_path(costs_file: Path) -> Path:
-    """Where what the live choice measured for the costs at ``costs_file`` is kept (:meth:`TreeChooser.kept`)."""
-    return costs_file.with_name(costs_file.stem + ".live.json")
-
-
-def keep_live(path: Path, measured: dict) -> None:
-    """Keep a chooser's live measurements (:meth:`TreeChooser.kept`) at ``path``, with this build
-    (a cache: a failed write is a warning, never the call's failure)."""
-    try:
-        atomic.write_text(path, json.dumps(dict(measured, build=build_id())) + "\n")
-    except OSError as exc:
-        print(f"warning: could not keep the live round times in {path} ({exc})", file=sys.stderr)
-
-
-def load_live(path: Path) -> Optional[dict]:
-    """The live measurements kept at ``path`` (:func:`keep_live`); None when there are none, they
-    were measured with another build, or the file is damaged (a cache: written again)."""
-    try:
-        measured = json.loads(path.read_text())
-        checked = {str(k): [float(r), float(t)] for k, (r, t) in measured["ratios"].items()}
-        switch = {str(k): float(r) for k, r in measured.get("switch", {}).items()}
-        acceptance = {str(k): [float(r), float(t)] for k, (r, t) in measured.get("acceptance", {}).items()}
-        plain = float(measured["plain_seconds"])
-        if not all(0 < r < math.inf for r, _ in checked.values()) or not 0 < plain < math.inf:
-            raise ValueError("a ratio or plain decoding's seconds not a positive finite number")
-        if not all(0 <= r < math.inf for r, _ in acceptance.values()):  # (0: no draft accepted, with sampling)
-            raise ValueError("an acceptance not a finite number >= 0")
-        if not all(0 <= r < math.inf for r in switch.values()):
-            raise ValueError("a switch cost not a finite number >= 0")
-        if not set(acceptance) <= set(CALL_KINDS):
-            raise ValueError(f"acceptance of kinds of call {sorted(acceptance)}, expected some of {list(CALL_KINDS)}")
-        if measured.get("build") != build_id():
-            return None
-        return dict(rows=int(measured["rows"]), plain_seconds=plain, ratios=checked, switch=switch,
-                    acceptance=acceptance)
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
-        print(f"warning: the kept live round times {path} are damaged ({exc}); ignored", file=sys.stderr)
-        return None

@@ -9,13 +9,13 @@ import math
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.kv_cache import KVCache, causal_tree_mask
+from jakiro_ext.kv_cache import CacheShape, KVCache, causal_tree_mask
 from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
 from jakiro_ext.ops import reference
 
@@ -206,22 +206,18 @@ class Block(nn.Module):
                 mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"])
 
 
-# Bumped whenever a module registers a parameter (``module.weight = nn.Parameter(...)`` included):
-# the layer lists a model keeps (LlamaModel._layer_weights) are made again after it.
-_registrations = [0]
-
-
-def _count_registration(module, name, param) -> None:
-    _registrations[0] += 1
-
-
-torch.nn.modules.module.register_module_parameter_registration_hook(_count_registration)
-
-# A model whose weights are not all exactly bf16 reads its parameters, which is right whatever
-# happens to them; it looks again whether they have become exact (walking every parameter: after
-# a forward has pushed them out of the caches, 0.27 ms of a 9 ms decoding step on a Zen 5 EPYC)
-# only every this many forwards.
-BF16_RECHECK_FORWARDS = 64
+class TargetWeights(NamedTuple):
+    """What a forward reads of a model's weights (:meth:`LlamaModel.prepare`): ``jakiro::
+    decoder_layers``' lists over the parameters (``lists``), and where the model streams bf16
+    copies (:meth:`LlamaModel.streamed_weights`) those copies (``streamed``: per layer, then the
+    LM head) and the lists over them (``streamed_lists``; both None otherwise). Prepared once by
+    a caller that runs many forwards (the engine: once per call; walking the modules each forward
+    cost 0.35 ms of a 9 ms decoding step, their objects out of the caches after the forward's
+    weight stream); the lists hold the parameters themselves, so a change in place is read, a
+    parameter replaced after it is not."""
+    lists: tuple
+    streamed: Optional[list]
+    streamed_lists: Optional[tuple]
 
 # Rows up to which jakiro::linear and jakiro::decoder_layer stream the weights (csrc/ops.h,
 # kLinearStreamRows); more go to BLAS, which reads the float32 parameters.
@@ -265,12 +261,15 @@ class LlamaModel(nn.Module):
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
         (default: fixed)."""
         w = self.lm_head.weight
-        return KVCache(self.config, batch, capacity, dtype=w.dtype, device=w.device, max_capacity=max_capacity)
+        c = self.config
+        return KVCache(CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window), batch, capacity,
+                       dtype=w.dtype, device=w.device, max_capacity=max_capacity)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,
                 depths: Optional[torch.Tensor] = None, last_logits_only: bool = False,
-                feature_layers: Optional[Sequence[int]] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                feature_layers: Optional[Sequence[int]] = None,
+                weights: Optional[TargetWeights] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Run T new tokens per sequence after each one's committed prefix.
 
         Parameters
@@ -284,6 +283,8 @@ class LlamaModel(nn.Module):
         last_logits_only : compute the logits of the last token only (a prompt's prefill).
         feature_layers : return, instead of the final hidden states, the residual streams entering
             these layers, concatenated [B, T, len * H] (an EAGLE-3 head's input).
+        weights : what the forward reads of the weights (:meth:`prepare`, made once for many
+            forwards); default: prepared for this forward.
 
         Returns
         -------
@@ -298,16 +299,23 @@ class LlamaModel(nn.Module):
             raise ValueError(f"{T} new tokens after a prefix of {max(cache.host_lengths)} need {longest} cache "
                              f"positions, beyond the cache capacity {cache.max_capacity}")
         cache.reserve(longest)
-        streamed = self.streamed_weights(lazy=True) if B * (1 if last_logits_only else T) <= STREAM_ROWS else None
+        weights = self.prepare() if weights is None else weights
+        streamed = weights.streamed if B * (1 if last_logits_only else T) <= STREAM_ROWS else None
         if tree_mask is None and depths is None and 0 < self.prefill_chunk < T:
-            normed, hidden = self._chunked(tokens, cache, feature_layers)
+            normed, hidden = self._chunked(tokens, cache, feature_layers, weights)
         else:
-            normed, hidden = self._layers(tokens, cache, tree_mask, depths, feature_layers,
-                                          streamed if B * T <= STREAM_ROWS else None)
+            normed, hidden = self._layers(tokens, cache, tree_mask, depths, feature_layers, weights,
+                                          B * T <= STREAM_ROWS)
         last = normed[:, -1:] if last_logits_only else normed
         return (project(self.lm_head, last) if streamed is None else ops.linear(last, streamed[-1])), hidden
 
-    def streamed_weights(self, lazy: bool = False) -> Optional[list]:
+    def prepare(self) -> TargetWeights:
+        """What this model's forwards read of its weights, as they are now (:class:`TargetWeights`)."""
+        streamed = self.streamed_weights()
+        return TargetWeights(self._layer_weights(), streamed,
+                             None if streamed is None else self._layer_weights(streamed))
+
+    def streamed_weights(self) -> Optional[list]:
         """What the streamed products (decoding, a tree's verification: at most STREAM_ROWS rows)
         read instead of the float32 parameters, on the CPU, where every projection and LM-head
         weight is exactly a bf16 value (a bf16 checkpoint loaded in float32; not the default
@@ -315,34 +323,29 @@ class LlamaModel(nn.Module):
         LM head]. The products widen them in registers: float32 arithmetic, the same bits, half
         the bytes read (the parameters stay, for BLAS and for whoever reads them). Made once and
         made again when a parameter changes (its version or storage); None: read the parameters
-        (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``).
-        ``lazy`` (the forward's calls): a "not exact" found before is trusted for
-        :data:`BF16_RECHECK_FORWARDS` such calls before the weights are looked at again."""
+        (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``)."""
         if not bf16_weights_enabled():
             return None
         kept = self.__dict__.get("_bf16_weights")
-        if lazy and kept is not None and kept[1] is None and kept[2] > 0:  # not exact when last looked
-            self.__dict__["_bf16_weights"] = (kept[0], None, kept[2] - 1)
-            return None
         params = [p for layer in self._modules["layers"]._modules.values() for p in layer.projections()]
         params.append(self._modules["lm_head"]._parameters["weight"])
         key = [(p.data_ptr(), p._version) for p in params]
         if kept is not None and kept[0] == key:
-            self.__dict__["_bf16_weights"] = (key, kept[1], BF16_RECHECK_FORWARDS)
             return kept[1]
         copies = None
         if all(exactly_bf16(p) for p in params):
             with torch.no_grad():
                 flat = in_huge_pages([p.detach().bfloat16() for p in params])
             copies = [tuple(flat[i: i + 4]) for i in range(0, len(flat) - 1, 4)] + [flat[-1]]
-        self.__dict__["_bf16_weights"] = (key, copies, BF16_RECHECK_FORWARDS)
+        self.__dict__["_bf16_weights"] = (key, copies)
         return copies
 
     def _layers(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor],
-                depths: Optional[torch.Tensor], feature_layers: Optional[Sequence[int]],
-                streamed: Optional[list] = None):
+                depths: Optional[torch.Tensor], feature_layers: Optional[Sequence[int]], weights: TargetWeights,
+                stream: bool = False):
         """(the final hidden states after the norm, what the forward returns as hidden states);
-        ``streamed``: :meth:`streamed_weights`, read instead of the parameters."""
+        ``stream``: read the bf16 copies of ``weights`` where it has them."""
+        streamed = weights.streamed if stream else None
         B, T = tokens.shape
         device = tokens.device
         if tree_mask is None:
@@ -352,7 +355,8 @@ class LlamaModel(nn.Module):
         cos, sin = self._rope(cache.lengths.unsqueeze(1) + depths, cache.capacity)
         residual, delta = None, self.embed_tokens(tokens)
         if feature_layers is None:  # every layer in one call
-            residual, delta = ops.decoder_layers(delta, None, *self._layer_weights(streamed), cos, sin, cache.kv,
+            lists = weights.lists if streamed is None else weights.streamed_lists
+            residual, delta = ops.decoder_layers(delta, None, *lists, cos, sin, cache.kv,
                                                  cache.lengths, tree_mask, self.config.rms_norm_eps)
             normed, _ = self.norm.add_and_norm(delta, residual)
             return normed, normed
@@ -370,29 +374,18 @@ class LlamaModel(nn.Module):
         """``jakiro::decoder_layers``' lists of the layers' weights (input_norms, qkv_weights,
         qkv_biases, o_weights, post_norms, gate_up_weights, down_weights), read from the modules'
         dicts (see :meth:`Block.run`); ``streamed``: the projections to read instead
-        (:meth:`streamed_weights`). Kept until a module registers a parameter or the model is
-        converted (``to``): the lists hold the parameters themselves, whose values the op reads
-        as they are then (walking the modules each forward cost 0.08 ms of a 9 ms decoding step,
-        their objects out of the caches after the forward's weight stream)."""
-        kept = self.__dict__.get("_layer_lists")
-        if kept is not None and kept[0] == _registrations[0] and kept[1] is streamed:
-            return kept[2]
+        (:meth:`streamed_weights`)."""
         blocks = list(self._modules["layers"]._modules.values())
         projections = streamed[:-1] if streamed is not None else [b.projections() for b in blocks]
         biases = [b._modules["self_attn"]._modules["qkv_proj"]._parameters["bias"] for b in blocks]
         qkv, o, gate_up, down = zip(*projections)
-        lists = ([b._modules["input_layernorm"]._parameters["weight"] for b in blocks], list(qkv),
-                 biases if biases[0] is not None else [], list(o),
-                 [b._modules["post_attention_layernorm"]._parameters["weight"] for b in blocks], list(gate_up),
-                 list(down))
-        self.__dict__["_layer_lists"] = (_registrations[0], streamed, lists)
-        return lists
+        return ([b._modules["input_layernorm"]._parameters["weight"] for b in blocks], list(qkv),
+                biases if biases[0] is not None else [], list(o),
+                [b._modules["post_attention_layernorm"]._parameters["weight"] for b in blocks], list(gate_up),
+                list(down))
 
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_layer_lists", None)  # (a conversion may give the modules new parameters)
-        return super()._apply(fn, recurse)
-
-    def _chunked(self, tokens: torch.Tensor, cache: KVCache, feature_layers: Optional[Sequence[int]]):
+    def _chunked(self, tokens: torch.Tensor, cache: KVCache, feature_layers: Optional[Sequence[int]],
+                 weights: TargetWeights):
         """:meth:`_layers` of a chain longer than ``prefill_chunk`` (a prompt) as consecutive runs of
         at most ``prefill_chunk`` tokens, each after the ones before: the attention of a chunk reads
         the earlier ones as its prefix, and only its own tokens as a tree, so the work and scratch
@@ -403,7 +396,7 @@ class LlamaModel(nn.Module):
         try:
             for start in range(0, T, chunk):
                 part = tokens[:, start: start + chunk]
-                part_normed, part_hidden = self._layers(part, cache, None, None, feature_layers)
+                part_normed, part_hidden = self._layers(part, cache, None, None, feature_layers, weights)
                 normed.append(part_normed)
                 hidden.append(part_hidden)
                 if start + chunk < T:

@@ -10,10 +10,10 @@ import torch
 
 from helpers import copy_head, prompt, tiny_target
 from jakiro_ext.config import TreeConfig
-from jakiro_ext.engine import adaptive, tree_cost
+from jakiro_ext.engine import adaptive, policy
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser
 from jakiro_ext.engine.drafter import Drafter
-from jakiro_ext.engine import state as state_module
+from jakiro_ext.engine import draft_lag
 from jakiro_ext.engine.generate import generate_many, speculative_generate
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.methods import METHODS
@@ -292,8 +292,8 @@ def test_deferred_catch_up_equals_one_catch_up_a_round():
     for i in range(3):
         each.commit(torch.zeros(2, 1, dtype=torch.int64), [1, 1],
                     drafter.catch_up(each.draft_kv, tokens[:, i: i + 1], features[:, i: i + 1]))
-    assert later.draft_kv.host_lengths == [9] * 2 and later.behind == [3, 3]
-    assert later.catch_up_pending() and later.behind == [0, 0] and not later.catch_up_pending()
+    assert later.draft_kv.host_lengths == [9] * 2 and later.lag.behind == [3, 3]
+    assert later.catch_up_pending() and later.lag.behind == [0, 0] and not later.catch_up_pending()
     assert_same_draft(later, each.draft_kv.kv, [12, 12], each.root_step, [0, 1])
 
 
@@ -305,10 +305,10 @@ def test_rows_keep_what_their_draft_is_behind_across_row_changes():
     state, reference = (started_batch(target, drafter.head, drafter, ids, 2) for _ in range(2))
     tokens, features = plain_rounds([state, reference], 2, hidden=target.config.hidden_size)
     state.make_room(1, 40)  # a new free row 2 after rows 0 and 1
-    assert state.behind == [2, 2, 0] and state.draft_kv.host_lengths == [9, 9, 0]
+    assert state.lag.behind == [2, 2, 0] and state.draft_kv.host_lengths == [9, 9, 0]
     more_tokens, more_features = plain_rounds([state], 1, seed=4, hidden=target.config.hidden_size)
     state._select([1, 0, 2])  # rows 0 and 1 swap
-    assert state.behind == [3, 3, 1]
+    assert state.lag.behind == [3, 3, 1]
     reference.catch_up_pending()
     reference.commit(torch.zeros(2, 1, dtype=torch.int64), [1, 1],
                      drafter.catch_up(reference.draft_kv, more_tokens[:2], more_features[:2]))
@@ -320,16 +320,16 @@ def test_rows_keep_what_their_draft_is_behind_across_row_changes():
 def test_a_draft_far_behind_is_rebuilt_from_its_last_window(monkeypatch):
     # Behind by more than DRAFT_WINDOW: emptied and run over its last DRAFT_WINDOW pairs, exactly
     # a fresh draft prefill over them; a row behind by less beside it is caught up exactly.
-    monkeypatch.setattr(state_module, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(draft_lag, "DRAFT_WINDOW", 4)
     target, drafter = jakiro_drafter()
     ids = prompt(9)
     state, reference = (started_batch(target, drafter.head, drafter, ids, 2) for _ in range(2))
     tokens, features = plain_rounds([state], 7, hidden=target.config.hidden_size)
-    state.behind[1] = 3  # row 1: as if it had caught up 4 rounds ago
+    state.lag.behind[1] = 3  # row 1: as if it had caught up 4 rounds ago
     reference.draft_kv.commit(torch.tensor([0, 4]), [0, 4])
     reference.draft_kv.kv[:, :, 1, :, 9:13] = state.draft_kv.kv[:, :, 1, :, 9:13]  # (what it ran then: as in state)
     state.draft_kv.commit(torch.tensor([0, 4]), [0, 4])
-    assert state.rebuild == [True, False]
+    assert state.lag.rebuild == [True, False]
     assert state.catch_up_pending()
     own, step = drafter.prefill(tokens[0, 3:], features[0, 3:])  # row 0: the last 4 pairs alone
     assert state.draft_kv.host_lengths == [4, 16]
@@ -347,7 +347,7 @@ def test_a_draft_far_behind_is_rebuilt_from_its_last_window(monkeypatch):
 def test_a_prompt_admitted_without_its_draft_prefill(monkeypatch, length):
     # Its pairs wait in the row; the catch-up before drafting runs them: the draft prefill itself
     # (a short prompt), or a rebuild from its last DRAFT_WINDOW pairs (a long one).
-    monkeypatch.setattr(state_module, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(draft_lag, "DRAFT_WINDOW", 4)
     target, drafter = jakiro_drafter()
     ids = prompt(length)
     one = target.new_cache(1, length)
@@ -356,8 +356,8 @@ def test_a_prompt_admitted_without_its_draft_prefill(monkeypatch, length):
     pairs = (torch.cat([ids[1:], ids[:1]]), hidden[0])
     state = BatchState(target, drafter, 2, length + 24)
     state.load(1, object(), Started(one, None, None, pairs))
-    assert state.behind == [0, length] and state.rebuild == [False, length > 4]
-    assert state.catch_up_pending() and state.behind == [0, 0]
+    assert state.lag.behind == [0, length] and state.lag.rebuild == [False, length > 4]
+    assert state.catch_up_pending() and state.lag.behind == [0, 0]
     kept = slice(max(length - 4, 0), length)
     own, step = drafter.prefill(pairs[0][kept], pairs[1][kept])
     assert_same_draft(state, own.kv, [min(length, 4)], step, [1])
@@ -382,7 +382,7 @@ def test_a_catch_up_stays_within_the_draft_caches_bound():
         else:
             state.load(1, object(), Started(one, None, None, pairs))
             own, step = drafter.prefill(*pairs)
-    assert state.behind == [0, 13] and state.catch_up_pending() == 2
+    assert state.lag.behind == [0, 13] and state.catch_up_pending() == 2
     assert_same_draft(state, own.kv, [13], step, [1])
     assert state.draft_kv.host_lengths == [18, 13]
 
@@ -392,8 +392,8 @@ def test_a_long_wait_then_drafting_gives_plain_decodings_tokens(tmp_path, monkey
     # rows finishing and joining while the draft is behind), then trees: the tokens of plain
     # decoding, and the rebuilt drafts accepted.
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
-    monkeypatch.setattr(tree_cost, "_CHOOSERS", type(tree_cost._CHOOSERS)())
-    monkeypatch.setattr(state_module, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
+    monkeypatch.setattr(draft_lag, "DRAFT_WINDOW", 4)
     target = tiny_target()
     head = copy_head(target, "jakiro")
     head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
@@ -421,7 +421,7 @@ def test_the_live_choice_gives_plain_decodings_tokens(tmp_path, monkeypatch, tem
     # plain decoding here (whatever the timing), which must change nothing at temperature 0, and
     # at temperature 1 give tokens only from the target's support (its top-k 5 here).
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
-    monkeypatch.setattr(tree_cost, "_CHOOSERS", type(tree_cost._CHOOSERS)())
+    monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
     target = tiny_target()
     head = copy_head(target, "jakiro")
     head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],

@@ -298,18 +298,16 @@ def test_a_draining_batch_counts_how_much_nearer_each_round_brings_its_slowest_s
     # sequences' new tokens (a finished row is taken at once); with none (the call ends with its
     # slowest sequence), how much the most any sequence has left of its budget dropped, at most
     # the farthest any went: a tree moving the rows on unevenly makes them finish apart.
-    from types import SimpleNamespace
-    from jakiro_ext.engine.batch import DecodeBatch
+    from jakiro_ext.engine.policy import progress as round_progress
+    from jakiro_ext.engine.round import RoundResult
 
-    def seq(emitted, done=False):
-        return SimpleNamespace(budget=64, out=[0] * emitted, done=done)
+    def seq(emitted, done=False):  # what a sequence of a 64-token budget has left of it
+        return 0 if done else 64 - emitted
 
-    batch = DecodeBatch.__new__(DecodeBatch)  # (only the draining flag is read)
     before, after, accepted = [seq(10), seq(10), seq(9)], [seq(13), seq(11), seq(10)], [2, 0, 0]
 
     def progress(draining, before, after, accepted):
-        batch.draining = draining
-        return batch._progress(after, batch._budgets_left(before), accepted)
+        return round_progress(RoundResult(None, len(accepted), accepted, before, after, draining, 0.0, 1.0, 0.0, 1, 0))
 
     assert progress(False, before, after, accepted) == pytest.approx(1 + 2 / 3)
     assert progress(True, before, after, accepted) == 1.0  # the slowest, 55 left, went 1 further

@@ -309,3 +309,24 @@ def test_gumiho_pairs_each_leaf_with_its_own_parent(target, monkeypatch):
     by_rank = head.project_input(tree.tokens.gather(1, ranked), feature)
     assert not torch.allclose(by_rank, want)  # the released pairing would be another input
     assert drafted.tokens.shape[1] == 1 + 3 + 3 * 9  # the root, 3 children, 9 candidates in each later layer
+
+
+def test_generate_many_checks_every_listed_request_before_choosing_a_tree(monkeypatch):
+    # A bad request among good ones is refused before the tree policy measures anything (the
+    # live choice's first call measures the machine's costs: minutes, before any request ran).
+    from jakiro_ext.engine import generate as generate_module
+
+    target = tiny_target()
+
+    def no_policy(*args, **kwargs):
+        raise AssertionError("the tree policy was asked before the requests were checked")
+
+    monkeypatch.setattr(generate_module, "tree_policy", no_policy)
+    good = prompt(5)
+    with pytest.raises(ValueError, match=r"request 1 must not be empty"):
+        generate_module.generate_many(target, None, [good, [], good])
+    with pytest.raises(TypeError, match=r"request 2 must be ints"):
+        generate_module.generate_many(target, None, (good, good, ["a"]))
+    long = [1] * target.config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"prompt 1 has .* no room for a new token"):
+        generate_module.generate_many(target, None, [good, long])

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from helpers import copy_head, prompt, tiny_target
-from jakiro_ext.engine import adaptive, tree_cost
+from jakiro_ext.engine import adaptive, policy, tree_cost
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser, tree_key
 from jakiro_ext.engine.generate import generate_many
 from test_adaptive import BIG, SMALL, run
@@ -126,45 +126,51 @@ def test_a_chooser_that_measured_nothing_keeps_nothing():
 
 def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
     path = tmp_path / "costs.live.json"
-    assert tree_cost.load_live(path) is None
+    assert policy.load_live(path) is None
     first = chooser()
     run(first, 40, slow_big)
-    tree_cost.keep_live(path, first.kept())
-    assert tree_cost.load_live(path) == first.kept()  # (JSON keeps floats exactly)
+    policy.keep_live(path, first.kept())
+    assert policy.load_live(path) == first.kept()  # (JSON keeps floats exactly)
     measured = json.loads(path.read_text())
     for bad in ("{", '{"ratios": 3}', json.dumps(dict(measured, plain_seconds="x")),
                 json.dumps(dict(measured, ratios={"16,3,4": [float("nan"), 0.0]})),
                 json.dumps(dict(measured, ratios={"16,3,4": [-1.0, 0.0]})),
                 json.dumps(dict(measured, switch={"16,3,4": -1.0})),
                 json.dumps(dict(measured, acceptance={"beam search": [1.0, 0.0]})),
-                json.dumps(dict(measured, acceptance={"greedy": [-0.5, 0.0]}))):
+                json.dumps(dict(measured, acceptance={"greedy": [-0.5, 0.0]})),
+                # well formed, damaged in value: a non-finite or non-integer row count, a switch
+                # table of the wrong type, a non-finite wall time, a string for a number
+                json.dumps(dict(measured, rows=float("inf"))), json.dumps(dict(measured, rows="16")),
+                json.dumps(dict(measured, rows=2.5)), json.dumps(dict(measured, switch=[1.0])),
+                json.dumps(dict(measured, ratios={"16,3,4": [1.0, float("inf")]})),
+                json.dumps(dict(measured, ratios={"16,3,4": ["1.0", 0.0]}))):
         path.write_text(bad)
-        assert tree_cost.load_live(path) is None
+        assert policy.load_live(path) is None
         assert "damaged" in capsys.readouterr().err
     # Tree rounds that accepted no draft (sampling on a hard text) keep an acceptance of 0: the
     # file is whole (it was found "damaged", and every ratio it kept was lost).
     nothing = chooser()
     run(nothing, 40, slow_big, tokens_of=lambda c: 1.0)
     assert nothing.kept()["acceptance"]["greedy"][0] == 0.0 and nothing.kept()["ratios"]
-    tree_cost.keep_live(path, nothing.kept())
-    assert tree_cost.load_live(path) == nothing.kept() and "damaged" not in capsys.readouterr().err
+    policy.keep_live(path, nothing.kept())
+    assert policy.load_live(path) == nothing.kept() and "damaged" not in capsys.readouterr().err
     started = chooser()  # a chooser starting from it: the kept 0 as a prior of a few rounds
-    started.start_from(tree_cost.load_live(path))
+    started.start_from(policy.load_live(path))
     started.new_call()
     assert started.acceptance_scale() == pytest.approx(1 / 3)
     run(started, 10)
     path.write_text(json.dumps(dict(measured, build="another build")))
-    assert tree_cost.load_live(path) is None  # measured with other kernels: not this machine's rounds
+    assert policy.load_live(path) is None  # measured with other kernels: not this machine's rounds
     # An unwritable cache is a warning, never the call's failure.
     blocked = tmp_path / "a file" / "x.live.json"
     (tmp_path / "a file").write_text("")
-    tree_cost.keep_live(blocked, first.kept())
+    policy.keep_live(blocked, first.kept())
     assert "could not keep" in capsys.readouterr().err
 
 
 def test_the_engine_keeps_them_beside_the_costs_for_a_new_head(tmp_path, monkeypatch):
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
-    monkeypatch.setattr(tree_cost, "_CHOOSERS", type(tree_cost._CHOOSERS)())
+    monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
     monkeypatch.setattr(adaptive, "COSTS_DISAGREE", math.inf)  # (the same costs, the same candidates, both calls)
     target = tiny_target()
     profile = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
@@ -183,9 +189,9 @@ def test_the_engine_keeps_them_beside_the_costs_for_a_new_head(tmp_path, monkeyp
     monkeypatch.setattr(adaptive.TreeChooser, "choose", alternate)
     x = [prompt(9, seed=s) for s in range(2)]
     dict(generate_many(target, heads[0], x, max_batch_size=2, max_new_tokens=20))
-    live = tree_cost.live_path(tree_cost.costs_path(target, heads[0], "jakiro", 2))
-    kept = tree_cost.load_live(live)
+    live = policy.live_path(tree_cost.costs_path(target, heads[0], "jakiro", 2))
+    kept = policy.load_live(live)
     assert kept is not None and kept["rows"] == 2 and kept["ratios"]
-    second = tree_cost.tree_chooser(target, heads[1], "jakiro", 2)
+    second = policy.tree_chooser(target, heads[1], "jakiro", 2)
     started = {tree_key(c.tree): c.remembered_ratio for c in second.candidates if c.remembered_ratio is not None}
     assert started == pytest.approx({k: r for k, (r, _) in kept["ratios"].items()})

@@ -9,7 +9,8 @@ import torch
 
 from jakiro_ext.cli.common import HEADS_DIR, PROMPTS_FILE, chat_ids
 from jakiro_ext.config import TreeConfig
-from jakiro_ext.engine.generate import default_tree, speculative_generate
+from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.engine.policy import default_tree
 from jakiro_ext.models.default import DEFAULT_MODEL
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead

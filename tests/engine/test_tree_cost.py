@@ -13,7 +13,7 @@ from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.loss import evaluate
 from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, capped_by_larger, choose_tree, expected_accepted, load_costs, measure_costs,
                                          rate, round_seconds)
-from jakiro_ext.engine import tree_cost
+from jakiro_ext.engine import policy, tree_cost
 from jakiro_ext.training.acceptance import acceptance_profile
 from helpers import copy_head, prompt, random_head, tiny_target
 from test_train import make_examples
@@ -104,12 +104,17 @@ def test_costs_are_measured_once_and_cached(tmp_path, monkeypatch):
     assert load_costs(target, head, "jakiro", tmp_path, progress=False) == costs
 
 
+# A whole cost table as measure_costs writes it (small).
+MEASURED = {"verify": {"1": 0.01, "2": 0.012, "4": 0.015}, "draft": {"1,2": 0.002, "2,2": 0.004},
+            "catch_up": {"1": 0.001, "2": 0.0012}, "context": 256, "context_slope": 1e-6, "batch": 1}
+
+
 def test_costs_of_another_build_are_measured_again(tmp_path, monkeypatch, capsys):
     # Costs measured with other kernels (another build of the library) say nothing of these.
     from jakiro_ext.engine import tree_cost
 
     monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
-    measured = {"verify": {"1": 0.01}, "draft": {}, "catch_up": {"1": 0.01}, "context": 256, "context_slope": 0.0}
+    measured = MEASURED
     calls = []
     monkeypatch.setattr(tree_cost, "measure_costs", lambda *a, **k: calls.append(1) or measured)
     (tmp_path / "k.json").write_text(json.dumps(dict(measured, build="0.0.1-123-456")))
@@ -117,6 +122,44 @@ def test_costs_of_another_build_are_measured_again(tmp_path, monkeypatch, capsys
     assert calls == [1] and costs["build"] == tree_cost.build_id() != "0.0.1-123-456"
     assert "measured with another build" in capsys.readouterr().err
     assert load_costs(None, None, "jakiro", tmp_path, progress=False) == costs and calls == [1]
+
+
+@pytest.mark.parametrize("damage", [
+    dict(verify={"1": "0.01", "2": "0.02"}), dict(verify={"1": None, "2": 0.01}), dict(verify={"1": 0.0, "2": 0.01}),
+    dict(verify={"1": 0.01}), dict(verify={"0": 0.01, "2": 0.02}), dict(verify=[0.01, 0.02]),
+    dict(draft={}), dict(draft={"2": 0.01}), dict(draft={"2,x": 0.01}), dict(draft={"1,2": float("nan")}),
+    dict(catch_up=0.01), dict(catch_up={"1": True, "2": 0.01}), dict(catch_up={"1": float("inf"), "2": 0.01}),
+    dict(context="256"), dict(context_slope=-1.0), dict(batch=0), dict(batch=2.5), dict(verify=None)],
+    ids=lambda d: json.dumps(d))
+def test_costs_damaged_in_value_are_measured_again_with_a_warning(tmp_path, monkeypatch, capsys, damage):
+    # Well-formed JSON whose values are not costs (strings, nulls, zeros, an empty draft table,
+    # a table of the wrong type): one warning naming the file and a re-measure, never an
+    # IndexError or ZeroDivisionError out of the tree choice.
+    monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
+    calls = []
+    monkeypatch.setattr(tree_cost, "measure_costs", lambda *a, **k: calls.append(1) or MEASURED)
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(dict(MEASURED, build=tree_cost.build_id(), **damage)))
+    costs = load_costs(None, None, "jakiro", tmp_path, progress=False)
+    assert calls == [1] and costs == dict(MEASURED, build=tree_cost.build_id())
+    assert f"warning: the cached costs {path} are damaged" in capsys.readouterr().err
+    choose_tree(costs, chain_profile(), "eagle2")  # what a damaged table broke: usable now
+    assert load_costs(None, None, "jakiro", tmp_path, progress=False) == costs and calls == [1]  # written whole
+
+
+def test_a_whole_cost_table_is_kept_and_an_unwritable_cache_is_a_warning(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
+    calls = []
+    monkeypatch.setattr(tree_cost, "measure_costs", lambda *a, **k: calls.append(1) or MEASURED)
+    assert tree_cost.check_costs(dict(MEASURED)) == MEASURED
+    (tmp_path / "a file").write_text("")  # a cache directory that cannot be made
+    blocked = tmp_path / "a file" / "costs"
+    costs = load_costs(None, None, "jakiro", blocked, progress=False)
+    assert costs == dict(MEASURED, build=tree_cost.build_id()) and calls == [1]
+    assert "warning: could not keep the costs in" in capsys.readouterr().err
+    forget = policy.forget_cost_file(blocked / "k.json")  # (deleting there fails too: a warning)
+    forget()
+    assert "warning: could not delete" in capsys.readouterr().err
 
 
 def test_a_bf16_checkpoint_in_float32_has_its_own_costs(monkeypatch):
@@ -212,3 +255,35 @@ def test_malformed_acceptance_profile_is_an_error(tmp_path):
         (tmp_path / "head" / "acceptance.json").write_text(bad)
         with pytest.raises(ValueError, match="acceptance"):
             DraftHead.load(tmp_path / "head", target)
+
+
+@pytest.mark.parametrize("kind,method", [("eagle2", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star"),
+                                         ("gumiho", "gumiho")])
+def test_the_drafter_and_the_cost_model_read_one_schedule(monkeypatch, kind, method):
+    # A method's tree layers are written once (Method.schedule): the drafter drafts that many
+    # layers with a forward for each of the forward kinds past the root's children, and the cost
+    # model counts the nodes of the same layers.
+    from jakiro_ext.engine.drafter import DraftTree, Drafter
+    from jakiro_ext.methods import FORWARD_KINDS, METHODS
+
+    target = tiny_target()
+    head = random_head(target, kind)
+    tree = TreeConfig(64, 4, 2)
+    drafter = Drafter(head, METHODS[method], tree)
+    ids = prompt()
+    one = target.new_cache(1, ids.numel())
+    _, hidden = target(ids.unsqueeze(0), one)
+    cache, root_step = drafter.prefill(torch.cat([ids[1:], ids[:1]]), hidden[0])
+    drafted = []
+    kept = DraftTree.kept
+    monkeypatch.setattr(DraftTree, "kept", lambda self, total: (drafted.append(self), kept(self, total))[1])
+    before = drafter.forwards
+    drafter.draft(ids[-1:], cache, root_step)
+    kinds = METHODS[method].schedule(tree.depth, getattr(head.config, "num_mlp_heads", 0))
+    assert len(kinds) == tree.depth + 1 and int(drafted[0].depths.max()) == len(kinds)
+    assert drafter.forwards - before == sum(k in FORWARD_KINDS for k in kinds[1:])
+    ones = dict(depth_rank=[[1.0] * 4] * 8, contrastive_depth_rank=[[1.0] * 4] * 8,
+                mlp_depth_rank=[[1.0] * 4] * getattr(head.config, "num_mlp_heads", 0))
+    if method != "jakiro_star":  # (its cost model counts top_k children a node, of 2 top_k drafted)
+        counted = METHODS[method].node_probabilities(ones, tree.depth, tree.top_k)
+        assert len(counted) == drafted[0].size - 1

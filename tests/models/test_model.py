@@ -336,50 +336,50 @@ def test_a_bf16_checkpoint_in_float32_reads_bf16_copies_with_the_same_bits(monke
     assert model.streamed_weights() is None
 
 
-def test_the_kept_layer_lists_see_every_change_of_a_weight():
-    """The forward keeps its layers' weight lists between calls: a weight changed in place, one
-    given new data, a parameter replaced and a conversion are all read by the next forward."""
+def test_a_forward_reads_every_change_of_a_weight():
+    """A forward reads the weights as they are (prepared per forward unless given): a weight
+    changed in place, one given new data, a parameter replaced and a conversion are all read by the
+    next forward; weights prepared once for a call's forwards (the engine's) see a change in place."""
     model = LlamaModel.from_hf(hf_model("llama", seed=6))
     tokens = torch.randint(0, 211, (1, 12), generator=gen(10))
 
-    def logits():
+    def logits(weights=None):
         cache = model.new_cache(1, 16)
-        return model(tokens, cache)[0]
+        return model(tokens, cache, weights=weights)[0]
 
     before = logits()
-    assert model._layer_weights() is model._layer_weights()
+    prepared = model.prepare()
     block = model.layers[1]
     changes = [lambda: block.down_proj.weight.mul_(1.5),
                lambda: setattr(block.down_proj.weight, "data", block.down_proj.weight.data * 0.5),
                lambda: setattr(block.gate_up_proj, "weight", torch.nn.Parameter(block.gate_up_proj.weight * 2)),
                lambda: setattr(block.input_layernorm, "weight", torch.nn.Parameter(block.input_layernorm.weight + 1))]
-    for change in changes:
+    for i, change in enumerate(changes):
         with torch.no_grad():
             change()
         after = logits()
         fresh = LlamaModel.from_hf(hf_model("llama", seed=6))
         fresh.load_state_dict(model.state_dict())
         assert not torch.equal(after, before) and torch.equal(after, fresh(tokens, fresh.new_cache(1, 16))[0])
+        if i == 0:  # in place: the prepared lists hold the parameter itself
+            assert torch.equal(logits(prepared), after)
         before = after
-    model.to(torch.float64).to(torch.float32)  # a conversion: the lists made again
+    model.to(torch.float64).to(torch.float32)  # a conversion
     assert torch.equal(logits(), before)
 
 
-def test_a_model_not_exactly_bf16_looks_again_every_so_many_forwards(monkeypatch):
-    from jakiro_ext.models import llama
-    monkeypatch.setattr(llama, "BF16_RECHECK_FORWARDS", 3)
+def test_a_model_that_becomes_exactly_bf16_streams_copies_from_its_next_preparation():
     hf = hf_model("llama", seed=7)
     model = LlamaModel.from_hf(hf)  # random float32 weights: not bf16 values
-    assert model.streamed_weights(lazy=True) is None
-    with torch.no_grad():  # they become bf16 values: a forward's calls make copies within 3 + 1, not at once
+    assert model.prepare().streamed is None
+    with torch.no_grad():  # they become bf16 values
         for p in model.parameters():
             p.copy_(p.bfloat16().float())
-    seen = [model.streamed_weights(lazy=True) is not None for _ in range(4)]
-    assert seen == [False, False, False, True]
+    assert model.prepare().streamed is not None
     weight = model.layers[0].down_proj.weight
     with torch.no_grad():
         weight[0, 0] += 2.0 ** -20
-    assert model.streamed_weights(lazy=True) is None  # (copies kept: every call looks)
+    assert model.prepare().streamed is None and model.streamed_weights() is None
     with torch.no_grad():
         weight[0, 0] = weight[0, 0].bfloat16().float()
-    assert model.streamed_weights() is not None  # asked outright, not by a forward: looked at at once
+    assert model.prepare().streamed is not None

@@ -311,7 +311,8 @@ def test_damaged_cost_cache_is_measured_again(tmp_path, monkeypatch, capsys):
     from jakiro_ext.engine import tree_cost
 
     monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
-    measured = {"verify": {"1": 0.01}, "draft": {}, "catch_up": {"1": 0.01}, "context": 256, "context_slope": 0.0}
+    measured = {"verify": {"1": 0.01, "2": 0.01}, "draft": {"1,1": 0.01}, "catch_up": {"1": 0.01, "2": 0.01},
+                "context": 256, "context_slope": 0.0}
     monkeypatch.setattr(tree_cost, "measure_costs", lambda *a, **k: measured)
     (tmp_path / "k.json").write_text('{"verify": ')
     expected = dict(measured, build=tree_cost.build_id())

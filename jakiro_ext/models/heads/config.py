@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from jakiro_ext.atomic import write_directory
+from jakiro_ext.kv_cache import CacheShape
 from jakiro_ext.models.llama import LlamaConfig
 
 KINDS = ("eagle2", "jakiro", "gumiho", "jakiro_gumiho")  # jakiro_gumiho: Jakiro's MoE layer, then MLP heads
@@ -131,14 +132,10 @@ class DraftConfig:
             raise ValueError(f"{file}: " + "; ".join(problems))
         return config
 
-    def attention_config(self) -> LlamaConfig:
+    def cache_shape(self) -> CacheShape:
         """The geometry the draft's KV cache is shaped by: a layer per serial layer (EAGLE-3's
         config, which shares this method, has one)."""
-        return LlamaConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                           intermediate_size=self.intermediate_size, num_layers=getattr(self, "num_layers", 1),
-                           num_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
-                           rms_norm_eps=self.rms_norm_eps)
+        return CacheShape(getattr(self, "num_layers", 1), self.num_kv_heads, self.head_dim)
 
 
 TRAINING_FILE = "training.json"  # optional: how the head was trained (the train command's summary)

@@ -314,7 +314,7 @@ class DraftHead(nn.Module):
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
         (default: fixed)."""
         w = self.fc.weight
-        return KVCache(self.config.attention_config(), batch, capacity, dtype=w.dtype, device=w.device,
+        return KVCache(self.config.cache_shape(), batch, capacity, dtype=w.dtype, device=w.device,
                        max_capacity=max_capacity)
 
     # ------------------------------------------------------------------ forward

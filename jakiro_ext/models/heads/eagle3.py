@@ -57,7 +57,7 @@ class Eagle3Config:
     def kind(self) -> str:
         return "eagle3"
 
-    attention_config = DraftConfig.attention_config  # (the same fields: the draft cache's geometry)
+    cache_shape = DraftConfig.cache_shape  # (the same fields: the draft cache's geometry)
 
 
 class Eagle3Head(DraftHead):

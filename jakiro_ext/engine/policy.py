@@ -1,0 +1,272 @@
+"""Which tree a round runs: the tree policy, beside the round (:mod:`jakiro_ext.engine.round`).
+
+A policy chooses the tree of each round for the batch's number of rows (None: plain decoding,
+the one-node tree) and observes what each round did (a :class:`RoundResult`). Three of them:
+
+- :class:`FixedTree`: the tree given (``tree=``), or, left to the engine, the cost model's best
+  for the batch size on a CPU (:func:`jakiro_ext.engine.tree_cost.auto_tree`), else the presets;
+- :class:`LiveTree`: chosen round by round from live timing among the cost model's best trees
+  and plain decoding (:mod:`jakiro_ext.engine.adaptive`), the default on a CPU for a head with an
+  acceptance profile. Its choosers live as long as their heads and keep what they measured
+  beside the cost cache (``*.live.json``) for the next process.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import statistics
+import sys
+import weakref
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, List, Optional, Protocol
+
+from jakiro_ext import atomic
+from jakiro_ext.config import CPU_TREE, GPU_TREE, TreeConfig, brief
+from jakiro_ext.engine.adaptive import CALL_KINDS, Candidate, TreeChooser
+from jakiro_ext.engine.round import RoundResult
+from jakiro_ext.engine.tree_cost import auto_tree, build_id, choose_tree, costs_path, load_costs, round_seconds
+from jakiro_ext.methods import METHODS, Method
+
+
+class TreePolicy(Protocol):
+    """Chooses each round's tree and observes what the round did."""
+
+    trees: List[Optional[TreeConfig]]  # every tree it may choose (None: plain decoding)
+
+    def choose(self, rows: int) -> Optional[TreeConfig]:
+        """The tree of a round over ``rows`` batch rows (one of :attr:`trees`)."""
+
+    def drafting(self, rows: int) -> bool:
+        """Whether rounds of ``rows`` rows are expected to draft (else a new prompt's draft prefill
+        waits for the next round that does)."""
+
+    def observe(self, result: RoundResult) -> None:
+        """What a round of the tree it chose did."""
+
+    def end_call(self) -> None:
+        """The call is over (its last round observed)."""
+
+
+class FixedTree:
+    """Every round runs ``tree``."""
+
+    def __init__(self, tree: TreeConfig):
+        self.tree, self.trees = tree, [tree]
+
+    def choose(self, rows: int) -> Optional[TreeConfig]:
+        return self.tree
+
+    def drafting(self, rows: int) -> bool:
+        return True
+
+    def observe(self, result: RoundResult) -> None:
+        pass
+
+    def end_call(self) -> None:
+        pass
+
+
+class LiveTree:
+    """Each round's tree chosen from live timing by a :class:`TreeChooser`."""
+
+    def __init__(self, chooser: TreeChooser):
+        self.chooser = chooser
+        self._candidates = {id(c.tree): c for c in chooser.candidates}  # (None: plain decoding's id)
+        self.trees = [c.tree for c in chooser.candidates]
+
+    def choose(self, rows: int) -> Optional[TreeConfig]:
+        return self.chooser.choose(rows).tree
+
+    def drafting(self, rows: int) -> bool:
+        return self.chooser.drafting(rows)
+
+    def observe(self, result: RoundResult) -> None:
+        self.chooser.record(self._candidates[id(result.tree)], result.rows, result.seconds, progress(result),
+                            result.catch_up_seconds, result.context)
+
+    def end_call(self) -> None:
+        self.chooser.end_call()
+
+
+def progress(result: RoundResult) -> float:
+    """What a round brought the call, in new tokens per sequence (what the live choice weighs
+    against the round's seconds): their mean, unless the batch is draining (no request waits for
+    a row: the call ends with its slowest sequence) and holds several, then how far it brought
+    the end nearer: the drop of the most any sequence has left of its budget (at most the
+    farthest any went). Rows a tree moves on unevenly finish apart, and the last rounds run for
+    the few left: at 4 rows of 64-token samples the live choice ran 0.94-0.95x plain decoding
+    while its tree rounds saved 1% of the rounds' time by the mean (docs/benchmarks.md, "never
+    loses")."""
+    if not result.draining or len(result.accepted) <= 1:
+        return 1 + statistics.fmean(result.accepted)
+    return float(min(max(result.left_before) - max(result.left_after), 1 + max(result.accepted)))
+
+
+def tree_policy(target, draft, method: Method, tree: Optional[TreeConfig], batch: int, sampling: bool,
+                graphs: str = "eager") -> TreePolicy:
+    """The policy of a call: the tree given; else, on a CPU for a head with an acceptance profile
+    and eager rounds, the live choice; else the cost model's tree or the presets (:func:`default_tree`)."""
+    if tree is None and method.drafts and graphs == "eager" and target.lm_head.weight.device.type == "cpu":
+        chooser = tree_chooser(target, draft, method.name, batch, sampling)
+        if chooser is not None:
+            return LiveTree(chooser)
+    return FixedTree(default_tree(target, draft, method, tree, batch))
+
+
+def largest_tree(policy: TreePolicy, method: Method) -> TreeConfig:
+    """The policy's tree with the most nodes (what the caches are sized by)."""
+    return max((t for t in policy.trees if t is not None), key=lambda t: t.max_nodes_for(method))
+
+
+def default_tree(target, draft, method, tree: Optional[TreeConfig] = None, batch: int = 1) -> TreeConfig:
+    """The tree given, else on CPU the one chosen by measured cost for ``batch`` sequences (for a
+    head with an acceptance profile) or CPU_TREE, elsewhere GPU_TREE (deepened to a serial step
+    and the head's MLP heads for ``gumiho``). ``method``: a name or a :class:`Method`."""
+    method = METHODS[method] if isinstance(method, str) else method
+    device = target.lm_head.weight.device
+    if tree is None and device.type == "cpu" and method.drafts:
+        tree = auto_tree(target, draft, method.name, batch)
+    if tree is None:
+        tree = CPU_TREE if device.type == "cpu" else GPU_TREE
+        if draft is not None:  # deep enough for the layers the method drafts without a forward (Gumiho's MLP heads)
+            tree = replace(tree, depth=max(tree.depth, 1 + method.extra_layers(getattr(draft.config, "num_mlp_heads", 0))))
+    return tree
+
+
+# head -> {(cost file, id(target)): its TreeChooser}: a head's live measurements outlive a call.
+_CHOOSERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+CANDIDATES = 3  # the cost model's best trees of distinct sizes a TreeChooser runs live, besides
+SMALL_TREE = 4  # plain decoding, and its best tree of at most this many nodes
+
+
+def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = False) -> Optional[TreeChooser]:
+    """The live choice among the cost model's best trees and plain decoding for ``head`` on this
+    machine, ``batch`` sequences decoding together (:mod:`jakiro_ext.engine.adaptive`), for a call
+    that samples (temperature > 0) or not; None without the head's acceptance profile."""
+    profile = getattr(head, "acceptance", None)
+    if not profile:
+        return None
+    path = costs_path(target, head, method, batch)
+    kept = _CHOOSERS.setdefault(head, {})
+    if (path, id(target)) in kept:
+        kept[path, id(target)].new_call(sampling)
+        return kept[path, id(target)]
+    costs = load_costs(target, head, method, batch=batch)
+    ranked = ranked_trees(json.dumps(costs, sort_keys=True), json.dumps(profile, sort_keys=True), method)
+    # One tree of each size (trees of one size and other depths or widths cost and accept about
+    # the same: measuring several of them live buys nothing).
+    sizes = {}
+    for row in ranked:
+        sizes.setdefault(row[2], row)
+    best = list(sizes.values())
+    picked = best[:CANDIDATES] + [next((row for row in best if row[2] <= SMALL_TREE), best[0])]
+    candidates = []
+    for _, accepted, n, depth, top_k in dict.fromkeys(picked):
+        candidates.append(Candidate(TreeConfig(n, depth, top_k), 1 + accepted,
+                                    round_seconds(costs, n, depth, top_k, accepted)))
+    candidates.append(Candidate(None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
+    live = live_path(path)
+    chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path),
+                                                    lambda measured: keep_live(live, measured), costs["context"],
+                                                    costs["context_slope"])
+    measured = load_live(live)
+    if measured is not None:
+        chooser.start_from(measured)
+    chooser.new_call(sampling)
+    return chooser
+
+
+@functools.lru_cache(maxsize=16)
+def ranked_trees(costs: str, profile: str, method: str) -> list:
+    """:func:`choose_tree`'s ranking for the costs and profile as JSON: computed once per process
+    (5 ms, paid by every new head's first call otherwise: a few percent of a short call)."""
+    return choose_tree(json.loads(costs), json.loads(profile), method)[1]
+
+
+def forget_cost_file(path: Path) -> Callable[[], None]:
+    """A ``forget_costs`` that deletes the cached costs at ``path`` (the next call measures them;
+    a file that cannot be deleted is a warning)."""
+    def forget() -> None:
+        print(f"note: this machine's live round times disagree with the cached costs {path}; they are deleted "
+              "and will be measured again by the next call", file=sys.stderr)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            print(f"warning: could not delete {path} ({exc})", file=sys.stderr)
+    return forget
+
+
+def live_path(costs_file: Path) -> Path:
+    """Where what the live choice measured for the costs at ``costs_file`` is kept (:meth:`TreeChooser.kept`)."""
+    return costs_file.with_name(costs_file.stem + ".live.json")
+
+
+def keep_live(path: Path, measured: dict) -> None:
+    """Keep a chooser's live measurements (:meth:`TreeChooser.kept`) at ``path``, with this build
+    (a cache: a failed write is a warning, never the call's failure)."""
+    try:
+        atomic.write_text(path, json.dumps(dict(measured, build=build_id())) + "\n")
+    except OSError as exc:
+        print(f"warning: could not keep the live round times in {path} ({exc})", file=sys.stderr)
+
+
+def _finite(name: str, value, positive: bool = False) -> float:
+    """``value`` as a float: a finite real number >= 0 (> 0 with ``positive``), else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf \
+            or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {brief(value)}")
+    return float(value)
+
+
+def _pairs(name: str, table, keys=None) -> dict:
+    """A table of "key": [value >= 0, wall time] pairs (``keys``: the keys allowed)."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{name} must be a table, got {brief(table)}")
+    checked = {}
+    for key, pair in table.items():
+        if keys is not None and key not in keys:
+            raise ValueError(f"{name} of {key!r}, expected some of {list(keys)}")
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ValueError(f"{name}[{key!r}] must be [value, wall time], got {brief(pair)}")
+        checked[key] = [_finite(f"{name}[{key!r}]", pair[0]), _finite(f"{name}[{key!r}]'s time", pair[1])]
+    return checked
+
+
+def check_live(measured) -> dict:
+    """A chooser's kept measurements as read from a file (:meth:`TreeChooser.kept`), checked as
+    user input is (a ValueError saying what is wrong): ``rows`` an int >= 0, plain decoding's
+    seconds finite > 0 (or 0 with nothing measured), each tree's ratio finite > 0, switch costs
+    finite >= 0, the acceptance of each kind of call (greedy, sampling) finite >= 0 (0: no draft
+    accepted), wall times finite."""
+    if not isinstance(measured, dict):
+        raise ValueError(f"not a table: {brief(measured)}")
+    rows = measured.get("rows")
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+        raise ValueError(f"rows must be an int >= 0, got {brief(rows)}")
+    ratios = _pairs("ratios", measured.get("ratios"))
+    if not all(r > 0 for r, _ in ratios.values()):
+        raise ValueError("a tree's ratio to plain decoding's seconds must be > 0")
+    switch = measured.get("switch", {})
+    if not isinstance(switch, dict):
+        raise ValueError(f"switch must be a table, got {brief(switch)}")
+    switch = {k: _finite(f"switch[{k!r}]", v) for k, v in switch.items()}
+    plain = _finite("plain_seconds", measured.get("plain_seconds"), positive=bool(ratios))
+    return dict(rows=rows, plain_seconds=plain, ratios=ratios, switch=switch,
+                acceptance=_pairs("acceptance", measured.get("acceptance", {}), CALL_KINDS))
+
+
+def load_live(path: Path) -> Optional[dict]:
+    """The live measurements kept at ``path`` (:func:`keep_live`); None when there are none, they
+    were measured with another build, or the file is damaged in syntax or in value
+    (:func:`check_live`; a cache: a warning, and written again)."""
+    try:
+        measured = json.loads(path.read_text())
+        checked = check_live(measured)
+        return checked if measured.get("build") == build_id() else None
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        print(f"warning: the kept live round times {path} are damaged or unreadable ({exc}); ignored", file=sys.stderr)
+        return None

@@ -89,7 +89,7 @@ def main():
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_hf
     from jakiro_ext.kv_cache import TreeKV
     from jakiro_ext.models.llama import LlamaModel
-    from jakiro_ext.kv_cache import causal_tree_mask
+    from jakiro_ext.ops.masks import causal_tree_mask
 
     table = Table("target_forward", args)
     mach = Machine()

@@ -1,8 +1,7 @@
 """The KV caches and the attention masks: the only code that moves cache rows and lengths.
 
 ``KVCache`` holds a model's keys and values with each sequence's committed length; ``TreeKV``
-the keys and values a draft tree's layers add within one round; ``causal_tree_mask`` and
-``packed_bit_ranges`` build the bit-packed masks ``jakiro::tree_attention`` reads.
+the keys and values a draft tree's layers add within one round (the masks: :mod:`jakiro_ext.ops.masks`).
 """
 from __future__ import annotations
 
@@ -140,28 +139,6 @@ class KVCache(nn.Module):
     def allow(self, max_capacity: int) -> None:
         """Raise the bound on positions per sequence to ``max_capacity`` (what a new sequence may need)."""
         self.max_capacity = max(self.max_capacity, max_capacity)
-
-
-def packed_bit_ranges(first: torch.Tensor, last: torch.Tensor, num_bits: int) -> torch.Tensor:
-    """Rows with bits first[i]..last[i] set (inclusive; first > last: none), packed as
-    :func:`jakiro_ext.ops.pack_bits` packs them: [T, ceil(num_bits / 64)] int64, built without
-    a [T, num_bits] tensor."""
-    starts = torch.arange((num_bits + 63) // 64, device=first.device) * 64  # first bit of each word
-
-    def low_bits(n: torch.Tensor) -> torch.Tensor:
-        """Words with bits 0..n-1 set, n in [0, 64]: ~(-1 << n), and -1 for n = 64 (no shift by 64,
-        no signed overflow: -1 << 63 is the int64 minimum, whose complement is 2**63 - 1)."""
-        return torch.where(n >= 64, -1, ~(-1 << n.clamp(max=63)))
-
-    return (low_bits((last.unsqueeze(1) + 1 - starts).clamp(0, 64))
-            & ~low_bits((first.unsqueeze(1) - starts).clamp(0, 64)))
-
-
-def causal_tree_mask(batch: int, num_tokens: int, device=None) -> torch.Tensor:
-    """Bit-packed mask [batch, T, ceil(T/64)] of a chain of tokens (each sees itself and every
-    earlier one), built packed: 8 MB, not a dense [T, T], for an 8,000-token prompt."""
-    rows = torch.arange(num_tokens, device=device)
-    return packed_bit_ranges(torch.zeros_like(rows), rows, num_tokens).unsqueeze(0).expand(batch, -1, -1).contiguous()
 
 
 class TreeKV:

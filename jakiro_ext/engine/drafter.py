@@ -1,24 +1,22 @@
-"""The draft side of a round, for a batch of sequences: the draft tree as tensors
-(:class:`DraftTree`), the two ways to grow it (dynamic: EAGLE-2's best-first expansion; static:
-a fixed list of child-rank paths) and the :class:`Drafter` that runs the draft head.
-
-Every sequence of a batch gets its own tree; the trees of one round have the same number of
-node slots, a tree with fewer real nodes being padded with nodes that verification never accepts
-(:meth:`DraftTree.padded`). Each row of a batch is computed exactly as it is alone.
+"""The draft side of a round, for a batch of sequences: the :class:`Drafter` that runs the draft
+head and grows each sequence's tree (:mod:`jakiro_ext.engine.tree`) one of two ways (dynamic:
+EAGLE-2's best-first expansion, its layers those of the method's schedule; static: a fixed list of
+child-rank paths). Each row of a batch is computed exactly as it is alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.kv_cache import KVCache, TreeKV, causal_tree_mask, packed_bit_ranges
+from jakiro_ext.engine.tree import DraftTree, VerifyTree
+from jakiro_ext.kv_cache import KVCache, TreeKV
 from jakiro_ext.methods import CONTRASTIVE, EXPERTS, FORWARD_KINDS, MLP, Method
-from jakiro_ext.models.llama import PREFILL_CHUNK
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.step import DraftStep, take_rows
+from jakiro_ext.models.llama import PREFILL_CHUNK
+from jakiro_ext.ops.masks import causal_tree_mask, diagonal_mask
 
 # What can go wrong in drafting, found on the device (VerifyTree.errors, in this order): the
 # round raises the message when it reads its accepted tokens, before anything is emitted.
@@ -42,121 +40,6 @@ def dedupe(logprobs: torch.Tensor, ids: torch.Tensor):
     # Sort again so the dropped repeats go last: a child's rank is its rank among distinct tokens.
     logprobs, order = logprobs.masked_fill(repeated, float("-inf")).sort(dim=-1, descending=True, stable=True)
     return logprobs, ids.gather(-1, order)
-
-
-class DraftTree:
-    """The draft trees of a batch: node i of sequence b has ``tokens[b, i]``, ``parents[b, i]``
-    (-1 for the root, node 0; parents come before children), ``depths[b, i]`` and ``scores[b, i]``
-    (the cumulative draft log-probability, float64; -inf for a repeated candidate, never kept)."""
-
-    def __init__(self, roots: torch.Tensor):
-        B = roots.shape[0]
-        self.tokens = roots.reshape(B, 1).to(torch.int64)
-        self.parents = torch.full_like(self.tokens, -1)
-        self.depths = torch.zeros_like(self.tokens)
-        self.scores = torch.zeros(B, 1, dtype=torch.float64, device=roots.device)
-
-    @property
-    def size(self) -> int:
-        return self.tokens.shape[1]
-
-    def add_children(self, parents: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        """Append the candidates ids / logprobs [B, R, C] as children of the nodes ``parents``
-        [B, R] (row r's C candidates in rank order); returns the new nodes' indices [B, R * C]."""
-        B, R, C = ids.shape
-        start = self.size
-        base = self.scores.gather(1, parents)  # [B, R]
-        self.tokens = torch.cat([self.tokens, ids.reshape(B, R * C)], 1)
-        self.parents = torch.cat([self.parents, parents.repeat_interleave(C, 1)], 1)
-        self.depths = torch.cat([self.depths, (self.depths.gather(1, parents) + 1).repeat_interleave(C, 1)], 1)
-        self.scores = torch.cat([self.scores, (base.unsqueeze(-1) + logprobs.double()).reshape(B, R * C)], 1)
-        return torch.arange(start, start + R * C, device=ids.device).expand(B, -1)
-
-    def frontier(self, nodes: torch.Tensor, k: int) -> torch.Tensor:
-        """Where among ``nodes`` [B, M] the ``k`` highest-scoring of each sequence are (ties: the
-        lower index), best first: positions [B, min(k, M)] into ``nodes``."""
-        return self.scores.gather(1, nodes).sort(dim=1, descending=True, stable=True).indices[:, :k]
-
-    def ancestors_among(self, rows: torch.Tensor, earlier: torch.Tensor, depth: int) -> torch.Tensor:
-        """Which of the nodes ``earlier`` [B, M] are proper ancestors (the root excepted) of the
-        nodes ``rows`` [B, R], all at ``depth`` or less: bool [B, R, M]."""
-        B, M = earlier.shape
-        slot = torch.full((B, self.size), -1, dtype=torch.int64, device=rows.device)
-        slot.scatter_(1, earlier, torch.arange(M, device=rows.device).expand(B, -1))
-        visible = torch.zeros(B, rows.shape[1], M + 1, dtype=torch.bool, device=rows.device)  # column M: none
-        node = self.parents.gather(1, rows)
-        for _ in range(depth):
-            at = torch.where(node > 0, slot.gather(1, node.clamp(min=0)), -1)
-            visible.scatter_(2, torch.where(at >= 0, at, M).unsqueeze(-1), True)
-            node = torch.where(node > 0, self.parents.gather(1, node.clamp(min=0)), node)
-        return visible[..., :M]
-
-    def kept(self, total: int) -> "VerifyTree":
-        """The root and the ``total - 1`` best drafted nodes of each sequence (fewer where fewer
-        are real), in index order, padded to a common size. A child never outscores its parent
-        (log-probabilities <= 0) and ties go to the lower index, so the kept set holds its ancestors."""
-        scores = self.scores[:, 1:]
-        order = scores.sort(dim=1, descending=True, stable=True).indices[:, : total - 1] + 1
-        real = self.scores.gather(1, order) > float("-inf")
-        counts = real.sum(1) + 1
-        # Sorted by index with the unkept (set to a large index) last. Every round verifies the
-        # same number of nodes (padding where a tree has fewer real ones): no read of the counts.
-        big = self.size
-        keep = torch.where(real, order, big).sort(dim=1).values
-        keep = torch.cat([torch.zeros_like(keep[:, :1]), keep], 1)  # [B, width], the root first
-        return VerifyTree.select(self, keep, counts)
-
-    def every_node(self) -> "VerifyTree":
-        """The whole tree (a static one) as it is, its repeated candidates included: a repeat
-        of an earlier sibling is never accepted, and neither is anything under it."""
-        B, T = self.tokens.shape
-        return VerifyTree(self.tokens, self.parents, self.depths,
-                          torch.full((B,), T, dtype=torch.int64, device=self.tokens.device))
-
-
-@dataclass
-class VerifyTree:
-    """The nodes a round verifies: tokens, parents (indices into these), depths [B, T], and the
-    number of real nodes of each sequence ``counts`` [B]; nodes beyond a sequence's count are
-    padding (:meth:`padded`). ``errors`` [len(DRAFT_ERRORS)] bool: what went wrong in drafting,
-    found on the device and read with the round's accepted tokens (None: nothing drafted)."""
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor
-    counts: torch.Tensor
-    errors: Optional[torch.Tensor] = None
-
-    @classmethod
-    def select(cls, tree: DraftTree, keep: torch.Tensor, counts: torch.Tensor) -> "VerifyTree":
-        """The nodes ``keep`` [B, W] of ``tree`` (the first counts[b] are real, in index order,
-        the root first; the rest is ignored), re-indexed, then padded."""
-        B, W = keep.shape
-        N = tree.size
-        position = torch.arange(W, device=keep.device).expand(B, -1)
-        real = position < counts.unsqueeze(1)
-        keep = torch.where(real, keep, 0)  # padding, replaced by padded()
-        # Each kept node's position among the kept ones (column N: a sink for the padding).
-        where = torch.full((B, N + 1), -1, dtype=torch.int64, device=keep.device)
-        where.scatter_(1, torch.where(real, keep, N), torch.where(real, position, -1))
-        parents = tree.parents.gather(1, keep)
-        parents = torch.where(parents >= 0, where.gather(1, parents.clamp(min=0)), -1)
-        return cls(tree.tokens.gather(1, keep), parents, tree.depths.gather(1, keep), counts).padded()
-
-    def padded(self) -> "VerifyTree":
-        """Nodes beyond a sequence's count become copies of its node 1 (a child of the root, same
-        parent and token): verification takes the first child with a token (greedy) and skips a
-        repeated sibling (sampling), so a copy is never accepted and the trees of a batch can
-        share one size. A tree with its root alone has no node 1 to copy: the drafter flags it
-        (the second of ``DRAFT_ERRORS``), and the round raises before anything is emitted."""
-        B, T = self.tokens.shape
-        if T == 1:
-            return self
-        pad = torch.arange(T, device=self.tokens.device).expand(B, -1) >= self.counts.unsqueeze(1)
-        first = lambda t: t[:, 1:2].expand(B, T)  # noqa: E731
-        self.tokens = torch.where(pad, first(self.tokens), self.tokens)
-        self.parents = torch.where(pad, 0, self.parents)
-        self.depths = torch.where(pad, 1, self.depths)
-        return self
 
 
 class Drafter:
@@ -304,8 +187,8 @@ class Drafter:
         B, R = frontier.shape
         positions = (cache.lengths.unsqueeze(1) - 1 + depth).expand(B, R)
         if kv_nodes is not None:
-            tree_kv.visible = tree.ancestors_among(frontier, kv_nodes, depth)
-        itself = self._mask(_diagonal_mask, B, R, frontier.device)
+            tree_kv.visible = tree.ancestors_among(frontier, kv_nodes)
+        itself = self._mask(diagonal_mask, B, R, frontier.device)
         step = self.head(tree.tokens.gather(1, frontier), features, positions, cache, itself, tree_kv)
         if keep_kv:
             tree_kv.append(cache, R)
@@ -407,12 +290,6 @@ class Drafter:
                              as_tensor([p[-1] for p in layer])))
             self._plan = plan
         return self._plan
-
-
-def _diagonal_mask(B: int, R: int, device) -> torch.Tensor:
-    """The mask [B, R, ceil(R / 64)] of R rows of one tree layer, each seeing itself only."""
-    rows = torch.arange(R, device=device)
-    return packed_bit_ranges(rows, rows, R).unsqueeze(0).expand(B, -1, -1)
 
 
 def _width(tree) -> int:

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.kv_cache import CacheShape, KVCache, causal_tree_mask
+from jakiro_ext.kv_cache import CacheShape, KVCache
+from jakiro_ext.ops.masks import causal_tree_mask
 from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
 from jakiro_ext.ops import reference
 

@@ -27,7 +27,8 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
-from jakiro_ext.kv_cache import KVCache, causal_tree_mask
+from jakiro_ext.kv_cache import KVCache
+from jakiro_ext.ops.masks import causal_tree_mask
 from jakiro_ext.models.llama import LlamaModel
 from helpers import copy_head, prompt, random_head, tiny_target
 
@@ -306,7 +307,7 @@ def dense_causal(batch, T):
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 130])
 def test_packed_masks_are_bit_identical_to_the_dense_construction(T):
     assert torch.equal(causal_tree_mask(2, T), dense_causal(2, T))
-    from jakiro_ext.kv_cache import packed_bit_ranges
+    from jakiro_ext.ops.masks import packed_bit_ranges
 
     rows = torch.arange(T)
     assert torch.equal(packed_bit_ranges(rows, rows, T), ops.pack_bits(torch.eye(T, dtype=torch.bool)))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.engine.drafter import DraftTree, VerifyTree
+from jakiro_ext.engine.tree import DraftTree, VerifyTree
 from jakiro_ext.config import MAX_BATCH, TreeConfig
 from jakiro_ext.engine.generate import generate_many, speculative_generate
 from helpers import DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head, exact_distribution, power_at_shift, prompt, random_head, tiny_target, verified_token_p

@@ -263,7 +263,8 @@ def test_the_drafter_and_the_cost_model_read_one_schedule(monkeypatch, kind, met
     # A method's tree layers are written once (Method.schedule): the drafter drafts that many
     # layers with a forward for each of the forward kinds past the root's children, and the cost
     # model counts the nodes of the same layers.
-    from jakiro_ext.engine.drafter import DraftTree, Drafter
+    from jakiro_ext.engine.drafter import Drafter
+    from jakiro_ext.engine.tree import DraftTree
     from jakiro_ext.methods import FORWARD_KINDS, METHODS
 
     target = tiny_target()

@@ -102,7 +102,7 @@ def every_weight_matters(target, kind, seed=7):
 
 def draft_outputs(head, target, seed=3):
     """The head's feature, residual and (MoE) experts' outputs for one 6-row chain."""
-    from jakiro_ext.kv_cache import causal_tree_mask
+    from jakiro_ext.ops.masks import causal_tree_mask
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, target.config.vocab_size, (1, 6), generator=g)
@@ -380,7 +380,7 @@ def test_eagle3_heads_load_read_three_target_layers_and_decode_losslessly(tmp_pa
     # The head over the prompt = EAGLE-3's layer computed from the checkpoint's own tensors.
     n = ids.numel() - 1
     cache = head.new_cache(n + 1)
-    from jakiro_ext.kv_cache import causal_tree_mask
+    from jakiro_ext.ops.masks import causal_tree_mask
     step = head(ids[1:].unsqueeze(0), aux[:, :n], torch.arange(n).unsqueeze(0), cache, causal_tree_mask(1, n))
     out, logits = eagle3_reference(state, target.embed_tokens.weight.detach(), ids[1:], aux[0, :n])
     torch.testing.assert_close(step.feature[0], out, atol=1e-4, rtol=1e-4)

@@ -1,55 +1,22 @@
 """Speculation that never loses: the draft tree chosen round by round from live timing.
 
 The cost model (:mod:`jakiro_ext.engine.tree_cost`) predicts each tree's tokens per second from
-costs measured once and cached, and from the head's acceptance on held-out text. Both can be wrong
-for the call at hand: the machine is loaded (or was, when the costs were measured), the batch is
-not the one measured, the prompt is harder than the held-out text. So when the tree is left to the
-engine on a CPU, a :class:`TreeChooser` holds a few candidates, the cost model's best trees and
-plain decoding (no drafting: a one-node tree), and times every round as it runs: wall seconds per
-round (per number of batch rows) and new tokens per sequence (the mean over the batch; in a batch
-that drains, no request waiting for a row, how much nearer the round brought the slowest sequence's
-end: :meth:`DecodeBatch._progress`), per candidate, over a window of its last rounds, a tree's tokens weighed against what the cost model expects of it scaled by the
-acceptance pooled over every tree's recent rounds (the text and the temperature move every tree's
-acceptance alike; one tree's few rounds are noisy). It runs the candidate whose live rate
-(tokens / seconds) is best. At the start it
-measures plain decoding first; a tree not yet run is estimated by the cost model, scaled by plain
-decoding's live seconds and corrected by the model's error on the trees already run that are no
-bigger, and is run (explored) when that estimate is the best one by :data:`EXPLORE_MARGIN` (trying
-a tree costs the draft's prefill and catch-up), unless the cached costs disagree with the live
-seconds (measured under load): then only the smallest tree, at its probe (whatever the model says
-of it). At a new number of batch rows, plain decoding and the best are measured again, the others
-estimated from their ratio to plain decoding at other row counts. The candidates within
-:data:`COMPETITIVE` of the best are re-measured now and then (a probe), less often each time a
-probe finds one still behind, and never before :data:`PROBE_BUDGET` of the time since it last ran
-pays for what switching to it cost then (after rounds of plain decoding, the draft's catch-up: at
-16 rows a round or more). What a candidate has not run for a while is forgotten (its last live
-ratio to plain decoding's seconds kept as the estimate until it is measured again), so that within
-a few rounds of a change the choice follows the machine and the prompt, and a tree that keeps
-losing costs a probe round in a hundred or more. A tree displaces plain decoding only when its live
-rate beats plain's by :data:`MARGIN`. A chooser lives as long as its head, across calls (one per
-method, batch-size bucket and machine setting), so a call starts from the seconds the last ones
-measured (the machine's); their tokens (the texts') fade, the acceptance pooled apart for greedy
-and sampling calls (:meth:`TreeChooser.new_call`). What a chooser measured (each tree's seconds
-over plain decoding's and what switching to it cost: the machine's; the live acceptance of each
-kind of call: the temperature's share) is kept beside the cost cache at the end of each call, and
-a new chooser there (another head, the next process) starts from it, for :data:`KEEP_LIVE`
-seconds and, for the machine's, while plain decoding's live seconds agree with the kept ones
-(:meth:`TreeChooser.start_from`).
+costs measured once and cached and from the head's acceptance on held-out text; both can be wrong
+for the call at hand (a loaded machine, another batch size, a harder prompt). A
+:class:`TreeChooser` (the live tree policy's, :class:`jakiro_ext.engine.policy.LiveTree`) holds a
+few candidates, the cost model's best trees and plain decoding (a one-node tree), times every round
+as it runs (seconds per round per number of batch rows; new tokens per sequence,
+:func:`jakiro_ext.engine.policy.progress`) and runs the candidate whose live rate is best: a tree
+not yet run estimated by the cost model corrected by its live error, close candidates probed now
+and then (less often while they stay behind, and only as far as a share of the time pays for
+switching), what has not run for a while forgotten, a tree displacing plain decoding only by a
+margin. Costs that disagree with live seconds are deleted (measured again by the next chooser);
+what a chooser measured is kept for the next (:meth:`TreeChooser.kept`, :meth:`TreeChooser.start_from`).
+How and why, with the measurements behind each constant: docs/methods.md ("The tree chosen live").
 
 The tokens are those of any tree: exactly the target's at temperature 0, distributed as the
-target's above it. (With sampling, which tree a round uses changes which draws it consumes: a
-seed then fixes the distribution, not the tokens. Pass ``tree=`` for reproducible seeded
-sampling.)
-
-When a candidate's live seconds per round disagree with the cached costs by more than a factor
-:data:`COSTS_DISAGREE` (at the batch size they were measured for, the costs moved to the live
-context by their measured seconds per committed token: at 16 rows a 256-token context costs a
-fifth more than 66 tokens), the cost cache is deleted: the next chooser (a new head, or a new
-process) measures the costs again. Rounds of plain decoding leave the draft's catch-up for
-later: it runs over all their tokens in one draft
-forward before the next drafting round, timed apart from it (:meth:`BatchState.defer_catch_up`), and
-a draft left behind by more than a window of tokens is rebuilt from the last ones; a prompt
-admitted while plain decoding is the best choice leaves its draft prefill to that round too.
+target's above it (with sampling, which tree a round uses changes which draws it consumes: a seed
+then fixes the distribution, not the tokens; pass ``tree=`` for reproducible seeded sampling).
 """
 from __future__ import annotations
 
@@ -57,98 +24,13 @@ import math
 import statistics
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
 
 from jakiro_ext.config import TreeConfig
-
-WINDOW = 8          # a candidate's live seconds: the median of its last WINDOW rounds (per row count) ...
-TOKEN_WINDOW = 16   # ... its tokens per round, the mean of its last TOKEN_WINDOW (noisier: longer, and
-TOKEN_PRIOR_ROUNDS = 4  # counting as this many rounds its expectation from the pooled acceptance:)
-ACCEPTANCE_WINDOW = 128  # the live accepted drafts over the cost model's, pooled over the last tree rounds
-PRIOR_ROUNDS = 2    # of every tree (with the model's own as this many rounds): one ratio for all trees, as
-# the text and the temperature scale every tree's acceptance alike (sampling at temperature 1 accepted
-# 0.5-0.7 drafts a round where the greedy profile expected 1.3): a tree's own 16 rounds vary by a tenth
-# or more, and the best of a few nearly equal trees measured alone is the one whose noise flattered it
-CALL_KINDS = ("greedy", "sampling")  # the kinds of call whose acceptance is pooled apart (index: sampling or not)
-CARRIED_ROUNDS = 4  # a new call (new texts) keeps the pooled acceptance as this many rounds of its mean:
-# the temperature's share carries over, the last text's fades (kept whole, a text the head accepted
-# little of put every tree below a probe's reach for the next calls: plain decoding for good)
-MIN_SAMPLES = 2     # rounds plain decoding is measured for before it competes (a tree: one)
-PROBE_EVERY = 16    # a candidate within COMPETITIVE of the best rate is re-measured after this many
-COMPETITIVE = 0.85  # rounds without a run, twice as late each time the probe finds it still behind
-MAX_PROBE_EVERY = 256  # (up to this), and no sooner than PROBE_BUDGET of the time since its last run pays for
-PROBE_BUDGET = 0.01    # what switching to it cost last time (the draft's catch-up, the round's loss)
-FORGET_AFTER = 64   # a candidate not run for this many rounds is measured again from scratch,
-MAX_FORGET_AFTER = 1024  # twice as late each time that shows it far behind (up to this)
-COSTS_DISAGREE = 1.6  # live / cached seconds of a round beyond this (or below its inverse): costs measured
-# beside two busy processes on two cores come out twice the idle ones or more; the 2-core Xeon drifts
-# by a quarter within minutes (live plain rounds at 0.75-0.93x of costs cached minutes before), too near
-# 1/1.4: a fast stretch crossed it and the chooser distrusted good costs
-MARGIN = 1.10  # a tree runs instead of plain decoding when its live rate is at least this many times plain's:
-# the rates are means of a few noisy rounds (the candidate that looks best is the one whose noise flattered
-# it most), and a call pays for drafting what no round's rate shows: the draft's prefill, its catch-up
-# after plain rounds, the probes, a static batch waiting for its slowest row (at 4 rows trees 5-10% ahead
-# per round ran 0.94-0.95x plain decoding per call with 1.03; docs/benchmarks.md, "never loses")
-KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
-# head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
-# or more, and each first call spent rounds finding that out again
-EXPLORE_MARGIN = 1.15  # ... and a tree never run, estimated from the cost model alone, by this: the model's
-# error on a tree's seconds over plain decoding's is about 10% at 16 rows, and trying a tree costs the
-# draft's prefill and catch-up over every row (at 16 rows, a few percent of a 64-token call)
-
-
-@dataclass
-class Candidate:
-    """A tree to choose (None: plain decoding) with the cost model's expected new tokens per
-    sequence and seconds per round, and its live measurements: seconds per round for each number
-    of batch rows (a round's cost depends on it), new tokens per sequence whatever the rows (the
-    head's acceptance on the text at hand)."""
-    tree: Optional[TreeConfig]
-    expected_tokens: float
-    expected_seconds: float
-    seconds: Dict[int, deque] = field(default_factory=dict)
-    tokens: deque = field(default_factory=lambda: deque(maxlen=TOKEN_WINDOW))
-    last_round: int = -1  # the round it last ran
-    probe_every: int = PROBE_EVERY  # rounds without a run after which a probe re-measures it
-    forget_after: int = FORGET_AFTER  # rounds without a run after which its measurements are dropped
-    switch_cost: float = 0.0  # seconds lost the last time it ran after another candidate
-    # Its seconds over plain decoding's when its measurements were dropped: the estimate of its
-    # seconds until it is measured again (its tokens: the cost model's scaled by the live acceptance).
-    remembered_ratio: Optional[float] = None
-    measured_at: float = 0.0  # wall time (time.time()) of its last live round, or of the kept ratio it starts from
-
-    def samples(self, rows: int) -> int:
-        return len(self.seconds.get(rows, ()))
-
-    def measured(self, rows: int) -> bool:
-        return self.samples(rows) >= (MIN_SAMPLES if self.tree is None else 1)
-
-    def mean_tokens(self, prior: float) -> float:
-        """New tokens per sequence and round: the live mean, with ``prior`` as TOKEN_PRIOR_ROUNDS rounds."""
-        return (sum(self.tokens) + TOKEN_PRIOR_ROUNDS * prior) / (len(self.tokens) + TOKEN_PRIOR_ROUNDS)
-
-    def rate(self, rows: int, seconds: float, tokens: float) -> float:
-        """``tokens`` new tokens per sequence a round over its seconds at ``rows`` rows: live where
-        measured, else ``seconds`` (an estimate)."""
-        measured = self.seconds.get(rows)
-        return tokens / (statistics.median(measured) if measured else seconds)
-
-    @property
-    def tried(self) -> bool:
-        """Whether it has live seconds (now, or as a ratio kept when they were forgotten)."""
-        return bool(self.seconds) or self.remembered_ratio is not None
-
-    def add(self, rows: int, seconds: float, tokens: float) -> None:
-        self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
-        self.tokens.append(tokens)
-
-    def forget(self, ratio: Optional[float]) -> None:
-        """Drop the measurements, keeping ``ratio`` (its seconds over plain decoding's, None: not
-        known) as the estimate."""
-        self.remembered_ratio = ratio if ratio is not None else self.remembered_ratio
-        self.seconds.clear()
-        self.tokens.clear()
+from jakiro_ext.engine.candidate import (ACCEPTANCE_WINDOW, CALL_KINDS, CARRIED_ROUNDS, COMPETITIVE, COSTS_DISAGREE,
+                                         EXPLORE_MARGIN, FORGET_AFTER, KEEP_LIVE, MARGIN, MAX_FORGET_AFTER,
+                                         MAX_PROBE_EVERY, MIN_SAMPLES, PRIOR_ROUNDS, PROBE_BUDGET, PROBE_EVERY,
+                                         Candidate)
 
 
 class TreeChooser:

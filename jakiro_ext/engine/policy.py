@@ -24,7 +24,8 @@ from typing import Callable, List, Optional, Protocol
 
 from jakiro_ext import atomic
 from jakiro_ext.config import CPU_TREE, GPU_TREE, TreeConfig, brief
-from jakiro_ext.engine.adaptive import CALL_KINDS, Candidate, TreeChooser
+from jakiro_ext.engine.adaptive import TreeChooser
+from jakiro_ext.engine.candidate import CALL_KINDS, Candidate
 from jakiro_ext.engine.round import RoundResult
 from jakiro_ext.engine.tree_cost import auto_tree, build_id, choose_tree, costs_path, load_costs, round_seconds
 from jakiro_ext.methods import METHODS, Method

@@ -31,7 +31,8 @@ from jakiro_ext.engine.sequence import DecodeSettings, no_distribution_error
 from jakiro_ext.engine.state import BatchState
 from jakiro_ext.kv_cache import KVCache
 from jakiro_ext.models.heads.step import DraftStep
-from jakiro_ext.models.llama import LlamaModel, TargetWeights
+from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.models.weights import TargetWeights
 
 
 class RoundInputs(NamedTuple):

@@ -5,23 +5,22 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 """
 from __future__ import annotations
 
-import math
-import os
 import weakref
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from jakiro_ext import ops
 from jakiro_ext.kv_cache import CacheShape, KVCache
-from jakiro_ext.ops.masks import causal_tree_mask
 from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
+from jakiro_ext.models.rope import LLAMA3_ROPE_KEYS, RopeTable
+from jakiro_ext.models.weights import STREAM_ROWS, TargetWeights, bf16_weights_enabled, exactly_bf16
 from jakiro_ext.ops import reference
+from jakiro_ext.ops.masks import causal_tree_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
-LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass
@@ -102,60 +101,6 @@ def project(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return ops.linear(x, layer.weight, layer.bias)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device) -> torch.Tensor:
-    """The rotary frequencies [D/2] (float32), with Llama 3's scaling when given: wavelengths
-    beyond original_max_position_embeddings / low_freq_factor are stretched by ``factor``, those
-    below original_max_position_embeddings / high_freq_factor kept, those between interpolated
-    (transformers' ``_compute_llama3_parameters``, the same float32 arithmetic)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    factor, low, high, old = (scaling[k] for k in LLAMA3_ROPE_KEYS)
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
-    return torch.where(medium, smoothed, scaled)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
-                 scaling: Optional[dict] = None):
-    """cos and sin [B, T, 1, D] of the rotary angles at integer positions [B, T], computed in
-    float32 as the checkpoints' reference code does, then cast to the model's dtype."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, positions.device)
-    angles = positions.float().unsqueeze(-1) * inv_freq  # [B, T, D/2]
-    cos, sin = angles.cos(), angles.sin()
-    return torch.cat([cos, cos], -1).to(dtype).unsqueeze(2), torch.cat([sin, sin], -1).to(dtype).unsqueeze(2)
-
-
-class RopeTable:
-    """cos and sin at integer positions, gathered from a table of :func:`rope_cos_sin` over
-    [0, capacity) made once (and again for a larger capacity, another dtype or device): one index
-    op per forward instead of ten, the same values."""
-
-    def __init__(self, head_dim: int, theta: float, scaling: Optional[dict] = None):
-        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
-        self.table: Optional[torch.Tensor] = None  # [capacity, 2, D]
-
-    def __call__(self, positions: torch.Tensor, capacity: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, T, D] at positions [B, T] (each < capacity)."""
-        table = self.table
-        if table is None or table.shape[0] < capacity or table.dtype != dtype or table.device != positions.device:
-            cos, sin = rope_cos_sin(torch.arange(capacity, device=positions.device).unsqueeze(0), self.head_dim,
-                                    self.theta, dtype, self.scaling)
-            table = self.table = torch.cat([cos, sin], 2)[0]
-        both = table[positions]  # [B, T, 2, D]
-        return both[:, :, 0], both[:, :, 1]
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the rotate-half layout of the Hugging Face checkpoints. x [B, T, H, D]; cos, sin [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class Attention(nn.Module):
     """GQA attention's weights: q, k and v projected by one fused weight ``qkv_proj`` ([q | k | v]
     rows, as the checkpoints' three weights concatenated): one pass over the weights, one call."""
@@ -205,39 +150,6 @@ class Block(nn.Module):
         attn = mods["self_attn"]._modules
         return (attn["qkv_proj"]._parameters["weight"], attn["o_proj"]._parameters["weight"],
                 mods["gate_up_proj"]._parameters["weight"], mods["down_proj"]._parameters["weight"])
-
-
-class TargetWeights(NamedTuple):
-    """What a forward reads of a model's weights (:meth:`LlamaModel.prepare`): ``jakiro::
-    decoder_layers``' lists over the parameters (``lists``), and where the model streams bf16
-    copies (:meth:`LlamaModel.streamed_weights`) those copies (``streamed``: per layer, then the
-    LM head) and the lists over them (``streamed_lists``; both None otherwise). Prepared once by
-    a caller that runs many forwards (the engine: once per call; walking the modules each forward
-    cost 0.35 ms of a 9 ms decoding step, their objects out of the caches after the forward's
-    weight stream); the lists hold the parameters themselves, so a change in place is read, a
-    parameter replaced after it is not."""
-    lists: tuple
-    streamed: Optional[list]
-    streamed_lists: Optional[tuple]
-
-# Rows up to which jakiro::linear and jakiro::decoder_layer stream the weights (csrc/ops.h,
-# kLinearStreamRows); more go to BLAS, which reads the float32 parameters.
-STREAM_ROWS = 64
-
-
-def bf16_weights_enabled() -> bool:
-    """Whether a float32 model on the CPU reads a bf16 checkpoint's weights as bf16 copies
-    (:meth:`LlamaModel.streamed_weights`): the CPU kernels run the ops (not the GPU kernels'
-    emulation, :func:`jakiro_ext.ops.use_backend`, which reads one dtype) and
-    ``JAKIRO_CPU_BF16_WEIGHTS`` is not ``0``."""
-    return os.environ.get("JAKIRO_CPU_BF16_WEIGHTS") != "0" and ops.backend() == "native"
-
-
-def exactly_bf16(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a contiguous float32 CPU tensor whose every value is a bf16 value (its low
-    16 bits zero): what a bf16 copy holds bit for bit."""
-    return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and \
-        not bool((t.detach().view(torch.int32) & 0xFFFF).any())
 
 
 # A prompt (a chain of tokens) longer than this runs as chunks of this many tokens

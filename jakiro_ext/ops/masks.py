@@ -50,9 +50,13 @@ def widened(mask: torch.Tensor, num_bits: int) -> torch.Tensor:
 
 def unpack_bits(words: torch.Tensor, num_bits: int) -> torch.Tensor:
     """:func:`pack_bits` undone: int64 words [..., W] to bools [..., num_bits]."""
-    shifts = torch.arange(64, device=words.device, dtype=torch.int64)
-    bits = (words.unsqueeze(-1) >> shifts) & 1
+    bits = (words.unsqueeze(-1) >> _shifts(words.device)) & 1
     return bits.flatten(-2)[..., :num_bits].bool()
+
+
+@functools.lru_cache(maxsize=8)
+def _shifts(device) -> torch.Tensor:
+    return torch.arange(64, device=device, dtype=torch.int64)
 
 
 def packed_bit_ranges(first: torch.Tensor, last: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -108,8 +112,6 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """Pack a bool tensor [..., N] into int64 words [..., ceil(N / 64)] (bit j of word w = bits[64 w + j])."""
     *lead, n = bits.shape
     words = (n + 63) // 64
-    padded = torch.zeros(*lead, words * 64, dtype=torch.int64, device=bits.device)
-    padded[..., :n] = bits.to(torch.int64)
-    shifts = torch.arange(64, device=bits.device, dtype=torch.int64)
+    padded = torch.nn.functional.pad(bits.to(torch.int64), (0, words * 64 - n))
     # Summing distinct powers of two is an OR; 1 << 63 wraps to int64's minimum, as intended.
-    return (padded.view(*lead, words, 64) << shifts).sum(-1)
+    return (padded.view(*lead, words, 64) << _shifts(bits.device)).sum(-1)

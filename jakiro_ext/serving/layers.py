@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from jakiro_ext.models.llama import rope_cos_sin, rotary
+from jakiro_ext.models.rope import rope_cos_sin, rotary
 from jakiro_ext.ops.reference import rms_norm
 from jakiro_ext.serving.format import blocked_tokens
 

@@ -7,7 +7,7 @@ import transformers
 from conftest import gen, random_parents
 from jakiro_ext import memory, ops
 from jakiro_ext.models import LlamaConfig, LlamaModel
-from jakiro_ext.models.llama import RopeTable
+from jakiro_ext.models.rope import RopeTable
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)

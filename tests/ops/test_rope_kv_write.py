@@ -6,7 +6,7 @@ import torch
 from conftest import GpuBackend, randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-from jakiro_ext.models.llama import rope_cos_sin
+from jakiro_ext.models.rope import rope_cos_sin
 
 # (B, T, Hq, Hkv, D, S): decoding, a tree, GQA and MHA, odd head dims and counts, a full cache.
 SHAPES = [(1, 1, 9, 3, 64, 600), (2, 5, 4, 2, 8, 16), (3, 2, 1, 1, 2, 4), (1, 7, 6, 1, 128, 7), (2, 3, 3, 3, 6, 9)]
@@ -41,7 +41,7 @@ def test_rope_kv_write_matches_reference_exactly(shape, dtype):
 
 def test_rope_kv_write_matches_the_model_code():
     # What the engine's eager code did: rotary() on q and k, then index_put of k and v.
-    from jakiro_ext.models.llama import rotary
+    from jakiro_ext.models.rope import rotary
 
     B, T, Hq, Hkv, D, S = 2, 3, 6, 2, 16, 10
     qkv, cos, sin, cache, lengths = case(B, T, Hq, Hkv, D, S, torch.float32, seed=5)

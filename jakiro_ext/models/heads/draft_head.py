@@ -39,7 +39,8 @@ from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, CONFIG_FILE, WEIGHT
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.heads.drafting import Products
-from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, rope_cos_sin, rotary
+from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target
+from jakiro_ext.models.rope import rope_cos_sin, rotary
 from jakiro_ext.profiling import scope
 from jakiro_ext.serving import format as serving_format
 

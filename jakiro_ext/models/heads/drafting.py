@@ -12,7 +12,8 @@ from torch import nn
 
 from jakiro_ext import ops
 from jakiro_ext.memory import in_huge_pages
-from jakiro_ext.models.llama import RopeTable, bf16_weights_enabled, exactly_bf16
+from jakiro_ext.models.rope import RopeTable
+from jakiro_ext.models.weights import bf16_weights_enabled, exactly_bf16
 
 if TYPE_CHECKING:  # annotations only
     from jakiro_ext.kv_cache import KVCache, TreeKV

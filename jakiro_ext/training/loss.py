@@ -27,6 +27,7 @@ from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.profiling import scope
 from jakiro_ext.training.distributed import Ranks
+from jakiro_ext.training.head_forward import train_forward
 from jakiro_ext.training.examples import Batch, Example, TopProbs, collate
 from jakiro_ext.training.settings import TrainConfig
 
@@ -67,9 +68,9 @@ def unroll(head: DraftHead, batch: Batch, steps: int, features: Optional[torch.T
     step = None
     for s in range(steps):
         if s == 0:
-            step = head.train_forward(tokens[:, 1:], feats, unrolled)
+            step = train_forward(head, tokens[:, 1:], feats, unrolled)
         else:  # the rows past the end get token 0; their outputs are never scored
-            step = head.train_forward(F.pad(tokens[:, s + 1:], (0, s)), step.feature, unrolled)
+            step = train_forward(head, F.pad(tokens[:, s + 1:], (0, s)), step.feature, unrolled)
         yield s, step
 
 

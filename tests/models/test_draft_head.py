@@ -9,6 +9,7 @@ from jakiro_ext.models import causal_tree_mask
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.kv_cache import TreeKV
+from jakiro_ext.training.head_forward import train_forward
 from helpers import tiny_target
 
 
@@ -37,7 +38,7 @@ def test_draft_tree_layers_match_the_training_forward_on_each_path(kind):
     cache = head.new_cache(n + 8)
     prefix = head(tokens[:n].unsqueeze(0), feats[:n].unsqueeze(0), torch.arange(n).unsqueeze(0), cache,
                   causal_tree_mask(1, n))
-    assert_steps_close(prefix, head.train_forward(tokens[:n].unsqueeze(0), feats[:n].unsqueeze(0)), slice(0, n))
+    assert_steps_close(prefix, train_forward(head, tokens[:n].unsqueeze(0), feats[:n].unsqueeze(0)), slice(0, n))
     cache.commit(n)
     # Layer 1: three siblings at position n; layer 2: two nodes, children of siblings 2 and 0.
     l1_tok, l1_feat = torch.tensor([5, 17, 42]), torch.randn(3, H, generator=gen(3))
@@ -51,19 +52,19 @@ def test_draft_tree_layers_match_the_training_forward_on_each_path(kind):
     for r in range(3):
         seq_tok = torch.cat([tokens[:n], l1_tok[r:r + 1]]).unsqueeze(0)
         seq_feat = torch.cat([feats[:n], l1_feat[r:r + 1]]).unsqueeze(0)
-        want = head.train_forward(seq_tok, seq_feat)
+        want = train_forward(head, seq_tok, seq_feat)
         assert_steps_close(type(layer1)(*(None if t is None else t[:, r:r + 1] for t in layer1)), want, slice(n, n + 1))
     for r, p in enumerate(l2_parent):
         seq_tok = torch.cat([tokens[:n], l1_tok[p:p + 1], l2_tok[r:r + 1]]).unsqueeze(0)
         seq_feat = torch.cat([feats[:n], l1_feat[p:p + 1], l2_feat[r:r + 1]]).unsqueeze(0)
-        want = head.train_forward(seq_tok, seq_feat)
+        want = train_forward(head, seq_tok, seq_feat)
         assert_steps_close(type(layer2)(*(None if t is None else t[:, r:r + 1] for t in layer2)), want, slice(n + 1, n + 2))
 
 
 def test_moe_features_follow_the_definitions():
     target = tiny_target()
     head = make_head(target, "jakiro")
-    step = head.train_forward(torch.randint(0, 211, (1, 6), generator=gen(5)), torch.randn(1, 6, 64, generator=gen(6)))
+    step = train_forward(head, torch.randint(0, 211, (1, 6), generator=gen(5)), torch.randn(1, 6, 64, generator=gen(6)))
     u, h, s, w = step.residual, step.expert_out, step.expert_score, step.contrast_weight
     torch.testing.assert_close(step.feature, u + s[..., :1] * h[..., 0, :] + s[..., 1:] * h[..., 1, :])
     torch.testing.assert_close(step.contrastive_feature(), u + w[..., :1] * h[..., 0, :] - w[..., 1:] * h[..., 1, :])
@@ -166,7 +167,7 @@ def test_training_time_test_unroll_is_what_drafting_computes(kind):
         for i in range(L - 1 - s):
             seq_tok = torch.stack([tokens[:, 1 + j] for j in range(i + 1)] + [tokens[:, i + 1 + d] for d in range(1, s + 1)], 1)
             seq_feat = torch.cat([feats[:, : i + 1]] + [outs[d - 1].feature[:, i : i + 1] for d in range(1, s + 1)], 1)
-            want = head.train_forward(seq_tok, seq_feat)
+            want = train_forward(head, seq_tok, seq_feat)
             for name in ("feature", "residual") + (("expert_out",) if "jakiro" in kind else ()) + (("projected",) if "gumiho" in kind else ()):
                 got = getattr(outs[s], name)[:, i]
                 torch.testing.assert_close(got, getattr(want, name)[:, -1], rtol=1e-6, atol=1e-6,  # the router computes in fp32

@@ -445,3 +445,22 @@ def test_eagle3_heads_that_do_not_fit_are_clear_errors(tmp_path):
     write_eagle3(tmp_path / "shallow")  # default layers 2, 1, -1 of a 2-layer target
     with pytest.raises(ValueError, match=r"reads three of the target's 2 layers"):
         DraftHead.load(tmp_path / "shallow", tiny_target())
+
+
+@pytest.mark.parametrize("name,dtype", [("fc.weight", torch.int32), ("fc.weight", torch.bool),
+                                        ("draft_to_target", torch.float32)])
+def test_a_tensor_of_the_wrong_kind_of_dtype_is_refused_naming_it(target, tmp_path, name, dtype):
+    # A head's weights are floating point and its draft vocabulary integers: an int32 weight (or a
+    # float vocabulary) is refused by name, never converted silently.
+    from safetensors.torch import load_file
+    from dataclasses import replace
+    head = DraftHead(replace(random_head(target, "jakiro").config, draft_vocab_size=100)).init_weights(1)
+    head.set_draft_vocab(torch.arange(100) * 2)
+    head.save(tmp_path / "head")
+    assert DraftHead.load(tmp_path / "head", target).config.draft_vocab_size == 100  # (whole, it loads)
+    state = load_file(str(tmp_path / "head" / "model.safetensors"))
+    state[name] = state[name].to(dtype)
+    save_file(state, str(tmp_path / "head" / "model.safetensors"))
+    kind = "an integer" if name == "draft_to_target" else "a floating-point"
+    with pytest.raises(ValueError, match=rf"{name} has dtype {dtype}, expected {kind} tensor"):
+        DraftHead.load(tmp_path / "head", target)

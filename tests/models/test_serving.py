@@ -20,6 +20,7 @@ from jakiro_ext import ops
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.serving import format as serving_format
+from jakiro_ext.training.head_forward import train_forward
 from jakiro_ext.serving import plugins
 from jakiro_ext.serving.format import blocked_tokens
 from jakiro_ext.serving.layers import JakiroMoE, draft_forward, masked_logits
@@ -44,7 +45,7 @@ def reduced_head(target, kind, seed=1, vocab=120, renormalize=False):
 def head_outputs(head, tokens, features):
     """The head's own feature and logits over the target's vocabulary (its draft tokens mapped to
     target ids; the others -inf)."""
-    step = head.train_forward(tokens, features)
+    step = train_forward(head, tokens, features)
     logits = step.feature @ head.lm_head_weight.T
     full = torch.full((*logits.shape[:-1], head.config.vocab_size), float("-inf"))
     full[..., head.draft_to_target if head.config.draft_vocab_size else slice(None)] = logits

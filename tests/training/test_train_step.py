@@ -13,6 +13,7 @@ from jakiro_ext.training.examples import collate
 from jakiro_ext.training.train import train_head
 from jakiro_ext.training.features import attach_target_probs
 from jakiro_ext.training.feature_cache import target_probs_file
+from jakiro_ext.training.head_forward import routed_experts, train_forward
 from helpers import tiny_target
 from test_train import make_examples
 
@@ -60,7 +61,7 @@ def test_bf16_step_follows_the_fp32_step(target, examples, kind):
         head = head_of(target, kind)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             loss, _ = batch_loss(head, batch, cfg)
-            step = head.train_forward(batch.tokens[:, 1:], batch.features[:, :-1])
+            step = train_forward(head, batch.tokens[:, 1:], batch.features[:, :-1])
         loss.backward()
         assert all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
                    for p in head.parameters())
@@ -78,7 +79,7 @@ def test_grouped_experts_compute_each_rows_two_experts(target):
     x = torch.randn(37, target.config.hidden_size, generator=g, requires_grad=True)
     idx = torch.stack([torch.randint(0, 3, (37,), generator=g), torch.full((37,), 3)], -1)  # expert 3: slot 1 only
     idx[5] = torch.tensor([3, 0])
-    out = head._train_experts(x, idx)
+    out = routed_experts(head, x, idx)
     assert out.shape == (37, 2, target.config.hidden_size)
     F = torch.nn.functional
     for r in range(37):
@@ -91,7 +92,7 @@ def test_grouped_experts_compute_each_rows_two_experts(target):
     assert all(bool(head.w_gate.grad[j].abs().sum() > 0) for j in range(4))
     # No row routed to an expert: its gradient is zero, the rest unchanged.
     head.zero_grad()
-    head._train_experts(x, torch.zeros(37, 2, dtype=torch.int64)).sum().backward()
+    routed_experts(head, x, torch.zeros(37, 2, dtype=torch.int64)).sum().backward()
     assert bool(head.w_gate.grad[0].abs().sum() > 0) and not head.w_gate.grad[1:].any()
 
 

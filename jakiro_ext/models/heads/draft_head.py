@@ -21,10 +21,8 @@ bias; the embedding comes first in the concat. Layer 0's weights are the head's 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -40,13 +38,6 @@ from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.heads.drafting import Products
 from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target
-from jakiro_ext.models.rope import rope_cos_sin, rotary
-from jakiro_ext.profiling import scope
-from jakiro_ext.serving import format as serving_format
-
-# Released heads of another class than DraftHead, by format: the class's constructor from the
-# released config and tensors (EAGLE-3's, registered by jakiro_ext.models.heads.eagle3).
-RELEASED_HEAD_CLASSES: Dict[str, Callable[[dict, Dict[str, torch.Tensor], str], "DraftHead"]] = {}
 
 
 def _add_layer_weights(module: nn.Module, c: DraftConfig, dense: bool = True) -> None:
@@ -217,16 +208,7 @@ class DraftHead(nn.Module):
                              f"this head is {self.config.kind}: save it as 'eagle'")
         if format not in ("jakiro_ext", "eagle", "serving"):
             raise ValueError(f"format must be 'jakiro_ext', 'eagle' or 'serving', got {format!r}")
-        if format == "serving":
-            config, state = serving_format.serving_files(self)
-        elif format == "eagle":
-            head = self
-            if full_vocabulary and self.config.draft_vocab_size:
-                head = DraftHead(replace(self.config, draft_vocab_size=0))
-                head.load_state_dict({k: v for k, v in self.state_dict().items() if k != "draft_to_target"})
-            config, state = head_formats.eagle_files(head)
-        else:
-            config, state = asdict(self.config), self.state_dict()
+        config, state = head_formats.HEAD_FORMATS[format].write(self, full_vocabulary)
         extra = dict(extra_files or {})
         if self.acceptance is not None and format == "jakiro_ext":
             extra[ACCEPTANCE_FILE] = json.dumps(self.acceptance, indent=1) + "\n"
@@ -252,30 +234,11 @@ class DraftHead(nn.Module):
         if format is not None and format not in head_formats.FORMATS:
             raise ValueError(f"format must be one of {head_formats.FORMATS}, got {format!r}")
         raw = head_formats.read_config(path)
-        if format == "serving" or (format is None and serving_format.is_serving(raw)):
-            state, weights = head_formats.read_weights(path)
-            fields, state = serving_format.from_serving(raw, state, str(weights))
-            head = cls(DraftConfig(**fields))
-            head._check_target_of(target, path)
-        elif format == "jakiro_ext" or (format is None and head_formats.is_own(raw)):
-            if not (path / WEIGHTS_FILE).is_file():
-                raise FileNotFoundError(f"{path / WEIGHTS_FILE} not found: a draft head directory holds {CONFIG_FILE} "
-                                        f"and {WEIGHTS_FILE}")
-            head = cls(DraftConfig.from_json(path / CONFIG_FILE))
-            head._check_target_of(target, path)  # before the weights are read
-            state, weights = head_formats.read_weights(path)
-        else:
-            state, weights = head_formats.read_weights(path)
-            fmt = format or head_formats.detect(raw, state)
-            if fmt in RELEASED_HEAD_CLASSES:
-                head = RELEASED_HEAD_CLASSES[fmt](raw, state, str(weights))
-                head._check_target_of(target, path)
-                head.eval()
-                return head.bind(target) if target is not None else head
-            config, state = head_formats.to_draft_head(raw, state, fmt, str(weights))
-            head = cls(config)
-            head._check_target_of(target, path)
-        head._load_checked(state, weights)
+        weights = None
+        if format is None:
+            format, weights = head_formats.recognise(path, raw)
+        head = head_formats.HEAD_FORMATS[format].read(cls, path, raw, lambda h: h._check_target_of(target, path),
+                                                      weights)
         if (path / ACCEPTANCE_FILE).is_file():
             head.acceptance = read_acceptance(path / ACCEPTANCE_FILE)
         head.eval()
@@ -288,7 +251,7 @@ class DraftHead(nn.Module):
             except ValueError as exc:
                 raise ValueError(f"{path / CONFIG_FILE}: {exc}") from None
 
-    def _load_checked(self, state: dict, weights: Path) -> None:
+    def load_checked_state(self, state: dict, weights: Path) -> None:
         """Load ``state`` after checking that it fits this head: names, shapes, finite values."""
         mine = self.state_dict()
         missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
@@ -296,6 +259,9 @@ class DraftHead(nn.Module):
             [f"unexpected tensors {unexpected[:3]}"] if unexpected else [])
         problems += [f"{k} has shape {list(v.shape)}, expected {list(mine[k].shape)}"
                      for k, v in state.items() if k in mine and v.shape != mine[k].shape][:3]
+        problems += [f"{k} has dtype {v.dtype}, expected {'a floating-point' if mine[k].is_floating_point() else 'an integer'}"
+                     " tensor" for k, v in state.items() if k in mine and (v.dtype == torch.bool or v.is_complex()
+                                                                          or v.is_floating_point() != mine[k].is_floating_point())][:3]
         problems += [f"{k} holds non-finite values" for k, v in state.items()
                      if v.is_floating_point() and not bool(torch.isfinite(v).all())][:3]
         if problems:
@@ -348,64 +314,10 @@ class DraftHead(nn.Module):
                                                              c.renormalize)
             return expert_out, score, contrast
 
-        return self._layers(self.project_input(tokens, features, products=products), attention,
+        return self.run_layers(self.project_input(tokens, features, products=products), attention,
                             lambda w, x: drafting.mlp(self, x, w, products), moe)
 
-    def train_forward(self, tokens: torch.Tensor, features: torch.Tensor,
-                      unrolled: Optional[list] = None) -> DraftStep:
-        """The differentiable counterpart of :meth:`forward` for training: whole sequences, in plain
-        PyTorch (the fused ops have no backward). tokens [B, T] (token t+1 of each row), features
-        [B, T, H] (f_t). The same layers (:meth:`_layers`); only the attention, the products and
-        the experts run differently.
-
-        ``unrolled`` (the training-time test): a list that collects each call's keys/values (a
-        list of (k, v) per layer). The call made with it empty is step 0: row i at position i,
-        causal (the committed prefix, as the draft's cache holds it). The call made with s entries
-        is step s: row i is the draft row s steps after row i's anchor, at position i + s; it sees
-        step 0's rows 0..i and its own row of steps 1..s (its draft ancestors), exactly what
-        drafting at depth s sees."""
-        c = self.config
-        B, T = tokens.shape
-        step = len(unrolled) if unrolled is not None else 0
-        with scope("embed+fc"):  # (the residual stream stays in the weights' dtype under autocast)
-            x = self.project_input(tokens, features, train=True).to(self.fc.weight.dtype)
-        positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
-        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)
-        kv: list = []
-        if unrolled is not None:
-            unrolled.append(kv)
-
-        def attention(w: nn.Module, x: torch.Tensor, layer: int) -> torch.Tensor:
-            with scope("attention"):
-                q = rotary(w.q_proj(x).view(B, T, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
-                k = rotary(w.k_proj(x).view(B, T, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
-                v = w.v_proj(x).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-                kv.append((k, v))
-                if step == 0:
-                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-                else:
-                    out = _unrolled_attention(q, [keys[layer] for keys in unrolled])
-                return w.o_proj(out.transpose(1, 2).reshape(B, T, -1))
-
-        def mlp(w: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            with scope("mlp"):
-                return w.down_proj(F.silu(w.gate_proj(x)) * w.up_proj(x))
-
-        def moe(normed: torch.Tensor):
-            with scope("moe"):
-                N = c.num_experts
-                with torch.autocast(normed.device.type, enabled=False):  # routing in fp32, as drafting routes
-                    logits = normed.float() @ self.router.float().T  # [B, T, N + 2]
-                score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
-                if c.renormalize:
-                    score = score / score.sum(-1, keepdim=True)
-                contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
-                expert_out = self._train_experts(normed.reshape(B * T, -1), idx.reshape(B * T, 2)).view(B, T, 2, -1)
-                return expert_out, score, contrast
-
-        return self._layers(x, attention, mlp, moe)
-
-    def _layers(self, x: torch.Tensor, attention: Callable, mlp: Callable, moe: Callable) -> DraftStep:
+    def run_layers(self, x: torch.Tensor, attention: Callable, mlp: Callable, moe: Callable) -> DraftStep:
         """The head's layers on the projected input x [B, T, H]: the one definition drafting and
         training share. ``attention(weights, x, layer)``, ``mlp(weights, x)`` and ``moe(normed) ->
         (expert_out [B, T, 2, H], score [B, T, 2], contrast)`` are how each runs its parts."""
@@ -450,35 +362,3 @@ class DraftHead(nn.Module):
                 h = h + F.silu(F.linear(h, self.mlp_block_weight[j, b], self.mlp_block_bias[j, b]))
             outs.append(h)
         return torch.stack(outs, -2)
-
-    def _train_experts(self, x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The two routed experts' outputs [R, 2, H] for rows x [R, H] and their experts idx
-        [R, 2], differentiable: the (row, slot) pairs sorted by expert once, each expert one
-        product chain over its contiguous rows, the outputs put back by the inverse permutation."""
-        pairs = idx.reshape(-1)  # pair 2r + s: row r's slot s
-        order = torch.argsort(pairs, stable=True)
-        counts = torch.bincount(pairs, minlength=self.config.num_experts).tolist()  # (one host read)
-        outs = [F.linear(F.silu(F.linear(rows, self.w_gate[j])) * F.linear(rows, self.w_up[j]), self.w_down[j])
-                for j, rows in enumerate(x[order // 2].split(counts))]
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return torch.cat(outs)[inverse].view(x.shape[0], 2, -1)
-
-
-def _unrolled_attention(q: torch.Tensor, unrolled: list) -> torch.Tensor:
-    """Attention of step s = len(unrolled) - 1 of the training-time test: q [B, Hq, T, D]; row i
-    sees step 0's keys 0..i (causal) and row i of every step 1..s (diagonal)."""
-    B, Hq, T, D = q.shape
-    group = Hq // unrolled[0][0].shape[1]
-    keys = [k.repeat_interleave(group, dim=1) for k, _ in unrolled]  # [B, Hq, T, D] each
-    values = [v.repeat_interleave(group, dim=1) for _, v in unrolled]
-    scale = 1.0 / math.sqrt(D)
-    prefix = (q @ keys[0].transpose(-1, -2)) * scale  # [B, Hq, T, T]
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    prefix = prefix.masked_fill(~causal, -math.inf)
-    own = torch.stack([(q * k).sum(-1) for k in keys[1:]], -1) * scale  # [B, Hq, T, s]
-    probs = torch.softmax(torch.cat([prefix, own], -1), -1)
-    out = probs[..., :T] @ values[0]
-    return out + (probs[..., T:].unsqueeze(-1) * torch.stack(values[1:], -2)).sum(-2)
-
-

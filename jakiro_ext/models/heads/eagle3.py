@@ -29,8 +29,9 @@ from torch import nn
 
 from jakiro_ext.kv_cache import KVCache
 from jakiro_ext.models.heads.config import DraftConfig, write_head_files
-from jakiro_ext.models.heads.draft_head import RELEASED_HEAD_CLASSES, DraftHead
-from jakiro_ext.models.heads.formats import ATTENTION, MLP, check_layer_config, tensor_getter
+from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.formats import (ATTENTION, MLP, HeadFormat, check_layer_config, read_weights, register,
+                                             tensor_getter)
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project
@@ -167,7 +168,7 @@ class Eagle3Head(DraftHead):
         if unknown:
             raise ValueError(f"{where}: tensors an eagle3 head does not have: {unknown[:4]}")
         head = cls(c)
-        head._load_checked(ours, Path(where))
+        head.load_checked_state(ours, Path(where))
         return head
 
     def released_files(self) -> tuple:
@@ -202,4 +203,11 @@ class Eagle3Head(DraftHead):
         write_head_files(path, *self.released_files(), dtype, {"kind": "eagle3", **(metadata or {})}, extra_files)
 
 
-RELEASED_HEAD_CLASSES["eagle3"] = Eagle3Head.from_released
+def _read_eagle3(cls, path: Path, config: dict, fits, weights=None) -> Eagle3Head:
+    state, file = weights or read_weights(path)
+    head = Eagle3Head.from_released(config, state, str(file))
+    fits(head)
+    return head
+
+
+register(HeadFormat("eagle3", _read_eagle3, lambda head, full_vocabulary: head.released_files()))

@@ -20,16 +20,22 @@ A directory holds ``config.json`` (a transformers-style Llama config) and the we
 
 - ``eagle3`` (EAGLE-3): ``midlayer.*``, ``fc`` over three target layers, its own LM head and
   ``d2t``: :mod:`jakiro_ext.models.heads.eagle3`.
+
+Each format is a :class:`HeadFormat` of :data:`HEAD_FORMATS`, its reader and its writer (this
+package's own format ``jakiro_ext`` and the serving plugins' ``serving`` among them); a directory's
+format is recognised from its config, else from its weights' names (:func:`recognise`).
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, Tuple
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from jakiro_ext.models.heads.config import DraftConfig
+from jakiro_ext.models.heads.config import CONFIG_FILE, WEIGHTS_FILE, DraftConfig
+from jakiro_ext.serving import format as serving_format
 
 SAFETENSORS, TORCH_BIN = "model.safetensors", "pytorch_model.bin"
 FORMATS = ("jakiro_ext", "eagle", "jakiro", "gumiho", "eagle3", "serving")  # jakiro_ext: this package's own
@@ -229,3 +235,83 @@ def eagle_files(head) -> Tuple[dict, Dict[str, torch.Tensor]]:
     state.update({f"layers.0.self_attn.{n}.weight": mine[f"{n}.weight"] for n in ATTENTION})
     state.update({f"layers.0.mlp.{n}.weight": mine[f"{n}.weight"] for n in MLP})
     return config, state
+
+
+# ----------------------------------------------------------------------------- the registry
+Weights = Tuple[Dict[str, torch.Tensor], Path]  # (tensors, the file they came from)
+
+
+@dataclass(frozen=True)
+class HeadFormat:
+    """One format of a draft head's directory. ``read(head_class, path, config, fits, weights)``:
+    the head of ``path`` whose config.json is ``config``, its weights loaded and checked
+    (``weights``: already read, else None; ``fits(head)``: its check against the target, called
+    before the weights are read where the config alone says the shapes). ``write(head,
+    full_vocabulary)``: (config.json, tensors) of ``head`` in the format; None: read only."""
+    name: str
+    read: Callable
+    write: Optional[Callable] = None
+
+
+HEAD_FORMATS: Dict[str, HeadFormat] = {}
+
+
+def register(fmt: HeadFormat) -> None:
+    HEAD_FORMATS[fmt.name] = fmt
+
+
+def recognise(path: Path, config: dict) -> Tuple[str, Optional[Weights]]:
+    """The format of the head at ``path`` (config.json ``config``): the serving plugins' and this
+    package's own by their configs, a released one by its weights' names (then read: returned)."""
+    if serving_format.is_serving(config):
+        return "serving", None
+    if is_own(config):
+        return "jakiro_ext", None
+    weights = read_weights(path)
+    return detect(config, weights[0]), weights
+
+
+def _read_own(cls, path: Path, config: dict, fits: Callable, weights: Optional[Weights] = None):
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{path / WEIGHTS_FILE} not found: a draft head directory holds {CONFIG_FILE} "
+                                f"and {WEIGHTS_FILE}")
+    head = cls(DraftConfig.from_json(path / CONFIG_FILE))
+    fits(head)  # before the weights are read
+    head.load_checked_state(*(weights or read_weights(path)))
+    return head
+
+
+def _read_serving(cls, path: Path, config: dict, fits: Callable, weights: Optional[Weights] = None):
+    state, file = weights or read_weights(path)
+    fields, state = serving_format.from_serving(config, state, str(file))
+    head = cls(DraftConfig(**fields))
+    fits(head)
+    head.load_checked_state(state, file)
+    return head
+
+
+def _released_reader(fmt: str) -> Callable:
+    def read(cls, path: Path, config: dict, fits: Callable, weights: Optional[Weights] = None):
+        state, file = weights or read_weights(path)
+        draft_config, state = to_draft_head(config, state, fmt, str(file))
+        head = cls(draft_config)
+        fits(head)
+        head.load_checked_state(state, file)
+        return head
+    return read
+
+
+def _write_eagle(head, full_vocabulary: bool):
+    if full_vocabulary and head.config.draft_vocab_size:  # the full vocabulary's LM head rows: no d2t
+        whole = type(head)(replace(head.config, draft_vocab_size=0))
+        whole.load_state_dict({k: v for k, v in head.state_dict().items() if k != "draft_to_target"})
+        head = whole
+    return eagle_files(head)
+
+
+register(HeadFormat("jakiro_ext", _read_own, lambda head, full_vocabulary: (asdict(head.config), head.state_dict())))
+register(HeadFormat("eagle", _released_reader("eagle"), _write_eagle))
+register(HeadFormat("jakiro", _released_reader("jakiro")))
+register(HeadFormat("gumiho", _released_reader("gumiho")))
+register(HeadFormat("serving", _read_serving, lambda head, full_vocabulary: serving_format.serving_files(head)))
+

@@ -25,9 +25,27 @@ TEST_PATH = [str(folder) for folder in TEST_FOLDERS]
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
+# The slow test modules: whole generations on the default model, kills at every file-system call,
+# corpus generation, the engine through the emulated GPU kernels (about 12 of the suite's 19 minutes
+# on a 2-core Xeon, measured with --durations).
+SLOW_MODULES = {"test_engine_emulated.py", "test_lossless_smollm2.py", "test_robustness.py", "test_corpus.py"}
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "covers(op, kind): this test checks the op's kind of case (nonfinite, "
                                        "adversarial_shapes); test_op_registry requires both for every op")
+    config.addinivalue_line("markers", "slow: a test of the slow modules (SLOW_MODULES): -m 'not slow' leaves them out")
+    config.addinivalue_line("markers", "emulated: runs GPU kernels under the SIMT emulator (tests/gpu, a simt "
+                                       "parameter): -m 'not emulated' leaves them out")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = item.path
+        if path.name in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        if path.parent.name == "gpu" or "simt" in item.name:
+            item.add_marker(pytest.mark.emulated)
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -28,7 +28,7 @@ echo "== python tests (CUDA build, no GPU): a smoke run"
 # The whole suite ran on the CPU build; what can differ on this build is the library itself: that
 # it reports its CUDA kernels (test_build, JAKIRO_EXPECT_CUDA=1), registers every op as documented
 # with a working fake (opcheck), and decodes the default model exactly with a shipped head.
-(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q tests/ops/test_build.py tests/ops/test_op_registry.py)
-(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q tests/ops -k "opcheck and not simt")
-(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q tests/engine/test_lossless_smollm2.py \
+(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q python_tests/ops/test_build.py python_tests/ops/test_op_registry.py)
+(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q python_tests/ops -k "opcheck and not simt")
+(cd "$SRC" && JAKIRO_EXPECT_CUDA=1 "$VENV/bin/pytest" -q python_tests/engine/test_lossless_smollm2.py \
   -k "shipped_head_is_exact_on_every_prompt and jakiro-jakiro and not jakiro_star")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything and run the whole test suite:
 #   1. the Python tests against the CPU build (torch 2.13.0 CPU), including the GPU kernels run
-#      under the SIMT emulator at warp widths 32 and 64 (tests/gpu);
+#      under the SIMT emulator at warp widths 32 and 64 (python_tests/gpu);
 #   2. the GPU kit's dry run (scripts/gpu/run.sh --dry-run: its stages on the CPU, tiny shapes);
 #   3. the C++ tests (CMake + CTest): the framework-free kernel headers, and every GPU kernel
 #      under the emulator with fibers and with real threads under ThreadSanitizer (race check);
@@ -17,7 +17,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/env.sh" pytest scipy
 cd "$ROOT"
 
 echo "== python tests (CPU build)"
-JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q tests
+JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q python_tests
 
 echo "== the GPU kit, dry run (every stage of scripts/gpu/run.sh on the CPU, tiny shapes)"
 PYTHON="$VENV/bin/python" bash "$ROOT/scripts/gpu/run.sh" --dry-run probe build errors test e2e bench sanitize profile \

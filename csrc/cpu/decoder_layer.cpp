@@ -11,7 +11,7 @@
 // the small stages on one thread between them, run cold after each projection's weight stream,
 // and ~15 allocations. Every value comes from the row kernels the ops use (cpu/layer_rows.h,
 // cpu/linear.h, cpu/tree_attention.h), so both forms give the same bits
-// (tests/ops/test_decoder_layer.py). Longer inputs (a prompt's chunk) and
+// (python_tests/ops/test_decoder_layer.py). Longer inputs (a prompt's chunk) and
 // JAKIRO_CPU_FUSED_LAYER=0 compose the ops (csrc/decoder_layer.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

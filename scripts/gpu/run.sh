@@ -13,7 +13,7 @@
 #                   (scripts/gpu/error_crash.py); a crash's native backtrace by cuda-gdb
 #   test            the CUDA tests (-k cuda), the attention tests again with the tensor-core path
 #                   off, the non-finite and device-error tests, CUDA graphs in their own process,
-#                   the engine on CUDA against the CPU engine (tests/gpu/test_cuda_engine.py)
+#                   the engine on CUDA against the CPU engine (python_tests/gpu/test_cuda_engine.py)
 #   e2e             random-weight targets of SmolLM2's and Llama-3-8B's shapes, fp32 and bf16,
 #                   batch 1 and 8, ar / eagle2 / jakiro / gumiho, eager against CUDA graphs:
 #                   a round's cost, host reads per round, predicted tokens/s (scripts/gpu/e2e.py;
@@ -200,21 +200,21 @@ stage_errors() {
 stage_test() {
   if [ "$DRY" = 1 ]; then  # the selections resolve to tests; the new engine test runs (it skips without a GPU)
     local n
-    n=$(pytest_ tests -k cuda --collect-only 2>/dev/null | grep -c "::")
+    n=$(pytest_ python_tests -k cuda --collect-only 2>/dev/null | grep -c "::")
     say "test: $n tests selected by -k cuda"; [ "$n" -gt 0 ] || return 1
-    pytest_ tests/gpu/test_cuda_engine.py -x > "$RESULTS/test.log" 2>&1
+    pytest_ python_tests/gpu/test_cuda_engine.py -x > "$RESULTS/test.log" 2>&1
     local rc=$?; tail -1 "$RESULTS/test.log"; return $rc
   fi
   local failed=0 workers=()
   # Worker processes where pytest-xdist is there: a test that crashes its process (as formatting
   # an error message once did with torch 2.11) fails alone, and the GPU is shared out.
   "$PY" -c "import xdist" 2>/dev/null && workers=(-n 4)
-  pytest_ tests -k "cuda and not graphs and not test_cuda_engine" "${workers[@]}" > "$RESULTS/test-cuda.log" 2>&1 || failed=1
+  pytest_ python_tests -k "cuda and not graphs and not test_cuda_engine" "${workers[@]}" > "$RESULTS/test-cuda.log" 2>&1 || failed=1
   tail -1 "$RESULTS/test-cuda.log"
-  JAKIRO_GPU_TENSOR_CORES=0 pytest_ tests/gpu/test_gpu_attention_kv.py -k cuda "${workers[@]}" > "$RESULTS/test-no-tensor-cores.log" 2>&1 \
+  JAKIRO_GPU_TENSOR_CORES=0 pytest_ python_tests/gpu/test_gpu_attention_kv.py -k cuda "${workers[@]}" > "$RESULTS/test-no-tensor-cores.log" 2>&1 \
     || failed=1; tail -1 "$RESULTS/test-no-tensor-cores.log"
-  pytest_ tests/engine/test_graphs.py -k cuda > "$RESULTS/test-graphs.log" 2>&1 || failed=1; tail -1 "$RESULTS/test-graphs.log"
-  pytest_ tests/gpu/test_cuda_engine.py -rP > "$RESULTS/test-engine.log" 2>&1 || failed=1  # -rP: the near ties it reports
+  pytest_ python_tests/engine/test_graphs.py -k cuda > "$RESULTS/test-graphs.log" 2>&1 || failed=1; tail -1 "$RESULTS/test-graphs.log"
+  pytest_ python_tests/gpu/test_cuda_engine.py -rP > "$RESULTS/test-engine.log" 2>&1 || failed=1  # -rP: the near ties it reports
   tail -1 "$RESULTS/test-engine.log"
   grep -h "split at token" "$RESULTS"/test-*.log || true  # near ties between the CUDA and CPU engines
   return $failed
@@ -251,13 +251,13 @@ stage_bench() {
 }
 
 stage_sanitize() {
-  local failed=0 tool tests=(tests/gpu/test_gpu_norm_rope.py tests/gpu/test_gpu_attention_kv.py)
+  local failed=0 tool tests=(python_tests/gpu/test_gpu_norm_rope.py python_tests/gpu/test_gpu_attention_kv.py)
   # The argument-error tests launch no kernel (and crashed the process on the H100s so far: see errors).
   local sanitized="cuda and not bad_input and not check_their_inputs"
   for tool in memcheck racecheck synccheck; do
     if [ "$DRY" = 1 ]; then  # the same test selection, without the sanitizer
       [ "$tool" = memcheck ] || continue
-      pytest_ tests/gpu/test_gpu_norm_rope.py -k simt32 -x > "$RESULTS/sanitize.log" 2>&1 || failed=1
+      pytest_ python_tests/gpu/test_gpu_norm_rope.py -k simt32 -x > "$RESULTS/sanitize.log" 2>&1 || failed=1
       tail -1 "$RESULTS/sanitize.log"; continue
     fi
     compute-sanitizer --tool "$tool" --error-exitcode 99 --target-processes all \

@@ -35,7 +35,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "covers(op, kind): this test checks the op's kind of case (nonfinite, "
                                        "adversarial_shapes); test_op_registry requires both for every op")
     config.addinivalue_line("markers", "slow: a test of the slow modules (SLOW_MODULES): -m 'not slow' leaves them out")
-    config.addinivalue_line("markers", "emulated: runs GPU kernels under the SIMT emulator (tests/gpu, a simt "
+    config.addinivalue_line("markers", "emulated: runs GPU kernels under the SIMT emulator (python_tests/gpu, a simt "
                                        "parameter): -m 'not emulated' leaves them out")
 
 

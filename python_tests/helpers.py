@@ -13,9 +13,12 @@ import transformers
 from conftest import gen
 from jakiro_ext.ops import reference
 from jakiro_ext.config import TreeConfig
+from jakiro_ext.engine.candidate import Candidate
+from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models import LlamaModel
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.training.examples import make_example
 
 TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
          "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}
@@ -205,3 +208,46 @@ def lossy_verifier(monkeypatch, scale: float = 0.7):
 # The sampling tests' size: 4000 samples detect a 0.05 shift of a share of the verified token
 # with >= 95% power (asserted by power_at_shift in each test).
 SAMPLES = 4000
+
+
+# ----------------------------------------------------------------------------- shared cases
+# Prompts of several lengths (1 to 20 tokens) that the batch tests decode together.
+PROMPTS = [prompt(n, seed=s) for n, s in [(13, 2), (5, 3), (20, 4), (1, 5), (9, 6)]]
+
+
+def same(a, b) -> bool:
+    return (a.token_ids == b.token_ids and a.stats.accept_lengths == b.stats.accept_lengths
+            and a.stats.stop_reason == b.stats.stop_reason and a.stats.target_forwards == b.stats.target_forwards)
+
+
+# The live chooser's test trees: BIG best by the cost model, SMALL close behind, FAR far behind.
+BIG, SMALL, FAR = TreeConfig(16, 3, 4), TreeConfig(4, 2, 2), TreeConfig(32, 5, 4)
+
+
+def candidates():
+    # The cost model's view: BIG best, SMALL close behind, FAR far behind, plain decoding last.
+    return [Candidate(BIG, 2.5, 0.020), Candidate(SMALL, 1.9, 0.017), Candidate(FAR, 2.6, 0.060),
+            Candidate(None, 1.0, 0.012)]
+
+
+def run(chooser, rounds, seconds_of=lambda c: c.expected_seconds, tokens_of=lambda c: c.expected_tokens, rows=1,
+        catch_up=0.0):
+    """Drive the chooser with a live machine given as functions of the candidate (``catch_up``: the
+    seconds of the draft's catch-up before a tree that follows plain decoding); returns the trees run."""
+    ran = []
+    for _ in range(rounds):
+        c = chooser.choose(rows)
+        caught_up = catch_up if c.tree is not None and ran and ran[-1] is None else 0.0
+        chooser.record(c, rows, seconds_of(c), tokens_of(c), caught_up)
+        ran.append(c.tree)
+    return ran
+
+
+def make_examples(target, count=6):
+    out = []
+    for k in range(count):
+        x = prompt(6, seed=40 + k)
+        answer = speculative_generate(target, None, x, 30).token_ids
+        toks = torch.cat([x, torch.tensor(answer)])
+        out.append(make_example(target, toks, torch.arange(toks.numel()) >= 6))
+    return out

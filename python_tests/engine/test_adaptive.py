@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from helpers import copy_head, prompt, tiny_target
+from helpers import BIG, FAR, SMALL, candidates, copy_head, prompt, run, tiny_target
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine import adaptive, policy
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser
@@ -17,28 +17,6 @@ from jakiro_ext.engine import draft_lag
 from jakiro_ext.engine.generate import generate_many, speculative_generate
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.methods import METHODS
-
-BIG, SMALL, FAR = TreeConfig(16, 3, 4), TreeConfig(4, 2, 2), TreeConfig(32, 5, 4)
-
-
-def candidates():
-    # The cost model's view: BIG best, SMALL close behind, FAR far behind, plain decoding last.
-    return [Candidate(BIG, 2.5, 0.020), Candidate(SMALL, 1.9, 0.017), Candidate(FAR, 2.6, 0.060),
-            Candidate(None, 1.0, 0.012)]
-
-
-def run(chooser, rounds, seconds_of=lambda c: c.expected_seconds, tokens_of=lambda c: c.expected_tokens, rows=1,
-        catch_up=0.0):
-    """Drive the chooser with a live machine given as functions of the candidate (``catch_up``: the
-    seconds of the draft's catch-up before a tree that follows plain decoding); returns the trees run."""
-    ran = []
-    for _ in range(rounds):
-        c = chooser.choose(rows)
-        caught_up = catch_up if c.tree is not None and ran and ran[-1] is None else 0.0
-        chooser.record(c, rows, seconds_of(c), tokens_of(c), caught_up)
-        ran.append(c.tree)
-    return ran
-
 
 def test_measures_plain_decoding_then_the_best_tree_and_probes_the_close_one():
     chooser = TreeChooser(candidates(), batch=1)

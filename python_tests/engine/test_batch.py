@@ -12,10 +12,10 @@ from jakiro_ext import ops
 from jakiro_ext.engine.tree import DraftTree, VerifyTree
 from jakiro_ext.config import MAX_BATCH, TreeConfig
 from jakiro_ext.engine.generate import generate_many, speculative_generate
-from helpers import DYNAMIC_ONLY, HEAD_METHODS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head, exact_distribution, power_at_shift, prompt, random_head, tiny_target, verified_token_p
+from helpers import (DYNAMIC_ONLY, HEAD_METHODS, PROMPTS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head,
+                     exact_distribution, power_at_shift, prompt, random_head, same, tiny_target, verified_token_p)
 
 # Ragged prompts (1 to 20 tokens).
-PROMPTS = [prompt(n, seed=s) for n, s in [(13, 2), (5, 3), (20, 4), (1, 5), (9, 6)]]
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +31,6 @@ def alone_ar(target):
 def eos_for_different_lengths(alone):
     """A token that ends some of the answers early (the first answer's 6th token) and not others."""
     return alone[0].token_ids[5]
-
-
-def same(a, b) -> bool:
-    return (a.token_ids == b.token_ids and a.stats.accept_lengths == b.stats.accept_lengths
-            and a.stats.stop_reason == b.stats.stop_reason and a.stats.target_forwards == b.stats.target_forwards)
 
 
 CASES = [(k, m, t) for k, m in HEAD_METHODS for t in TREES if not (m in DYNAMIC_ONLY and t == "static")] + [

@@ -12,7 +12,7 @@ import torch
 from jakiro_ext.engine import graphs
 from jakiro_ext.engine.generate import generate_many, speculative_generate
 from jakiro_ext.models import llama
-from test_batch import PROMPTS
+from helpers import PROMPTS
 from helpers import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, sharp_target, tiny_target
 
 MODES = ["recorded"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -13,7 +13,7 @@ from helpers import copy_head, prompt, tiny_target
 from jakiro_ext.engine import adaptive, policy, tree_cost
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser, tree_key
 from jakiro_ext.engine.generate import generate_many
-from test_adaptive import BIG, SMALL, run
+from helpers import BIG, SMALL, run
 
 
 def chooser():

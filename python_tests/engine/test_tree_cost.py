@@ -16,7 +16,7 @@ from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, capped_by_la
 from jakiro_ext.engine import policy, tree_cost
 from jakiro_ext.training.acceptance import acceptance_profile
 from helpers import copy_head, prompt, random_head, tiny_target
-from test_train import make_examples
+from helpers import make_examples
 
 
 def chain_profile(depth=6, ranks=4):

@@ -8,7 +8,7 @@ import torch
 
 from jakiro_ext import ops
 from jakiro_ext.engine.generate import speculative_generate
-from test_batch import PROMPTS
+from helpers import PROMPTS
 from helpers import HEAD_METHODS, copy_head, tiny_target
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and getattr(ops._C, "with_cuda", 0)),

@@ -12,7 +12,7 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
-from test_batch import PROMPTS, same
+from helpers import PROMPTS, same
 from helpers import DYNAMIC_ONLY, HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution, power_at_shift, random_head, tiny_target, verified_token_p
 
 BACKENDS = ["simt32", "simt64"]

@@ -11,13 +11,13 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
-from jakiro_ext.training.examples import Example, make_example, target_features
+from jakiro_ext.training.examples import Example, target_features
 from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.loss import evaluate
 from jakiro_ext.training.train import train_head
 from jakiro_ext.training.trainset import TrainSetWriter, load_trainset, select_draft_vocab
 from jakiro_ext.training.corpus import generate_greedy_batched
-from helpers import copy_head, prompt, tiny_target
+from helpers import copy_head, make_examples, prompt, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -124,16 +124,6 @@ def test_reduced_vocab_heads_are_lossless_and_draft_target_ids(target, kind, met
         loaded.set_draft_vocab([1, 2, 3])
     with pytest.raises(ValueError, match=r"distinct target ids"):
         loaded.set_draft_vocab(torch.zeros(60, dtype=torch.int64))
-
-
-def make_examples(target, count=6):
-    out = []
-    for k in range(count):
-        x = prompt(6, seed=40 + k)
-        answer = speculative_generate(target, None, x, 30).token_ids
-        toks = torch.cat([x, torch.tensor(answer)])
-        out.append(make_example(target, toks, torch.arange(toks.numel()) >= 6))
-    return out
 
 
 @pytest.mark.parametrize("kind,ttt_steps,mlp_input", [("eagle2", 0, "teacher"), ("jakiro", 0, "teacher"),

@@ -63,7 +63,8 @@ class Drafter:
                                         getattr(head.config, "num_mlp_heads", 0)) if self.drafts else ()
         # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
         # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
-        self.scratch = max(tree.top_k, tree.max_nodes_for(method)) if self.drafts else 0
+        self.max_nodes = tree.max_nodes_for(method) if self.drafts else 1  # a round's nodes, the root's included
+        self.scratch = max(tree.top_k, self.max_nodes) if self.drafts else 0
 
     @staticmethod
     def check(head: Optional[DraftHead], method: Method, tree) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import statistics
 import sys
 import weakref
@@ -27,7 +26,8 @@ from jakiro_ext.config import CPU_TREE, GPU_TREE, TreeConfig, brief
 from jakiro_ext.engine.adaptive import TreeChooser
 from jakiro_ext.engine.candidate import CALL_KINDS, Candidate
 from jakiro_ext.engine.round import RoundResult
-from jakiro_ext.engine.tree_cost import auto_tree, build_id, choose_tree, costs_path, load_costs, round_seconds
+from jakiro_ext.engine.tree_cost import (auto_tree, build_id, choose_tree, costs_path, finite_number, load_costs,
+                                         round_seconds)
 from jakiro_ext.methods import METHODS, Method
 
 
@@ -213,14 +213,6 @@ def keep_live(path: Path, measured: dict) -> None:
         print(f"warning: could not keep the live round times in {path} ({exc})", file=sys.stderr)
 
 
-def _finite(name: str, value, positive: bool = False) -> float:
-    """``value`` as a float: a finite real number >= 0 (> 0 with ``positive``), else a ValueError."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf \
-            or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {brief(value)}")
-    return float(value)
-
-
 def _pairs(name: str, table, keys=None) -> dict:
     """A table of "key": [value >= 0, wall time] pairs (``keys``: the keys allowed)."""
     if not isinstance(table, dict):
@@ -231,7 +223,7 @@ def _pairs(name: str, table, keys=None) -> dict:
             raise ValueError(f"{name} of {key!r}, expected some of {list(keys)}")
         if not isinstance(pair, list) or len(pair) != 2:
             raise ValueError(f"{name}[{key!r}] must be [value, wall time], got {brief(pair)}")
-        checked[key] = [_finite(f"{name}[{key!r}]", pair[0]), _finite(f"{name}[{key!r}]'s time", pair[1])]
+        checked[key] = [finite_number(f"{name}[{key!r}]", pair[0]), finite_number(f"{name}[{key!r}]'s time", pair[1])]
     return checked
 
 
@@ -252,8 +244,8 @@ def check_live(measured) -> dict:
     switch = measured.get("switch", {})
     if not isinstance(switch, dict):
         raise ValueError(f"switch must be a table, got {brief(switch)}")
-    switch = {k: _finite(f"switch[{k!r}]", v) for k, v in switch.items()}
-    plain = _finite("plain_seconds", measured.get("plain_seconds"), positive=bool(ratios))
+    switch = {k: finite_number(f"switch[{k!r}]", v) for k, v in switch.items()}
+    plain = finite_number("plain_seconds", measured.get("plain_seconds"), positive=bool(ratios))
     return dict(rows=rows, plain_seconds=plain, ratios=ratios, switch=switch,
                 acceptance=_pairs("acceptance", measured.get("acceptance", {}), CALL_KINDS))
 

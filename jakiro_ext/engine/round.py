@@ -128,10 +128,9 @@ class Round:
         the host reads the device once (a RoundReadback). ``caught_up``: the draft forwards run
         before it for it (``catch_up_seconds`` long). None: no round ran (a sequence is done)."""
         t0, s, seqs, B = time.perf_counter(), self.settings, state.rows, len(state.rows)
-        nodes = drafter.tree.max_nodes_for(drafter.method) if drafter.drafts else 1
-        full = self.catch_up.tree.max_nodes_for(self.catch_up.method) if self.catch_up.drafts else 1
+        nodes = drafter.max_nodes
         for seq, length in zip(seqs, state.host_lengths):
-            if seq is not None and length + full > seq.bound:  # only a max_cache_len smaller than the need
+            if seq is not None and length + self.catch_up.max_nodes > seq.bound:  # (a max_cache_len below the need)
                 seq.stats.stop_reason = "cache_full"
         if any(seq.done for seq in state.seqs):
             return None

@@ -203,6 +203,15 @@ def build_id() -> str:
         return f"{jakiro_ext.__version__}-reference"
 
 
+def finite_number(name: str, value, positive: bool = False) -> float:
+    """``value`` of a cached file as a float: a finite real number >= 0 (> 0 with ``positive``),
+    else a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf \
+            or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {brief(value)}")
+    return float(value)
+
+
 def _positive_seconds(name: str, table, key_ok, least: int) -> None:
     """``table``: a dict of at least ``least`` entries, keys that ``key_ok`` accepts, values
     finite seconds > 0 (a ValueError naming ``name`` otherwise)."""
@@ -211,8 +220,7 @@ def _positive_seconds(name: str, table, key_ok, least: int) -> None:
     for key, value in table.items():
         if not key_ok(key):
             raise ValueError(f"{name} has the key {key!r}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"{name}[{key!r}] must be finite seconds > 0, got {brief(value)}")
+        finite_number(f"{name}[{key!r}]", value, positive=True)
 
 
 def _size_key(key: str) -> bool:
@@ -241,8 +249,7 @@ def check_costs(costs) -> dict:
     _positive_seconds("draft", costs["draft"], _depth_width_key, 1)
     _positive_seconds("catch_up", costs["catch_up"], _size_key, 2)
     for k in ("context", "context_slope"):
-        if isinstance(costs[k], bool) or not isinstance(costs[k], (int, float)) or not 0 <= costs[k] < math.inf:
-            raise ValueError(f"{k} must be a finite number >= 0, got {brief(costs[k])}")
+        finite_number(k, costs[k])
     batch = costs.get("batch", 1)
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch must be an int >= 1, got {brief(batch)}")

@@ -48,6 +48,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.emulated)
 
 
+@pytest.fixture(scope="module")
+def target():
+    """The tiny random target (helpers.tiny_target), one per test module; a module that needs
+    another target overrides this fixture."""
+    from helpers import tiny_target  # (helpers imports this module)
+
+    return tiny_target()
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _compiled_ops_loaded():
     # The tests are about the compiled kernels: never let them silently run the references.

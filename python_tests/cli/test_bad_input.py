@@ -37,10 +37,6 @@ SHORT_ANSWER = "What is 2 + 2? Answer with a number only."  # SmolLM2: "2 + 2 = 
 SHIPPED_HEAD = REPO / "jakiro_ext" / "heads" / "SmolLM2-135M-Instruct-jakiro"
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
 
 @pytest.fixture
 def no_allocation(monkeypatch):

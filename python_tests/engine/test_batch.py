@@ -9,18 +9,11 @@ import pytest
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.engine.tree import DraftTree, VerifyTree
-from jakiro_ext.config import MAX_BATCH, TreeConfig
+from jakiro_ext.engine.tree import DraftTree
+from jakiro_ext.config import MAX_BATCH
 from jakiro_ext.engine.generate import generate_many, speculative_generate
 from helpers import (DYNAMIC_ONLY, HEAD_METHODS, PROMPTS, SAMPLES, SAMPLING_CASES, TREES, chi_square_p, copy_head,
                      exact_distribution, power_at_shift, prompt, random_head, same, tiny_target, verified_token_p)
-
-# Ragged prompts (1 to 20 tokens).
-
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,6 @@ from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
 
 # Every head/method with every tree, except jakiro and gumiho on a static tree (refused: tested below).
 CASES = [(k, m, t) for k, m in HEAD_METHODS for t in TREES if not (m in DYNAMIC_ONLY and t == "static")]

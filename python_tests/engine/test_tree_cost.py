@@ -11,12 +11,11 @@ from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.loss import evaluate
-from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, capped_by_larger, choose_tree, expected_accepted, load_costs, measure_costs,
+from jakiro_ext.engine.tree_cost import (CONTEXT, SIZES, auto_tree, capped_by_larger, choose_tree, expected_accepted, load_costs,
                                          rate, round_seconds)
 from jakiro_ext.engine import policy, tree_cost
 from jakiro_ext.training.acceptance import acceptance_profile
-from helpers import copy_head, prompt, random_head, tiny_target
-from helpers import make_examples
+from helpers import copy_head, make_examples, prompt, random_head, tiny_target
 
 
 def chain_profile(depth=6, ranks=4):

@@ -25,10 +25,6 @@ CASES = [(k, m, t) for k, m in HEAD_METHODS for t in EMULATED_TREES if not (m in
     (None, "ar", None)]
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind,method,tree", CASES)

@@ -7,11 +7,11 @@ import torch
 from conftest import TOL, randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-from test_tree_attention import SHAPES, make_inputs
+from op_cases.attention import ATTENTION_SHAPES, make_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
 def test_gpu_tree_attention_matches_reference(gpu_backend, shape, dtype):
     q, k, v, lens, mask = make_inputs(*shape, dtype=dtype, seed=10)
     out, lse = gpu_backend.run("tree_attention", q, k, v, lens, mask)
@@ -22,7 +22,7 @@ def test_gpu_tree_attention_matches_reference(gpu_backend, shape, dtype):
 
 
 # 150 splits: more than some sequences have keys (empty splits).
-SPLIT_CASES = [(SHAPES[1], 1), (SHAPES[1], 2), (SHAPES[1], 150), (SHAPES[2], 13), (SHAPES[5], 5)]
+SPLIT_CASES = [(ATTENTION_SHAPES[1], 1), (ATTENTION_SHAPES[1], 2), (ATTENTION_SHAPES[1], 150), (ATTENTION_SHAPES[2], 13), (ATTENTION_SHAPES[5], 5)]
 
 
 @pytest.mark.parametrize("shape,num_splits", SPLIT_CASES, ids=["9-3-1", "9-3-2", "9-3-150", "24-3-13", "odd-dim-5"])
@@ -81,7 +81,7 @@ def test_gpu_compact_kv_matches_reference(gpu_backend, lead, D, dtype):
 
 
 def test_gpu_kernels_check_their_inputs(gpu_backend):
-    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=50)
+    q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=50)
     with pytest.raises(RuntimeError, match=r"v_cache must have the shape of k_cache"):
         gpu_backend.run("tree_attention", q, k, v[:, :, :-1], lens, mask)
     with pytest.raises(RuntimeError, match=r"num_splits must be >= 1, got 0"):

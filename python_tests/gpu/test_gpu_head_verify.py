@@ -7,9 +7,8 @@ import torch
 
 from conftest import randn
 from jakiro_ext.ops import reference
-from test_contrastive_head import SHAPES as HEAD_SHAPES
-from test_contrastive_head import contrast_weights
-from test_verify_tree import SAMPLING, assert_same, make_tree
+from op_cases.head_verify import CONTRASTIVE_SHAPES as HEAD_SHAPES
+from op_cases.head_verify import SAMPLING_FILTERS, assert_same, contrast_weights, make_tree
 
 # ----------------------------------------------------------------------------- contrastive_topk
 # The CPU test's shapes up to V = 1000 (larger ones are slow to emulate), plus: k over one
@@ -151,7 +150,7 @@ def test_gpu_verify_tree_greedy_ties(gpu_backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature,top_p,top_k", SAMPLING)
+@pytest.mark.parametrize("temperature,top_p,top_k", SAMPLING_FILTERS)
 @pytest.mark.parametrize("B,T,V", [(4, 1, 7), (6, 60, 97), (2, 26, 5000)])
 def test_gpu_verify_tree_matches_reference_sampling(gpu_backend, B, T, V, temperature, top_p, top_k, dtype):
     parents, tokens, logits, uniforms = make_tree(B, T, V, seed=3 * T + V, dtype=dtype)

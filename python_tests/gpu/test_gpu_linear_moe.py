@@ -5,9 +5,7 @@ import torch
 
 from conftest import TOL, randn
 from jakiro_ext.ops import reference
-from test_linear import SHAPES as LINEAR_SHAPES
-from test_moe import SHAPES as MOE_SHAPES
-from test_moe import assert_moe_close, make_moe
+from op_cases.linear_moe import LINEAR_SHAPES, MOE_SHAPES, assert_moe_close, make_moe
 
 
 # ----------------------------------------------------------------------------- linear

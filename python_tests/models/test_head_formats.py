@@ -16,10 +16,6 @@ from helpers import copy_head, prompt, random_head, tiny_target
 TREE = TreeConfig(12, 3, 4)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
-
 
 def llama_config(head, **extra) -> dict:
     """config.json as the released EAGLE / Jakiro heads carry it: a one-layer Llama config."""

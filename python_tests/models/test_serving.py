@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import jakiro_ext
-from helpers import TREES, prompt, random_head, tiny_target
+from helpers import TREES, prompt, random_head
 from jakiro_ext import ops
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
@@ -26,10 +26,6 @@ from jakiro_ext.serving.format import blocked_tokens
 from jakiro_ext.serving.layers import JakiroMoE, draft_forward, masked_logits
 from jakiro_ext.serving.loading import load_draft_weights, load_serving_weights, set_up_draft
 
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
 
 
 def reduced_head(target, kind, seed=1, vocab=120, renormalize=False):

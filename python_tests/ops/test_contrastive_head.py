@@ -5,19 +5,13 @@ import torch
 from conftest import TOL, randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
+from op_cases.head_verify import CONTRASTIVE_SHAPES, contrast_weights
 
-
-def contrast_weights(lead, seed):
-    return torch.softmax(randn(*lead, 2, seed=seed), -1).sort(-1, descending=True).values
-
-
-# (leading dims, hidden, vocab, k)
-SHAPES = [((1,), 64, 1, 1), ((3, 5), 54, 1000, 10), ((20,), 128, 4099, 7), ((2, 10), 576, 49152, 10), ((4,), 32, 97, 97)]
 
 
 @pytest.mark.parametrize("contrastive", [False, True], ids=["plain", "contrastive"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-V{s[2]}-k{s[3]}")
+@pytest.mark.parametrize("shape", CONTRASTIVE_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-V{s[2]}-k{s[3]}")
 @pytest.mark.covers("contrastive_topk", "adversarial_shapes")
 def test_contrastive_topk_matches_reference(shape, dtype, contrastive):
     lead, H, V, k = shape
@@ -35,7 +29,7 @@ def test_contrastive_topk_matches_reference(shape, dtype, contrastive):
 
 
 @pytest.mark.parametrize("contrastive", [False, True], ids=["plain", "contrastive"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-V{s[2]}-k{s[3]}")
+@pytest.mark.parametrize("shape", CONTRASTIVE_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-V{s[2]}-k{s[3]}")
 @pytest.mark.covers("contrastive_topk", "adversarial_shapes")
 def test_contrastive_topk_bf16_lm_head_beside_float32_features(shape, contrastive):
     """A bf16 LM head with float32 features (a float32 draft reading its LM head rows in bf16) is

@@ -9,28 +9,19 @@ import sys
 import pytest
 import torch
 
-from conftest import TOL, GpuBackend, randn, random_parents
+from conftest import TOL, GpuBackend, randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
+from op_cases.decoder_layer import (COMPOSED_SHAPES, LAYER_SHAPES, PROJECTIONS, SILU_SHAPES, Layer, check_decoder_layer,
+                                    check_silu_mul)
 
 # ----------------------------------------------------------------------------- silu_mul
-# (leading dims, I): one element, odd sizes (no vector multiple), SmolLM2's 1536, many rows, no rows.
-SILU_SHAPES = [((1,), 1), ((3,), 7), ((1, 1), 1536), ((2, 5), 131), ((300,), 48), ((0,), 16)]
-
-
-def check_silu_mul_matches_reference(backend, shape, dtype):
-    lead, I = shape
-    x = randn(*lead, 2 * I, seed=1, dtype=dtype, scale=4.0)
-    out = backend.run("silu_mul", x)
-    assert out.shape == (*lead, I) and out.dtype == dtype
-    torch.testing.assert_close(out, reference.silu_mul(x), **TOL[dtype])
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SILU_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-I{s[1]}")
 @pytest.mark.covers("silu_mul", "adversarial_shapes")
 def test_silu_mul_matches_reference(shape, dtype):
-    check_silu_mul_matches_reference(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_decoder_layer.py
+    check_silu_mul(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_decoder_layer.py
 
 
 @pytest.mark.covers("silu_mul", "nonfinite")
@@ -73,67 +64,6 @@ def test_silu_mul_bad_input_errors(any_backend):
 
 
 # ----------------------------------------------------------------------------- decoder_layer
-class Layer:
-    """A random decoder layer and its inputs: B sequences of T tokens after prefixes of different
-    lengths, random trees (T > 1), optionally a qkv bias and an incoming residual."""
-
-    def __init__(self, B=2, T=5, H=48, Hq=4, Hkv=2, D=16, I=40, S=None, dtype=torch.float32, bias=True,
-                 residual=True, seed=0, prefix=(9, 3)):
-        self.B, self.T, self.Hq, self.Hkv, self.D = B, T, Hq, Hkv, D
-        s = seed * 100
-        scale = 1 / math.sqrt(H)
-        self.weights = dict(
-            input_norm=1 + 0.1 * randn(H, seed=s + 1, dtype=dtype),
-            qkv_weight=randn((Hq + 2 * Hkv) * D, H, seed=s + 2, dtype=dtype, scale=scale),
-            qkv_bias=randn((Hq + 2 * Hkv) * D, seed=s + 3, dtype=dtype, scale=0.1) if bias else None,
-            o_weight=randn(H, Hq * D, seed=s + 4, dtype=dtype, scale=1 / math.sqrt(Hq * D)),
-            post_norm=1 + 0.1 * randn(H, seed=s + 5, dtype=dtype),
-            gate_up_weight=randn(2 * I, H, seed=s + 6, dtype=dtype, scale=scale),
-            down_weight=randn(H, I, seed=s + 7, dtype=dtype, scale=1 / math.sqrt(I)))
-        self.lengths = torch.tensor([prefix[b % len(prefix)] for b in range(B)])
-        S = S or int(self.lengths.max()) + T + 3
-        self.delta = randn(B, T, H, seed=s + 8, dtype=dtype)
-        self.residual = randn(B, T, H, seed=s + 9, dtype=dtype) if residual else None
-        self.kv_cache = randn(2, B, Hkv, S, D, seed=s + 10, dtype=dtype)
-        self.tree_mask = ops.build_tree_mask(random_parents(B, T, seed=s + 11, max_children=3))
-        depths = torch.arange(T).expand(B, T)  # positions: any increasing ones do for the check
-        angles = (self.lengths.unsqueeze(1) + depths).float().unsqueeze(-1) * (1e4 ** (-torch.arange(0, D, 2) / D))
-        self.cos = torch.cat([angles.cos(), angles.cos()], -1).to(dtype)
-        self.sin = torch.cat([angles.sin(), angles.sin()], -1).to(dtype)
-
-    def with_bf16_projections(self) -> "Layer":
-        """The four projection weights rounded to bf16 and kept so (the rest float32)."""
-        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
-            self.weights[name] = self.weights[name].bfloat16()
-        return self
-
-    def args(self, kv_cache=None):
-        w = self.weights
-        return (self.delta, self.residual, w["input_norm"], w["qkv_weight"], w["qkv_bias"], w["o_weight"],
-                w["post_norm"], w["gate_up_weight"], w["down_weight"], self.cos, self.sin,
-                self.kv_cache.clone() if kv_cache is None else kv_cache, self.lengths, self.tree_mask, 1e-5)
-
-
-# (B, T, H, Hq, Hkv, D, I, prefixes): decoding, a tree, a prompt beyond 64 tokens (a mask of
-# two words, BLAS rows), MHA (Hq = Hkv), many sequences whose rows exceed 64 together, odd sizes,
-# an empty prefix.
-LAYER_SHAPES = [(1, 1, 48, 4, 2, 16, 40, (9,)), (2, 5, 48, 4, 2, 16, 40, (9, 3)), (1, 70, 32, 2, 2, 8, 24, (0,)),
-                (3, 30, 24, 3, 3, 8, 17, (1, 40, 5)), (2, 3, 17, 6, 2, 6, 9, (0, 2))]
-
-
-def check_decoder_layer_matches_reference(backend, shape, dtype, bias, residual):
-    B, T, H, Hq, Hkv, D, I, prefix = shape
-    layer = Layer(B, T, H, Hq, Hkv, D, I, dtype=dtype, bias=bias, residual=residual, prefix=prefix)
-    cache = backend.to_device(layer.kv_cache.clone())  # written in place on the backend's device
-    got_residual, got_delta = backend.run("decoder_layer", *layer.args(cache))
-    want_cache = layer.kv_cache.clone()
-    want_residual, want_delta = reference.decoder_layer(*layer.args(want_cache))
-    assert got_delta.shape == (B, T, H) and got_delta.dtype == dtype and got_residual.dtype == dtype
-    torch.testing.assert_close(got_residual, want_residual, **TOL[dtype])
-    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=6e-2, rtol=6e-2)  # bf16 rounds at every part
-    torch.testing.assert_close(got_delta, want_delta, **tol)
-    torch.testing.assert_close(cache.cpu(), want_cache, **tol)
-
 
 @pytest.mark.parametrize("residual", [False, True], ids=["first", "residual"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
@@ -141,15 +71,8 @@ def check_decoder_layer_matches_reference(backend, shape, dtype, bias, residual)
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
 @pytest.mark.covers("decoder_layer", "adversarial_shapes")
 def test_decoder_layer_matches_reference(shape, dtype, bias, residual):
-    check_decoder_layer_matches_reference(GpuBackend("cpu"), shape, dtype, bias, residual)
+    check_decoder_layer(GpuBackend("cpu"), shape, dtype, bias, residual)
 
-
-# (B, T, H, Hq, Hkv, D, I, prefixes, bias, residual): one token (decoding), a tree, prefixes over
-# several 512-key splits of the attention, odd widths (partial column blocks, a SiLU tail), a
-# batch of 64 rows (the most one parallel region takes), and beyond it (the ops composed).
-COMPOSED_SHAPES = [(1, 1, 48, 4, 2, 16, 40, (9,), True, True), (2, 6, 48, 4, 2, 16, 40, (9, 3), True, True),
-                   (2, 3, 64, 6, 2, 16, 96, (1100, 513), False, True), (1, 2, 17, 3, 1, 6, 41, (0,), False, False),
-                   (4, 16, 40, 4, 4, 8, 50, (0, 5, 600, 2), True, True), (5, 13, 32, 2, 1, 8, 24, (3,), False, True)]
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -225,8 +148,6 @@ def test_decoder_layer_opcheck():
     layer = Layer(B=2, T=3).with_bf16_projections()
     torch.library.opcheck(torch.ops.jakiro.decoder_layer.default, layer.args())
 
-
-PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))

@@ -8,55 +8,7 @@ import torch
 from conftest import TOL, GpuBackend
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-from test_decoder_layer import COMPOSED_SHAPES, LAYER_SHAPES, PROJECTIONS, Layer
-
-WEIGHTS = ("input_norm", "qkv_weight", "qkv_bias", "o_weight", "post_norm", "gate_up_weight", "down_weight")
-
-
-class Layers:
-    """L random decoder layers of one shape (each its own weights and cache) and one input: the
-    first layer's delta, residual, rotary tables, lengths and tree."""
-
-    def __init__(self, L=3, *args, **kwargs):
-        seed = kwargs.pop("seed", 0)
-        self.layers = [Layer(*args, seed=seed + layer, **kwargs) for layer in range(L)]
-        self.first = self.layers[0]
-        self.kv_cache = torch.stack([layer.kv_cache for layer in self.layers])
-
-    def weights(self, name):
-        return [layer.weights[name] for layer in self.layers]
-
-    def args(self, kv_cache=None):
-        f = self.first
-        biases = self.weights("qkv_bias")
-        return (f.delta, f.residual, self.weights("input_norm"), self.weights("qkv_weight"),
-                [] if biases[0] is None else biases, self.weights("o_weight"), self.weights("post_norm"),
-                self.weights("gate_up_weight"), self.weights("down_weight"), f.cos, f.sin,
-                self.kv_cache.clone() if kv_cache is None else kv_cache, f.lengths, f.tree_mask, 1e-5)
-
-    def one_by_one(self, kv_cache):
-        """What decoder_layer gives called layer after layer (kv_cache written in place)."""
-        f = self.first
-        residual, delta = f.residual, f.delta
-        for i, layer in enumerate(self.layers):
-            w = layer.weights
-            residual, delta = ops.decoder_layer(delta, residual, *(w[name] for name in WEIGHTS), f.cos, f.sin,
-                                                kv_cache[i], f.lengths, f.tree_mask, 1e-5)
-        return residual, delta
-
-
-def check_decoder_layers_matches_reference(backend, shape, dtype, bias, residual, L):
-    B, T, H, Hq, Hkv, D, I, prefix = shape
-    layers = Layers(L, B, T, H, Hq, Hkv, D, I, dtype=dtype, bias=bias, residual=residual, prefix=prefix)
-    cache = backend.to_device(layers.kv_cache.clone())
-    got_residual, got_delta = backend.run("decoder_layers", *layers.args(cache))
-    want_cache = layers.kv_cache.clone()
-    want_residual, want_delta = reference.decoder_layers(*layers.args(want_cache))
-    assert got_delta.shape == (B, T, H) and got_delta.dtype == dtype and got_residual.dtype == dtype
-    tol = TOL[dtype] if dtype == torch.float32 else dict(atol=1e-1, rtol=1e-1)  # bf16 rounds at every part
-    torch.testing.assert_close(got_residual, want_residual, **tol)
-    torch.testing.assert_close(got_delta, want_delta, **tol)
-    torch.testing.assert_close(cache.cpu(), want_cache, **tol)
+from op_cases.decoder_layer import COMPOSED_SHAPES, LAYER_SHAPES, Layer, Layers, check_decoder_layers
 
 
 @pytest.mark.parametrize("L", [1, 3])
@@ -65,7 +17,7 @@ def check_decoder_layers_matches_reference(backend, shape, dtype, bias, residual
 @pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
 @pytest.mark.covers("decoder_layers", "adversarial_shapes")
 def test_decoder_layers_matches_reference(shape, dtype, bias, residual, L):
-    check_decoder_layers_matches_reference(GpuBackend("cpu"), shape, dtype, bias, residual, L)
+    check_decoder_layers(GpuBackend("cpu"), shape, dtype, bias, residual, L)
 
 
 @pytest.mark.parametrize("threads", [1, 3])

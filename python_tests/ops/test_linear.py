@@ -5,16 +5,12 @@ import torch
 from conftest import TOL, randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-
-# (leading dims of x, in features K, out features N): odd sizes, 1..200 rows (both sides of the
-# 64-row float32 BLAS crossover), the SmolLM2 projections and LM head.
-SHAPES = [((1,), 1, 1), ((3,), 17, 5), ((2, 5), 54, 97), ((1, 7), 576, 1536), ((60,), 576, 576), ((64,), 111, 130),
-          ((65,), 64, 33), ((2, 100), 96, 211), ((4,), 576, 49152)]
+from op_cases.linear_moe import LINEAR_SHAPES
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-K{s[1]}-N{s[2]}")
+@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-K{s[1]}-N{s[2]}")
 @pytest.mark.covers("linear", "adversarial_shapes")
 def test_linear_matches_reference(shape, dtype, bias):
     lead, K, N = shape
@@ -88,7 +84,7 @@ def test_linear_opcheck():
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-K{s[1]}-N{s[2]}")
+@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-K{s[1]}-N{s[2]}")
 @pytest.mark.covers("linear", "adversarial_shapes")
 def test_linear_bf16_weights_beside_float32_rows_give_the_float32_weights_bits(shape, bias):
     """A bf16 weight with float32 rows (a bf16 checkpoint's weights read as they are) is widened

@@ -7,39 +7,14 @@ import torch
 from conftest import randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-
-# (leading dims of x, in features K, heads J, hidden H, blocks NB): no blocks, one head, odd
-# sizes (no vector width divides them), 0 and 1..130 rows (both sides of the 64-row passes),
-# the shipped head's shape.
-SHAPES = [((1,), 1, 1, 1, 0), ((3,), 17, 2, 5, 1), ((2, 5), 54, 3, 33, 2), ((1, 7), 1152, 2, 576, 5),
-          ((64,), 70, 1, 37, 3), ((65,), 24, 2, 16, 1), ((2, 65), 40, 2, 24, 2), ((0,), 8, 2, 4, 1), ((4,), 0, 2, 3, 1)]
-
-
-def make(shape, dtype, seed=0):
-    lead, K, J, H, NB = shape
-    x = randn(*lead, K, seed=seed + 1, dtype=dtype)
-    w_in = randn(J, H, K, seed=seed + 2, dtype=dtype, scale=max(K, 1) ** -0.5)
-    b_in = randn(J, H, seed=seed + 3, dtype=dtype, scale=0.5)
-    w_blocks = randn(J, NB, H, H, seed=seed + 4, dtype=dtype, scale=H**-0.5)
-    b_blocks = randn(J, NB, H, seed=seed + 5, dtype=dtype, scale=0.5)
-    return x, w_in, b_in, w_blocks, b_blocks
-
-
-def ids(shape):
-    lead, K, J, H, NB = shape
-    return f"{'x'.join(map(str, lead))}-K{K}-J{J}-H{H}-NB{NB}"
-
-
-# bf16: each layer's float32 activations against the reference's, over up to 6 layers (the GPU kernels;
-# the CPU kernel is bit-exact in bf16, test_mlp_heads_matches_reference)
-TOL_HEADS = {torch.float32: dict(atol=5e-5, rtol=5e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+from op_cases.mlp_heads import MLP_HEADS_SHAPES, TOL_HEADS, make_mlp_heads, mlp_heads_id, rows_are_independent
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+@pytest.mark.parametrize("shape", MLP_HEADS_SHAPES, ids=mlp_heads_id)
 @pytest.mark.covers("mlp_heads", "adversarial_shapes")
 def test_mlp_heads_matches_reference(shape, dtype):
-    args = make(shape, dtype)
+    args = make_mlp_heads(shape, dtype)
     got = ops.mlp_heads(*args)
     want = reference.mlp_heads(*args)
     lead, _, J, H, _ = shape
@@ -61,22 +36,13 @@ def assert_within_one_bf16_step(got, want):
     assert float((off > 0).float().mean()) <= 0.01 if want.numel() else True  # and most are equal
 
 
-def rows_are_independent(run):
-    # A sequence's draft features must not change with the batch drafted beside it.
-    for dtype in (torch.float32, torch.bfloat16):
-        x, *weights = make(((70,), 40, 2, 24, 2), dtype, seed=7)
-        full = run(x, *weights)
-        for rows in (1, 2, 3, 5, 8, 9, 63, 64, 65):
-            assert torch.equal(run(x[:rows], *weights), full[:rows]), (dtype, rows)
-        assert torch.equal(run(x[37:38], *weights), full[37:38])
-
 
 def test_mlp_heads_row_does_not_depend_on_the_other_rows():
     rows_are_independent(ops.mlp_heads)
 
 
 def test_mlp_heads_noncontiguous_inputs():
-    x, w_in, b_in, w_blocks, b_blocks = make(((6,), 40, 2, 24, 2), torch.float32, seed=9)
+    x, w_in, b_in, w_blocks, b_blocks = make_mlp_heads(((6,), 40, 2, 24, 2), torch.float32, seed=9)
     xt = x.t().contiguous().t()  # same values, transposed strides
     w_in_t = w_in.transpose(1, 2).contiguous().transpose(1, 2)
     torch.testing.assert_close(ops.mlp_heads(xt, w_in_t, b_in, w_blocks, b_blocks),
@@ -84,13 +50,13 @@ def test_mlp_heads_noncontiguous_inputs():
 
 
 def test_mlp_heads_opcheck():
-    args = make(((2, 3), 32, 2, 16, 2), torch.float32, seed=11)
+    args = make_mlp_heads(((2, 3), 32, 2, 16, 2), torch.float32, seed=11)
     torch.library.opcheck(torch.ops.jakiro.mlp_heads.default, args)
-    torch.library.opcheck(torch.ops.jakiro.mlp_heads.default, make(((3,), 8, 1, 4, 0), torch.float32, seed=12))
+    torch.library.opcheck(torch.ops.jakiro.mlp_heads.default, make_mlp_heads(((3,), 8, 1, 4, 0), torch.float32, seed=12))
 
 
 def test_mlp_heads_bad_input_errors():
-    x, w_in, b_in, w_blocks, b_blocks = make(((3,), 32, 2, 16, 2), torch.float32, seed=13)
+    x, w_in, b_in, w_blocks, b_blocks = make_mlp_heads(((3,), 32, 2, 16, 2), torch.float32, seed=13)
     good = dict(x=x, w_in=w_in, b_in=b_in, w_blocks=w_blocks, b_blocks=b_blocks)
     cases = [
         (dict(x=torch.tensor(1.0)), r"x must have shape \[..., K\]"),

@@ -2,40 +2,16 @@
 import pytest
 import torch
 
-from conftest import TOL, randn
+from conftest import randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
+from op_cases.linear_moe import MOE_SHAPES, assert_moe_close, make_moe
 
-
-def make_moe(lead, H, I, N, dtype, seed):
-    x = randn(*lead, H, seed=seed, dtype=dtype)
-    router = randn(N + 2, H, seed=seed + 1, dtype=dtype, scale=H**-0.5)
-    w_gate = randn(N, I, H, seed=seed + 2, dtype=dtype, scale=H**-0.5)
-    w_up = randn(N, I, H, seed=seed + 3, dtype=dtype, scale=H**-0.5)
-    w_down = randn(N, H, I, seed=seed + 4, dtype=dtype, scale=I**-0.5)
-    return x, router, w_gate, w_up, w_down
-
-
-def assert_moe_close(got, want, dtype):
-    out, expert_out, idx, score, contrast = got
-    r_out, r_expert_out, r_idx, r_score, r_contrast = want
-    assert torch.equal(idx, r_idx)  # integer outputs: exact
-    assert out.dtype == dtype and expert_out.dtype == dtype and idx.dtype == torch.int64
-    torch.testing.assert_close(score, r_score, **TOL[torch.float32])
-    torch.testing.assert_close(contrast, r_contrast, **TOL[torch.float32])
-    torch.testing.assert_close(expert_out.float(), r_expert_out.float(), **TOL[dtype])
-    torch.testing.assert_close(out.float(), r_out.float(), **TOL[dtype])
-
-
-# (leading dims of x, hidden, expert width, experts)
-# ((40,), .., 2): every expert gets >= 16 tokens, the float32 BLAS path (cpu/gemm.h)
-SHAPES = [((1,), 64, 64, 2), ((2, 13), 54, 97, 5), ((60,), 128, 111, 8), ((3, 1, 7), 96, 17, 3), ((4,), 576, 576, 8),
-          ((40,), 64, 48, 2)]
 
 
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-I{s[2]}-N{s[3]}")
+@pytest.mark.parametrize("shape", MOE_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-I{s[2]}-N{s[3]}")
 @pytest.mark.covers("moe_top2", "adversarial_shapes")
 def test_moe_top2_matches_reference(shape, dtype, renormalize):
     args = make_moe(*shape, dtype=dtype, seed=100)

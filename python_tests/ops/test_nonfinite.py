@@ -11,8 +11,9 @@ import torch
 import jakiro_ext as J
 from conftest import randn
 from jakiro_ext.ops import reference
-import test_decoder_layer
-import test_decoder_layers
+from op_cases.decoder_layer import Layer, Layers
+from op_cases.mlp_heads import make_mlp_heads
+from op_cases.norm_rope import rope_case
 
 NAN, INF = math.nan, math.inf
 
@@ -189,9 +190,7 @@ def test_linear_and_compact_kv_carry_nan(any_backend):
 def test_mlp_heads_nonfinite_stays_in_the_rows_and_heads_that_read_it(any_backend, where):
     """A NaN in a row's input spoils that row (every head), an inf in head j's weights head j
     (every row); nothing else, and the non-finite values are the reference's."""
-    from test_mlp_heads import make
-
-    x, w_in, b_in, w_blocks, b_blocks = make(((3,), 20, 3, 8, 2), torch.float32, seed=3)
+    x, w_in, b_in, w_blocks, b_blocks = make_mlp_heads(((3,), 20, 3, 8, 2), torch.float32, seed=3)
     if where == "x_row":
         x[1, 4] = NAN
     elif where == "w_in_head":
@@ -218,10 +217,8 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
 def test_rope_kv_write_nonfinite_goes_where_the_value_goes(any_backend, where):
     """A NaN in one token's q, k, v or rotation reaches that token's q output or cache slot only;
     every other slot of the cache is left as it was (bit for bit, as the reference writes)."""
-    from test_rope_kv_write import case
-
     B, T, Hq, Hkv, D, S = 2, 3, 4, 2, 8, 12
-    qkv, cos, sin, cache, lengths = case(B, T, Hq, Hkv, D, S, torch.float32, seed=9)
+    qkv, cos, sin, cache, lengths = rope_case(B, T, Hq, Hkv, D, S, torch.float32, seed=9)
     column = {"q": 1, "k": Hq + 1, "v": Hq + Hkv + 1}
     if where == "cos":
         cos[1, 2, 3] = NAN
@@ -328,8 +325,8 @@ def _op_calls():
         "verify_tree": (VERIFY_PARENTS, torch.tensor([[0, 1, 2, 3, 4]]), logits),
         "compact_kv": (randn(2, 2, 1, 12, 4, seed=30), torch.tensor([5, 4]), torch.tensor([[0, 1], [0, 1]]),
                        torch.tensor([2, 2])),
-        "decoder_layer": test_decoder_layer.Layer(B=1, T=2).args(),
-        "decoder_layers": test_decoder_layers.Layers(2, B=1, T=2).args(),
+        "decoder_layer": Layer(B=1, T=2).args(),
+        "decoder_layers": Layers(2, B=1, T=2).args(),
     }
 
 

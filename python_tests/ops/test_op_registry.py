@@ -2,7 +2,6 @@
 point, and tests; this fails as soon as an op is added without them."""
 import importlib
 import inspect
-import pathlib
 import re
 
 import torch

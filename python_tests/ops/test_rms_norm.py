@@ -6,30 +6,15 @@ import torch
 from conftest import TOL, GpuBackend, randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-
-# (leading dims, hidden size H): one row, one element, odd sizes (no vector multiple), SmolLM2's
-# 576, a large H beyond the GPU block, many rows.
-SHAPES = [((1,), 1), ((3,), 7), ((1, 1), 576), ((2, 5), 131), ((4,), 2049), ((300,), 64)]
-
-
-def check_matches_reference(backend, shape, dtype, with_residual):
-    lead, H = shape
-    x = randn(*lead, H, seed=1, dtype=dtype, scale=3.0)
-    w = randn(H, seed=2, dtype=dtype)
-    r = randn(*lead, H, seed=3, dtype=dtype) if with_residual else None
-    out, s = backend.run("rms_norm", x, w, 1e-6, r)
-    want_out, want_s = reference.rms_norm(x, w, 1e-6, r)
-    assert out.shape == x.shape and out.dtype == dtype and s.dtype == dtype
-    assert torch.equal(s, want_s)  # one rounded add: exact
-    torch.testing.assert_close(out, want_out, **TOL[dtype])
+from op_cases.norm_rope import RMS_NORM_SHAPES, check_rms_norm
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}")
+@pytest.mark.parametrize("shape", RMS_NORM_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}")
 @pytest.mark.covers("rms_norm", "adversarial_shapes")
 def test_rms_norm_matches_reference(shape, dtype, with_residual):
-    check_matches_reference(GpuBackend("cpu"), shape, dtype, with_residual)  # GPU: test_gpu_norm_rope.py
+    check_rms_norm(GpuBackend("cpu"), shape, dtype, with_residual)  # GPU: test_gpu_norm_rope.py
 
 
 def test_rms_norm_matches_the_model_code_in_float32():

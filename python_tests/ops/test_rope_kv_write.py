@@ -6,37 +6,14 @@ import torch
 from conftest import GpuBackend, randn
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-from jakiro_ext.models.rope import rope_cos_sin
-
-# (B, T, Hq, Hkv, D, S): decoding, a tree, GQA and MHA, odd head dims and counts, a full cache.
-SHAPES = [(1, 1, 9, 3, 64, 600), (2, 5, 4, 2, 8, 16), (3, 2, 1, 1, 2, 4), (1, 7, 6, 1, 128, 7), (2, 3, 3, 3, 6, 9)]
-
-
-def case(B, T, Hq, Hkv, D, S, dtype, seed=0):
-    qkv = randn(B, T, Hq + 2 * Hkv, D, seed=seed, dtype=dtype)
-    positions = torch.randint(0, 5000, (B, T), generator=torch.Generator().manual_seed(seed))
-    cos, sin = rope_cos_sin(positions, D, 10000.0, dtype)
-    cache = randn(2, B, Hkv, S, D, seed=seed + 1, dtype=dtype)
-    lengths = torch.randint(0, S - T + 1, (B,), generator=torch.Generator().manual_seed(seed + 2))
-    return qkv, cos[:, :, 0], sin[:, :, 0], cache, lengths
-
-
-def check_matches_reference(backend, shape, dtype):
-    qkv, cos, sin, cache, lengths = case(*shape, dtype)
-    want_cache = cache.clone()
-    want_q = reference.rope_kv_write(qkv, cos, sin, want_cache, lengths)
-    got_cache = backend.to_device(cache.clone())
-    got_q = backend.ops.rope_kv_write(*(backend.to_device(t) for t in (qkv, cos, sin)), got_cache,
-                                      backend.to_device(lengths))
-    assert torch.equal(got_q.cpu(), want_q)
-    assert torch.equal(got_cache.cpu(), want_cache)  # the new slots written, every other slot untouched
+from op_cases.norm_rope import ROPE_SHAPES, check_rope_kv_write, rope_case
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-T{}-Hq{}-Hkv{}-D{}-S{}".format(*s))
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "B{}-T{}-Hq{}-Hkv{}-D{}-S{}".format(*s))
 @pytest.mark.covers("rope_kv_write", "adversarial_shapes")
 def test_rope_kv_write_matches_reference_exactly(shape, dtype):
-    check_matches_reference(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_norm_rope.py
+    check_rope_kv_write(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_norm_rope.py
 
 
 def test_rope_kv_write_matches_the_model_code():
@@ -44,7 +21,7 @@ def test_rope_kv_write_matches_the_model_code():
     from jakiro_ext.models.rope import rotary
 
     B, T, Hq, Hkv, D, S = 2, 3, 6, 2, 16, 10
-    qkv, cos, sin, cache, lengths = case(B, T, Hq, Hkv, D, S, torch.float32, seed=5)
+    qkv, cos, sin, cache, lengths = rope_case(B, T, Hq, Hkv, D, S, torch.float32, seed=5)
     want = cache.clone()
     q = rotary(qkv[:, :, :Hq], cos.unsqueeze(2), sin.unsqueeze(2))
     k = rotary(qkv[:, :, Hq:Hq + Hkv], cos.unsqueeze(2), sin.unsqueeze(2))
@@ -58,7 +35,7 @@ def test_rope_kv_write_matches_the_model_code():
 
 def test_rope_kv_write_into_a_layer_of_a_bigger_cache():
     # The model passes cache.kv[layer]: a view with an offset; other layers stay untouched.
-    qkv, cos, sin, _, lengths = case(1, 2, 3, 1, 8, 6, torch.float32, seed=7)
+    qkv, cos, sin, _, lengths = rope_case(1, 2, 3, 1, 8, 6, torch.float32, seed=7)
     kv = randn(4, 2, 1, 1, 6, 8, seed=8)
     before = kv.clone()
     want = before[2].clone()
@@ -68,12 +45,12 @@ def test_rope_kv_write_into_a_layer_of_a_bigger_cache():
 
 
 def test_rope_kv_write_opcheck():
-    qkv, cos, sin, cache, lengths = case(2, 3, 4, 2, 8, 8, torch.float32, seed=9)
+    qkv, cos, sin, cache, lengths = rope_case(2, 3, 4, 2, 8, 8, torch.float32, seed=9)
     torch.library.opcheck(torch.ops.jakiro.rope_kv_write.default, (qkv, cos, sin, cache, lengths))
 
 
 def test_rope_kv_write_bad_input_errors(any_backend):
-    qkv, cos, sin, cache, lengths = case(2, 3, 4, 2, 8, 8, torch.float32, seed=10)
+    qkv, cos, sin, cache, lengths = rope_case(2, 3, 4, 2, 8, 8, torch.float32, seed=10)
     cases = [
         ((qkv[0], cos, sin, cache, lengths), r"qkv must have 4 dimensions \[B, T, Hq \+ 2 Hkv, D\]"),
         ((qkv, cos, sin, cache[0], lengths), r"kv_cache must have 5 dimensions \[2, B, Hkv, S, D\]"),

@@ -7,29 +7,11 @@ import torch
 from conftest import TOL, gen, randn, random_parents
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
-
-# (batch, tree tokens, q heads, kv heads, head dim, prefix lengths, cache capacity)
-SHAPES = [
-    (1, 1, 1, 1, 64, [0], 1),  # smallest: one token, no prefix
-    (2, 17, 9, 3, 64, [0, 97], 128),  # SmolLM2-like heads, odd tree, empty prefix in the batch
-    (3, 60, 24, 3, 128, [1000, 5, 511], 1100),  # GQA 8, EAGLE-sized tree, per-sequence lengths
-    (1, 5, 8, 8, 128, [4000], 4096),  # GQA 1, long prefix with a short tree
-    (2, 111, 6, 2, 64, [54, 300], 420),  # tree over one 64-bit mask word, crosses key blocks
-    (1, 130, 4, 4, 54, [257], 400),  # three mask words, odd head dim
-    (2, 2, 6, 2, 54, [700, 33], 800),  # few query rows (streaming path), odd head dim
-]
-
-
-def make_inputs(B, T, Hq, Hkv, D, prefix, S, dtype, seed):
-    q = randn(B, T, Hq, D, seed=seed, dtype=dtype)
-    k = randn(B, Hkv, S, D, seed=seed + 1, dtype=dtype)
-    v = randn(B, Hkv, S, D, seed=seed + 2, dtype=dtype)
-    mask = ops.build_tree_mask(random_parents(B, T, seed=seed + 3, max_children=4))
-    return q, k, v, torch.tensor(prefix, dtype=torch.int64), mask
+from op_cases.attention import ATTENTION_SHAPES, make_inputs
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
 @pytest.mark.covers("tree_attention", "adversarial_shapes")
 def test_tree_attention_matches_reference(shape, dtype):
     q, k, v, lens, mask = make_inputs(*shape, dtype=dtype, seed=10)
@@ -41,7 +23,7 @@ def test_tree_attention_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 13, 150])  # 150: more splits than some sequences have keys
-@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[2], SHAPES[3]], ids=["9-3", "24-3", "8-8-long"])
+@pytest.mark.parametrize("shape", [ATTENTION_SHAPES[1], ATTENTION_SHAPES[2], ATTENTION_SHAPES[3]], ids=["9-3", "24-3", "8-8-long"])
 @pytest.mark.covers("tree_attention_partial", "adversarial_shapes")
 def test_tree_attention_partial_matches_reference_on_splits(shape, num_splits):
     q, k, v, lens, mask = make_inputs(*shape, dtype=torch.float32, seed=20)
@@ -71,7 +53,7 @@ def test_tree_attention_few_rows_streaming_path_with_splits(num_splits, dtype):
 
 
 def test_tree_attention_noncontiguous_q_and_padded_mask():
-    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=61)
+    q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=61)
     q_strided = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
     padded = torch.cat([mask, torch.full_like(mask, -1)], dim=2)  # extra words are ignored
     out, lse = ops.tree_attention(q_strided, k, v, lens, padded, num_splits=2)
@@ -113,7 +95,7 @@ def test_tree_attention_reads_layer_slices_of_one_cache_buffer():
 
 
 def test_tree_attention_scale_argument():
-    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=30)
+    q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=30)
     out, lse = ops.tree_attention(q, k, v, lens, mask, scale=0.3)
     ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask, scale=0.3)
     torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
@@ -164,13 +146,13 @@ def test_merge_attention_states_adversarial_shapes(shape):
 
 
 def test_tree_attention_opcheck():
-    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=40)
+    q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=40)
     torch.library.opcheck(torch.ops.jakiro.tree_attention.default, (q, k, v, lens, mask, None, 2))
     torch.library.opcheck(torch.ops.jakiro.tree_attention.default, (q.bfloat16(), k.bfloat16(), v.bfloat16(), lens, mask))
 
 
 def test_tree_attention_partial_opcheck():
-    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=41)
+    q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=41)
     torch.library.opcheck(torch.ops.jakiro.tree_attention_partial.default, (q, k, v, lens, mask, 3, None))
 
 
@@ -180,7 +162,7 @@ def test_merge_attention_states_opcheck():
 
 
 def test_tree_attention_bad_input_errors():
-    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=50)
+    q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=50)
     cases = [
         (dict(q=q[0]), r"q must have 4 dimensions \[B, T, Hq, D\]"),
         (dict(k_cache=k[:, :2]), r"multiple of KV heads"),
@@ -205,7 +187,7 @@ def test_tree_attention_bad_input_errors():
 
 
 def test_tree_attention_partial_bad_input_errors():
-    q, k, v, lens, mask = make_inputs(*SHAPES[1], dtype=torch.float32, seed=51)
+    q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=51)
     with pytest.raises(RuntimeError, match="num_splits must be >= 1, got 0"):
         ops.tree_attention_partial(q, k, v, lens, mask, 0)
     with pytest.raises(RuntimeError, match=r"jakiro::tree_attention_partial: q must have 4 dimensions"):

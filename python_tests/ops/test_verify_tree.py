@@ -5,43 +5,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import gen, randn, random_parents
+from conftest import gen
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
+from op_cases.head_verify import SAMPLING_FILTERS, assert_same, make_tree
 
-
-def plant_acceptable_paths(parents, tokens, logits, seed, p_plant=0.7):
-    """Make the target agree with some drafted children: at each node, with probability
-    p_plant, the target's argmax becomes the token of one of its children."""
-    g = gen(seed)
-    B, T = parents.shape
-    for b in range(B):
-        for node in range(T):
-            children = [c for c in range(T) if int(parents[b, c]) == node]
-            if children and float(torch.rand(1, generator=g)) < p_plant:
-                c = children[int(torch.randint(len(children), (1,), generator=g))]
-                logits[b, node, tokens[b, c]] = logits[b, node].max() + 3.0
-    return logits
-
-
-def make_tree(B, T, V, seed, dtype=torch.float32, duplicates=True):
-    parents = random_parents(B, T, seed=seed, max_children=6)
-    tokens = torch.randint(0, V, (B, T), generator=gen(seed + 1))
-    if duplicates:  # siblings proposing the same token (two experts agreeing)
-        for b in range(B):
-            for c in range(2, T):
-                if int(parents[b, c]) == int(parents[b, c - 1]) and c % 3 == 0:
-                    tokens[b, c] = tokens[b, c - 1]
-    logits = randn(B, T, V, seed=seed + 2, scale=2.0)
-    logits = plant_acceptable_paths(parents, tokens, logits, seed + 3).to(dtype)
-    uniforms = torch.rand(B, T + 1, generator=gen(seed + 4), dtype=torch.float64)
-    return parents, tokens, logits, uniforms
-
-
-def assert_same(got, want):
-    for g, w in zip(got, want):
-        assert g.dtype == torch.int64
-        assert torch.equal(g, w), (g, w)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -64,11 +32,9 @@ def test_verify_tree_matches_reference_greedy(B, T, V, dtype):
         assert int(accept_len.max()) >= 1  # the planted paths are found
 
 
-SAMPLING = [(1.0, 1.0, 0), (0.6, 1.0, 0), (1.5, 0.9, 0), (0.8, 0.5, 0), (1.0, 1.0, 5), (0.7, 0.8, 20), (1.0, 0.05, 0)]
-
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("temperature,top_p,top_k", SAMPLING)
+@pytest.mark.parametrize("temperature,top_p,top_k", SAMPLING_FILTERS)
 @pytest.mark.parametrize("B,T,V", [(4, 1, 7), (6, 60, 97), (2, 26, 5000)])
 def test_verify_tree_matches_reference_sampling(B, T, V, temperature, top_p, top_k, dtype):
     parents, tokens, logits, uniforms = make_tree(B, T, V, seed=3 * T + V, dtype=dtype)

@@ -12,14 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import jakiro_ext
 from jakiro_ext import atomic
 from jakiro_ext.cli import main
-from jakiro_ext.training.corpus import CorpusSequence, CorpusWriter, generate_corpus, read_corpus_meta, read_shard
+from jakiro_ext.training.corpus import generate_corpus, read_corpus_meta, read_shard
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.training.train import previous_checkpoint, read_checkpoint, write_checkpoint

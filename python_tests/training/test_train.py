@@ -17,12 +17,8 @@ from jakiro_ext.training.loss import evaluate
 from jakiro_ext.training.train import train_head
 from jakiro_ext.training.trainset import TrainSetWriter, load_trainset, select_draft_vocab
 from jakiro_ext.training.corpus import generate_greedy_batched
-from helpers import copy_head, make_examples, prompt, tiny_target
+from helpers import copy_head, make_examples, prompt
 
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
 
 
 def test_batched_generation_matches_decoding_each_prompt_alone(target):

@@ -14,13 +14,8 @@ from jakiro_ext.training.train import train_head
 from jakiro_ext.training.features import attach_target_probs
 from jakiro_ext.training.feature_cache import target_probs_file
 from jakiro_ext.training.head_forward import routed_experts, train_forward
-from helpers import tiny_target
 from helpers import make_examples
 
-
-@pytest.fixture(scope="module")
-def target():
-    return tiny_target()
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,8 @@
-// CPU kernel of tree verification: greedy, and lossless sampling by recursive rejection with
-// q = 1 (EAGLE-2 / SpecInfer style) on the filtered target distribution.
+// CPU kernel of tree verification: greedy (the target's argmax), and lossless sampling on the
+// filtered target distribution by the rules of jakiro/sampling.h (recursive rejection, q = 1).
 //
-// Sampling at a node: p = filter(softmax(logits / temperature)) (top-k, then top-p). Its
-// children are tried in index order: child c with token x is accepted when
-// uniforms[c] * total < p(x), where total is the mass left; otherwise p(x) is removed
-// (total -= p(x), p(x) = 0) and the next child is tried; a child repeating an earlier
-// sibling's token is skipped. If no child is accepted (or the node is a leaf) the bonus
-// token is drawn from what is left by inverse CDF with uniforms[T]. Each node is tested at
-// most once per step, which is why T + 1 draws suffice.
+// Sampling at a node: p = filter(softmax(logits / temperature)) (top-k, then top-p), built here
+// one node at a time; the children test and the bonus draw follow jakiro/sampling.h.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -17,6 +12,7 @@
 #include <limits>
 #include <vector>
 
+#include "jakiro/sampling.h"
 #include "jakiro/softmax.h"
 #include "jakiro/tree.h"
 #include "ops.h"
@@ -108,29 +104,17 @@ int64_t sampling_walk(const int64_t* parents, const int64_t* tokens, int64_t T, 
   int64_t node = 0, length = 0;
   path[length++] = 0;
   while (true) {
-    double total = filtered_distribution(logits + node * V, V, sp, w, order);
+    const double total = filtered_distribution(logits + node * V, V, sp, w, order);
     if (total < 0.0) return abandon_walk(path, length, bonus);
-    int64_t accepted = -1, last_tried = -1;
-    for (int64_t c = next_child(parents, T, node, node); c >= 0; c = next_child(parents, T, node, c)) {
-      if (is_duplicate_sibling(parents, tokens, node, c)) continue;
-      const int64_t x = tokens[c];
-      if (u[c] * total < w[x]) {
-        accepted = c;
-        break;
-      }
-      total -= w[x];
-      w[x] = 0.0;
-      last_tried = c;
-    }
+    const ChildrenTest test = test_children(parents, tokens, T, node, u, total, w.data(), V);
+    int64_t accepted = test.accepted;
     if (accepted < 0) {
-      const int64_t token = sample_from(w, total, u[T]);
-      // No mass left: the rejected children held all of it and only rounding rejected the last
-      // one, which the exact test accepts with probability 1.
-      if (token >= 0 || last_tried < 0) {
+      const int64_t token = sample_from(w, test.mass_left, u[T]);
+      accepted = child_rounding_rejected(token, test.last_tried);
+      if (accepted < 0) {
         *bonus = token;
         return length;
       }
-      accepted = last_tried;
     }
     path[length++] = accepted;
     node = accepted;

@@ -1,19 +1,21 @@
-// GPU kernels of tree verification (the CPU kernel and its rules: cpu/verify_tree.cpp).
+// GPU kernels of tree verification (the CPU kernel: cpu/verify_tree.cpp; the sampling rules both
+// follow: jakiro/sampling.h).
 //
 // Greedy (temperature 0): the target's argmax at every (sequence, node) in parallel, a block
 // each (ties: lowest index; -1 for a row with a NaN or +inf logit or only -inf, like the CPU's
 // argmax_at); then jakiro::greedy_walk, one thread per sequence.
-// Sampling: one block per sequence walks its tree. At each visited node the block builds the
-// filtered distribution in a float64 scratch row w[V] exactly like the CPU's
-// filtered_distribution (top-k threshold and the top-p set by the block selection of
-// kernels/block_topk.cuh; the top-p mass is summed in rank order like the CPU), thread 0 tests
-// the children in order, and on rejection the block draws the bonus token by inverse CDF in
-// token order (block prefix sums over contiguous per-thread chunks). Every decision is taken
+// Sampling: one block per sequence walks its tree by the rules of jakiro/sampling.h. At each
+// visited node the block builds the filtered distribution in a float64 scratch row w[V] exactly
+// like the CPU's filtered_distribution (top-k threshold and the top-p set by the block selection
+// of kernels/block_topk.cuh; the top-p mass is summed in rank order like the CPU), thread 0 tests
+// the children (test_children), and on rejection the block draws the bonus token by inverse CDF
+// in token order (block prefix sums over contiguous per-thread chunks). Every decision is taken
 // from shared memory, so control flow stays block-uniform.
 #pragma once
 
 #include "cuda/device.h"
 #include "cuda/kernels/block_topk.cuh"
+#include "jakiro/sampling.h"
 #include "jakiro/tree.h"
 
 namespace jakiro::gpu {
@@ -335,24 +337,10 @@ __global__ void __launch_bounds__(THREADS) verify_sampling_kernel(VerifyParams p
       break;
     }
     if (threadIdx.x == 0) {
-      double left = total;
-      int64_t accepted = -1, last_tried = -1;
-      for (int64_t c = next_child(parents, T, node, node); c >= 0; c = next_child(parents, T, node, c)) {
-        if (is_duplicate_sibling(parents, tokens, node, c)) continue;
-        const int64_t x = tokens[c];
-        const bool valid = x >= 0 && x < V;  // token ids are not checked on the GPU: others weigh 0
-        const double wx = valid ? w[x] : 0.0;
-        if (u[c] * left < wx) {
-          accepted = c;
-          break;
-        }
-        left -= wx;
-        if (valid) w[x] = 0.0;
-        last_tried = c;
-      }
-      sh.child = accepted;
-      sh.last_tried = last_tried;
-      sh.total = left;
+      const ChildrenTest test = test_children(parents, tokens, T, node, u, total, w, V);
+      sh.child = test.accepted;
+      sh.last_tried = test.last_tried;
+      sh.total = test.mass_left;
     }
     __syncthreads();
     int64_t accepted = sh.child;
@@ -360,16 +348,14 @@ __global__ void __launch_bounds__(THREADS) verify_sampling_kernel(VerifyParams p
     const double left = sh.total;
     if (accepted < 0) {
       const int64_t token = block_sample_from(w, V, left, u[T], sh);
-      // No mass left: the rejected children held all of it and only rounding rejected the last
-      // one, which the exact test accepts with probability 1.
-      if (token >= 0 || last_tried < 0) {
+      accepted = child_rounding_rejected(token, last_tried);
+      if (accepted < 0) {
         if (threadIdx.x == 0) {
           p.bonus[b] = token;
           p.accept_len[b] = length - 1;
         }
         break;
       }
-      accepted = last_tried;
     }
     if (threadIdx.x == 0) path[length] = accepted;
     ++length;

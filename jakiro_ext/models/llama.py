@@ -6,6 +6,7 @@ Weights come from a Hugging Face transformers model (``LlamaModel.from_hf``).
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -41,6 +42,9 @@ class LlamaConfig:
     # Llama 3's RoPE frequency scaling ("llama3": factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings); None: plain RoPE.
     rope_scaling: Optional[dict] = None
+    # The model's name (its directory's or hub id's last part; "" when unknown): a head made for
+    # another model is named in a warning (heads.DraftHead.check_target).
+    name: str = ""
 
     @classmethod
     def from_hf(cls, hf) -> "LlamaConfig":
@@ -75,7 +79,8 @@ class LlamaConfig:
                    rope_theta=float(theta), rms_norm_eps=hf.rms_norm_eps, qkv_bias=qkv_bias,
                    tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
                    sliding_window=getattr(hf, "sliding_window", None) if use_window else None,
-                   max_position_embeddings=getattr(hf, "max_position_embeddings", None), rope_scaling=scaling)
+                   max_position_embeddings=getattr(hf, "max_position_embeddings", None), rope_scaling=scaling,
+                   name=model_name(getattr(hf, "name_or_path", "") or ""))
 
 
 class RMSNorm(nn.Module):
@@ -360,6 +365,12 @@ class LlamaModel(nn.Module):
 
 
 _CONVERTED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transformers model -> LlamaModel
+
+
+def model_name(name_or_path: str) -> str:
+    """A model's name from its hub id or directory: the last part (``HuggingFaceTB/SmolLM2-135M``
+    and ``/models/SmolLM2-135M/`` are both ``SmolLM2-135M``)."""
+    return Path(str(name_or_path).rstrip("/\\")).name
 
 
 def as_target(model) -> LlamaModel:

@@ -147,6 +147,28 @@ def test_loading_for_the_wrong_target_is_an_error(tmp_path):
         DraftConfig.for_target(other.config, "jakiro", num_experts=1)
 
 
+def test_a_head_named_for_another_model_loads_with_a_warning_naming_both(tmp_path):
+    # The shapes fit, so the head works (the output is exact whatever the head), but its config
+    # names another model: said once, never silent; the same model by another path is no warning.
+    import warnings
+
+    from jakiro_ext.models.llama import model_name
+
+    target = tiny_target()
+    head = make_head(target, "jakiro")
+    head.config.target = "SmolLM2-360M-Instruct"
+    head.save(tmp_path / "head")
+    target.config.name = "SmolLM2-135M-Instruct"
+    with pytest.warns(UserWarning, match=r"made for 'SmolLM2-360M-Instruct', but the target is 'SmolLM2-135M-Instruct'"):
+        DraftHead.load(tmp_path / "head", target)
+    for same in ("HuggingFaceTB/smollm2-360m-instruct", "/models/SmolLM2-360M-Instruct/", ""):
+        target.config.name = same
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            DraftHead.load(tmp_path / "head", target)
+    assert model_name("HuggingFaceTB/SmolLM2-135M") == model_name("/m/SmolLM2-135M/") == "SmolLM2-135M"
+
+
 @pytest.mark.parametrize("kind", ["eagle2", "jakiro", "gumiho", "jakiro_gumiho"])
 def test_training_time_test_unroll_is_what_drafting_computes(kind):
     """Step s of the unroll, row i, equals the causal forward over the sequence's first i + 1

@@ -272,6 +272,7 @@ def test_a_transformers_model_is_a_target(tmp_path):
     hf = transformers.LlamaForCausalLM(cfg).eval()
     converted = as_target(hf)
     assert isinstance(converted, LlamaModel) and as_target(hf) is converted and as_target(converted) is converted
+    assert converted.config.name == ""  # a model made in memory has no name
     head = full_vocabulary_head(converted, "eagle2")
     write_released(tmp_path / "head", head, converted)
     loaded = DraftHead.load(tmp_path / "head", hf)

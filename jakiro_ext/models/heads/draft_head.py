@@ -21,6 +21,7 @@ bias; the embedding comes first in the concat. Layer 0's weights are the head's 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -37,7 +38,7 @@ from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, CONFIG_FILE, WEIGHT
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.heads.drafting import Products
-from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target
+from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, model_name
 
 
 def _add_layer_weights(module: nn.Module, c: DraftConfig, dense: bool = True) -> None:
@@ -172,12 +173,18 @@ class DraftHead(nn.Module):
         return self.draft_to_target[draft_ids] if self.config.draft_vocab_size else draft_ids
 
     def check_target(self, target: LlamaModel) -> None:
-        """A head made for another target (hidden size, vocabulary) is a ValueError."""
+        """A head made for another target is a ValueError when the shapes differ (hidden size,
+        vocabulary), and a warning when they fit but the head's config names another model (the
+        output stays exact, the drafts are the other model's guesses)."""
         c, t = self.config, target.config
         for name, mine, theirs in (("hidden_size", c.hidden_size, t.hidden_size), ("vocab_size", c.vocab_size, t.vocab_size)):
             if mine != theirs:
                 raise ValueError(f"the draft head was made for a target with {name} {mine}, but this target has "
                                  f"{name} {theirs}" + (f" (the head's target: {c.target})" if c.target else ""))
+        if c.target and t.name and model_name(c.target).lower() != model_name(t.name).lower():
+            warnings.warn(f"the draft head was made for {c.target!r}, but the target is {t.name!r}: the output is "
+                          f"exact all the same, but expect fewer drafts accepted than the head's profile says",
+                          stacklevel=3)
 
     def bind(self, target: LlamaModel) -> "DraftHead":
         """Share the target's embedding and LM head (its draft-vocabulary rows); a head made for

@@ -18,7 +18,7 @@ from jakiro_ext.engine.round import Round, RoundResult
 from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, no_distribution_error
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.methods import BASELINE, METHODS, Method
-from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.head import Head
 from jakiro_ext.models.llama import LlamaModel
 
 # Called with True when a round starts and False when it ends: a diagnostic's hook
@@ -32,7 +32,7 @@ class DecodeBatch:
     along in the forwards (lengths held at 0) until they are more than the busy ones, when the
     rows are compacted."""
 
-    def __init__(self, target: LlamaModel, draft: Optional[DraftHead], method: Method, policy: TreePolicy,
+    def __init__(self, target: LlamaModel, draft: Optional[Head], method: Method, policy: TreePolicy,
                  s: DecodeSettings, max_rows: int):
         """``policy``: each round's tree; the caches are sized by the largest of its trees."""
         self.target, self.draft, self.method, self.policy, self.settings = target, draft, method, policy, s

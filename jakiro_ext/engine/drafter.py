@@ -13,7 +13,7 @@ from jakiro_ext import ops
 from jakiro_ext.engine.tree import DraftTree, VerifyTree
 from jakiro_ext.kv_cache import KVCache, TreeKV
 from jakiro_ext.methods import CONTRASTIVE, EXPERTS, FORWARD_KINDS, MLP, Method
-from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.head import Head
 from jakiro_ext.models.heads.step import DraftStep, take_rows
 from jakiro_ext.models.llama import PREFILL_CHUNK
 from jakiro_ext.ops.masks import causal_tree_mask, diagonal_mask
@@ -50,7 +50,7 @@ class Drafter:
     and come in as arguments. With a method that drafts nothing (plain decoding) it drafts the
     one-node tree, the root alone."""
 
-    def __init__(self, head: Optional[DraftHead], method: Method, tree):
+    def __init__(self, head: Optional[Head], method: Method, tree):
         self.head, self.method, self.tree = head, method, tree
         self.forwards = 0
         self._plan: Optional[list] = None  # a static tree's index tensors (_static_plan)
@@ -67,7 +67,7 @@ class Drafter:
         self.scratch = max(tree.top_k, self.max_nodes) if self.drafts else 0
 
     @staticmethod
-    def check(head: Optional[DraftHead], method: Method, tree) -> bool:
+    def check(head: Optional[Head], method: Method, tree) -> bool:
         """The method's needs of the head and the tree (a ValueError if unmet); whether it drafts at all."""
         if not method.drafts:
             return False

@@ -34,7 +34,7 @@ from jakiro_ext.engine.graphs import MODES
 from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, GenerationOutput, check_room
 from jakiro_ext.engine.policy import TreePolicy, largest_tree, tree_policy
 from jakiro_ext.methods import METHOD_NAMES, METHODS, Method, method_for_head
-from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.head import Head
 from jakiro_ext.models.llama import LlamaModel, as_target
 
 GRAPH_MODES = ("eager", *MODES)  # how a round's device work is launched (speculative_generate's graphs)
@@ -137,8 +137,8 @@ def _decode(target, draft, method: Method, policy: TreePolicy, s: DecodeSettings
 def _settings(target, draft, method, tree, max_new_tokens, temperature, top_p, top_k, eos_token_id, seed,
               max_cache_len, on_tokens, keep_features: bool = False, graphs: str = "eager"):
     """The checked arguments shared by the entry points: (Method, DecodeSettings)."""
-    if draft is not None and not isinstance(draft, DraftHead):
-        raise TypeError(f"draft must be a DraftHead or None, got {type(draft).__name__}")
+    if draft is not None and not isinstance(draft, Head):
+        raise TypeError(f"draft must be a draft head (DraftHead, Eagle3Head) or None, got {type(draft).__name__}")
     max_new_tokens, temperature, top_p, top_k, seed = check_sampling_options(max_new_tokens, temperature, top_p,
                                                                              top_k, seed)
     eos = _eos_ids(eos_token_id)
@@ -196,7 +196,7 @@ _DOC_OPTIONS = """
 """
 
 
-def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_ids, max_new_tokens: int = 128, *,
+def speculative_generate(target: LlamaModel, draft: Optional[Head], input_ids, max_new_tokens: int = 128, *,
                          lengths=None, method: Optional[str] = None, tree: Optional[TreeConfig] = None,
                          temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None,
                          seed: int = 0, max_cache_len: Optional[int] = None, on_tokens: Optional[Callable] = None,
@@ -251,7 +251,7 @@ def speculative_generate(target: LlamaModel, draft: Optional[DraftHead], input_i
     return [outputs[i] for i in range(len(seqs))] if batched else outputs[0]
 
 
-def generate_many(target: LlamaModel, draft: Optional[DraftHead], requests, max_batch_size: int = 8,
+def generate_many(target: LlamaModel, draft: Optional[Head], requests, max_batch_size: int = 8,
                   max_new_tokens: int = 128, *, method: Optional[str] = None, tree: Optional[TreeConfig] = None,
                   temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, eos_token_id=None, seed: int = 0,
                   max_cache_len: Optional[int] = None, on_tokens: Optional[Callable] = None,

@@ -77,6 +77,22 @@ def tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale: Optional[
 
 
 # ----------------------------------------------------------------------------- MoE block
+def route_top2(router_logits, num_experts: int, renormalize: bool = False):
+    """Jakiro's routing from the router's float32 logits [..., N + 2]: (score [..., 2], idx
+    [..., 2], contrast [..., 2]). The two most probable of the N experts under a softmax over the
+    first N logits (ties: the lower expert first), their probabilities (renormalized to sum to 1
+    with ``renormalize``), and the contrastive weights, a softmax over the last two logits sorted
+    descending. Differentiable; the one definition the reference, training and the serving
+    classes route by (moe_top2's kernels are tested against it)."""
+    N = num_experts
+    score, idx = torch.sort(torch.softmax(router_logits[..., :N], dim=-1), dim=-1, descending=True, stable=True)
+    score, idx = score[..., :2], idx[..., :2]
+    if renormalize:
+        score = score / score.sum(dim=-1, keepdim=True)
+    contrast = torch.softmax(router_logits[..., N:], dim=-1).sort(dim=-1, descending=True).values
+    return score, idx, contrast
+
+
 def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
     """Loop over the experts (the Mixtral / Hugging Face formulation)."""
     H = x.shape[-1]
@@ -85,12 +101,7 @@ def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
     logits = x2.float() @ router_weight.float().T  # [M, N + 2]
     routed = logits.isfinite().all(-1)  # a token with a non-finite router logit has no routing
     logits = logits.masked_fill(~routed.unsqueeze(-1), 0.0)
-    probs = torch.softmax(logits[:, :N], dim=-1)
-    score, idx = torch.sort(probs, dim=-1, descending=True, stable=True)
-    score, idx = score[:, :2], idx[:, :2]
-    if renormalize:
-        score = score / score.sum(dim=-1, keepdim=True)
-    contrast = torch.softmax(logits[:, N:], dim=-1).sort(dim=-1, descending=True).values
+    score, idx, contrast = route_top2(logits, N, renormalize)
     idx = idx.masked_fill(~routed.unsqueeze(-1), -1)
     score = score.masked_fill(~routed.unsqueeze(-1), math.nan)
     contrast = contrast.masked_fill(~routed.unsqueeze(-1), math.nan)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext.models.rope import rope_cos_sin, rotary
-from jakiro_ext.ops.reference import rms_norm
+from jakiro_ext.ops.reference import rms_norm, route_top2
 from jakiro_ext.serving.format import blocked_tokens
 
 
@@ -45,9 +45,7 @@ class JakiroMoE(nn.Module):
     def routing(self, x: torch.Tensor) -> torch.Tensor:
         """[..., N]: each row's weight of every expert (the two routed ones' scores, else 0)."""
         logits = x.float() @ self.router.float().T
-        score, idx = torch.softmax(logits[..., :self.num_experts], -1).topk(2, dim=-1)
-        if self.renormalize:
-            score = score / score.sum(-1, keepdim=True)
+        score, idx, _ = route_top2(logits, self.num_experts, self.renormalize)
         return torch.zeros_like(logits[..., :self.num_experts]).scatter(-1, idx, score)
 
     def forward(self, x: torch.Tensor, *_, **__) -> torch.Tensor:

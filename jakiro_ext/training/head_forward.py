@@ -13,6 +13,7 @@ from torch import nn
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.rope import rope_cos_sin, rotary
+from jakiro_ext.ops.reference import route_top2
 from jakiro_ext.profiling import scope
 
 
@@ -61,10 +62,7 @@ def train_forward(head: DraftHead, tokens: torch.Tensor, features: torch.Tensor,
             N = c.num_experts
             with torch.autocast(normed.device.type, enabled=False):  # routing in fp32, as drafting routes
                 logits = normed.float() @ head.router.float().T  # [B, T, N + 2]
-            score, idx = torch.softmax(logits[..., :N], -1).topk(2, dim=-1)
-            if c.renormalize:
-                score = score / score.sum(-1, keepdim=True)
-            contrast = torch.softmax(logits[..., N:], -1).sort(-1, descending=True).values
+            score, idx, contrast = route_top2(logits, N, c.renormalize)
             expert_out = routed_experts(head, normed.reshape(B * T, -1), idx.reshape(B * T, 2)).view(B, T, 2, -1)
             return expert_out, score, contrast
 

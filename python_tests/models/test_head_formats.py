@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.head import Head
 from helpers import copy_head, prompt, random_head, tiny_target
 
 TREE = TreeConfig(12, 3, 4)
@@ -374,6 +375,9 @@ def test_eagle3_heads_load_read_three_target_layers_and_decode_losslessly(tmp_pa
     state = write_eagle3(tmp_path / "e3")
     head = DraftHead.load(tmp_path / "e3", hf)  # (the transformers model itself as the target)
     assert isinstance(head, Eagle3Head) and head.feature_layers == (2, 3, 3)
+    # Beside DraftHead, not a kind of it: both are the engine's Head.
+    assert isinstance(head, Head) and not isinstance(head, DraftHead) and isinstance(random_head(target, "eagle2"), Head)
+    assert isinstance(Eagle3Head.load(tmp_path / "e3", target), Eagle3Head)
     # The head over the prompt = EAGLE-3's layer computed from the checkpoint's own tensors.
     n = ids.numel() - 1
     cache = head.new_cache(n + 1)

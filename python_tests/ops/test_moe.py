@@ -54,6 +54,27 @@ def test_moe_top2_ties_pick_the_lower_expert_first():
     assert torch.equal(idx[positive], torch.tensor([[1, 2]]).expand(int(positive.sum()), 2))
 
 
+def test_moe_routing_is_one_definition_in_the_kernel_training_and_serving():
+    # route_top2 is the routing the kernel is held to; the training forward and the serving
+    # class route by it, so all three pick the same experts, ties included (lower expert first).
+    from jakiro_ext.serving.layers import JakiroMoE
+
+    x, router, w_gate, w_up, w_down = make_moe((9,), 32, 16, 4, torch.float32, seed=8)
+    router[2] = router[1]  # experts 1 and 2 tie in every row
+    for renormalize in (False, True):
+        _, _, idx, score, contrast = ops.moe_top2(x, router, w_gate, w_up, w_down, renormalize)
+        r_score, r_idx, r_contrast = reference.route_top2(x @ router.T, 4, renormalize)
+        assert torch.equal(idx, r_idx)
+        torch.testing.assert_close(score, r_score)
+        torch.testing.assert_close(contrast, r_contrast)
+        block = JakiroMoE(32, 16, 4, renormalize)
+        with torch.no_grad():
+            block.router.copy_(router)
+        weights = block.routing(x)
+        assert torch.equal(weights.nonzero()[:, 1].view(-1, 2), idx.sort(-1).values)
+        torch.testing.assert_close(weights.gather(1, idx), score)
+
+
 def test_moe_top2_opcheck():
     args = make_moe((2, 5), 32, 24, 4, torch.float32, seed=9)
     torch.library.opcheck(torch.ops.jakiro.moe_top2.default, args + (True,))

@@ -21,7 +21,6 @@ bias; the embedding comes first in the concat. Layer 0's weights are the head's 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -38,7 +37,8 @@ from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, CONFIG_FILE, WEIGHT
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.heads.drafting import Products
-from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, model_name
+from jakiro_ext.models.heads.head import Head, check_target_of, check_target_shapes, load_checked_state, new_head_cache
+from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target
 
 
 def _add_layer_weights(module: nn.Module, c: DraftConfig, dense: bool = True) -> None:
@@ -173,18 +173,9 @@ class DraftHead(nn.Module):
         return self.draft_to_target[draft_ids] if self.config.draft_vocab_size else draft_ids
 
     def check_target(self, target: LlamaModel) -> None:
-        """A head made for another target is a ValueError when the shapes differ (hidden size,
-        vocabulary), and a warning when they fit but the head's config names another model (the
-        output stays exact, the drafts are the other model's guesses)."""
-        c, t = self.config, target.config
-        for name, mine, theirs in (("hidden_size", c.hidden_size, t.hidden_size), ("vocab_size", c.vocab_size, t.vocab_size)):
-            if mine != theirs:
-                raise ValueError(f"the draft head was made for a target with {name} {mine}, but this target has "
-                                 f"{name} {theirs}" + (f" (the head's target: {c.target})" if c.target else ""))
-        if c.target and t.name and model_name(c.target).lower() != model_name(t.name).lower():
-            warnings.warn(f"the draft head was made for {c.target!r}, but the target is {t.name!r}: the output is "
-                          f"exact all the same, but expect fewer drafts accepted than the head's profile says",
-                          stacklevel=3)
+        """A head made for another target is an error, or a warning when only its name differs
+        (:func:`jakiro_ext.models.heads.head.check_target_shapes`)."""
+        check_target_shapes(self.config, target)
 
     def bind(self, target: LlamaModel) -> "DraftHead":
         """Share the target's embedding and LM head (its draft-vocabulary rows); a head made for
@@ -222,12 +213,12 @@ class DraftHead(nn.Module):
         write_head_files(path, config, state, dtype, {"kind": self.config.kind, **(metadata or {})}, extra)
 
     @classmethod
-    def load(cls, path, target: Optional[LlamaModel] = None, format: Optional[str] = None) -> "DraftHead":
+    def load(cls, path, target: Optional[LlamaModel] = None, format: Optional[str] = None) -> Head:
         with memory_errors(f"loading the draft head {path}"):
             return cls._load(path, target, format)
 
     @classmethod
-    def _load(cls, path, target: Optional[LlamaModel], format: Optional[str]) -> "DraftHead":
+    def _load(cls, path, target: Optional[LlamaModel], format: Optional[str]) -> Head:
         """Load a head (and bind it to ``target`` when given): saved by this package, or released
         in the EAGLE-1/2, Jakiro or EAGLE-3 format (:mod:`jakiro_ext.models.heads.formats`), recognised from
         its config and weight names (``format=`` forces one of ``head_formats.FORMATS``). A missing
@@ -244,36 +235,17 @@ class DraftHead(nn.Module):
         weights = None
         if format is None:
             format, weights = head_formats.recognise(path, raw)
-        head = head_formats.HEAD_FORMATS[format].read(cls, path, raw, lambda h: h._check_target_of(target, path),
+        head = head_formats.HEAD_FORMATS[format].read(cls, path, raw, lambda h: check_target_of(h, target, path),
                                                       weights)
         if (path / ACCEPTANCE_FILE).is_file():
             head.acceptance = read_acceptance(path / ACCEPTANCE_FILE)
         head.eval()
         return head.bind(target) if target is not None else head
 
-    def _check_target_of(self, target: Optional[LlamaModel], path: Path) -> None:
-        if target is not None:
-            try:
-                self.check_target(target)
-            except ValueError as exc:
-                raise ValueError(f"{path / CONFIG_FILE}: {exc}") from None
-
     def load_checked_state(self, state: dict, weights: Path) -> None:
-        """Load ``state`` after checking that it fits this head: names, shapes, finite values."""
-        mine = self.state_dict()
-        missing, unexpected = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-        problems = ([f"missing tensors {missing[:3]}"] if missing else []) + (
-            [f"unexpected tensors {unexpected[:3]}"] if unexpected else [])
-        problems += [f"{k} has shape {list(v.shape)}, expected {list(mine[k].shape)}"
-                     for k, v in state.items() if k in mine and v.shape != mine[k].shape][:3]
-        problems += [f"{k} has dtype {v.dtype}, expected {'a floating-point' if mine[k].is_floating_point() else 'an integer'}"
-                     " tensor" for k, v in state.items() if k in mine and (v.dtype == torch.bool or v.is_complex()
-                                                                          or v.is_floating_point() != mine[k].is_floating_point())][:3]
-        problems += [f"{k} holds non-finite values" for k, v in state.items()
-                     if v.is_floating_point() and not bool(torch.isfinite(v).all())][:3]
-        if problems:
-            raise ValueError(f"{weights} does not fit its {CONFIG_FILE}: " + "; ".join(problems))
-        self.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()})
+        """Load ``state`` after checking that it fits this head (:func:`head.load_checked_state`),
+        and its draft vocabulary."""
+        load_checked_state(self, state, weights)
         if self.config.draft_vocab_size:
             try:
                 self.set_draft_vocab(self.draft_to_target.clone())
@@ -287,9 +259,7 @@ class DraftHead(nn.Module):
     def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
         (default: fixed)."""
-        w = self.fc.weight
-        return KVCache(self.config.cache_shape(), batch, capacity, dtype=w.dtype, device=w.device,
-                       max_capacity=max_capacity)
+        return new_head_cache(self.config, self.fc.weight, capacity, max_capacity, batch)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()

@@ -30,6 +30,7 @@ from torch import nn
 from jakiro_ext.kv_cache import KVCache
 from jakiro_ext.models.heads.config import DraftConfig, write_head_files
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.head import check_target_shapes, load_checked_state, new_head_cache
 from jakiro_ext.models.heads.formats import (ATTENTION, MLP, HeadFormat, check_layer_config, read_weights, register,
                                              tensor_getter)
 from jakiro_ext.models.heads.step import DraftStep
@@ -61,12 +62,13 @@ class Eagle3Config:
     cache_shape = DraftConfig.cache_shape  # (the same fields: the draft cache's geometry)
 
 
-class Eagle3Head(DraftHead):
-    """An EAGLE-3 head with the drafting interface of :class:`DraftHead` (the engine drafts with it
-    as with a dense head: method ``eagle2``)."""
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 head: a :class:`~jakiro_ext.models.heads.head.Head` beside
+    :class:`~jakiro_ext.models.heads.draft_head.DraftHead` (the engine drafts with it as with a
+    dense head: method ``eagle2``). Loaded with ``DraftHead.load`` or :meth:`load`."""
 
     def __init__(self, config: Eagle3Config):
-        nn.Module.__init__(self)  # (its own layers: none of DraftHead's)
+        super().__init__()
         c = self.config = config
         H = c.hidden_size
         self.fc = nn.Linear(3 * H, H, bias=False)
@@ -91,8 +93,13 @@ class Eagle3Head(DraftHead):
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.draft_to_target[draft_ids]
 
+    @classmethod
+    def load(cls, path, target: Optional[LlamaModel] = None) -> "Eagle3Head":
+        """The released EAGLE-3 head in the directory ``path`` (bound to ``target`` when given)."""
+        return DraftHead.load(path, target, format="eagle3")
+
     def check_target(self, target: LlamaModel) -> None:
-        super().check_target(target)
+        check_target_shapes(self.config, target)
         layers = target.config.num_layers
         wanted = self.config.feature_layers or [2, layers // 2, layers - 3]
         if len(wanted) != 3 or not all(0 <= i < layers for i in wanted):
@@ -108,6 +115,13 @@ class Eagle3Head(DraftHead):
         self.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
         self.lm_head_weight = self.lm_head.weight.detach()
         return self
+
+    def products(self) -> drafting.Products:
+        """What drafting's products read (:func:`jakiro_ext.models.heads.drafting.drafting_products`)."""
+        return drafting.drafting_products(self)
+
+    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache:
+        return new_head_cache(self.config, self.fc.weight, capacity, max_capacity, batch)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -168,7 +182,7 @@ class Eagle3Head(DraftHead):
         if unknown:
             raise ValueError(f"{where}: tensors an eagle3 head does not have: {unknown[:4]}")
         head = cls(c)
-        head.load_checked_state(ours, Path(where))
+        load_checked_state(head, ours, Path(where))
         return head
 
     def released_files(self) -> tuple:

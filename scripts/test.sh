@@ -26,7 +26,7 @@ PYTHON="$VENV/bin/python" bash "$ROOT/scripts/gpu/run.sh" --dry-run probe build 
 echo "== C++ tests: kernel headers; GPU kernels under the SIMT emulator (fibers, threads + TSan)"
 cmake -S "$ROOT" -B "$ROOT/build/cmake" -DCMAKE_BUILD_TYPE=Release -DJAKIRO_WITH_TORCH=OFF > /dev/null
 cmake --build "$ROOT/build/cmake" -j 2 > /dev/null
-ctest --test-dir "$ROOT/build/cmake" --output-on-failure
+ctest --test-dir "$ROOT/build/cmake" --output-on-failure -j 2  # the two race checks (warp widths 32, 64) side by side
 
 if [ "${JAKIRO_TEST_HIP_BUILD:-1}" = "0" ]; then
   echo "== HIP compile check: left out (JAKIRO_TEST_HIP_BUILD=0)"

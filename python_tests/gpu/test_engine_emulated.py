@@ -1,7 +1,7 @@
 """The whole engine through the GPU kernels, without a GPU: ``ops.use_backend("simt32" | "simt64")``
 runs every op of speculative_generate on the CUDA kernels of csrc/cuda under the CPU SIMT emulator
 (warps of 32 and 64 lanes). Greedy float32 tokens equal the CPU engine's for every method and tree
-shape at batch sizes 1 and 3, and sampling follows the target distribution (chi-square, with its
+shape at batch sizes 1 and 3 (at 64 lanes every method on the widest tree, and the static tree), and sampling follows the target distribution (chi-square, with its
 negative control). On a machine with a GPU the same kernels run natively in the CUDA tests."""
 
 import threading
@@ -12,10 +12,9 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
-from helpers import PROMPTS, same
-from helpers import DYNAMIC_ONLY, HEAD_METHODS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution, power_at_shift, random_head, tiny_target, verified_token_p
+from helpers import (DYNAMIC_ONLY, HEAD_METHODS, PROMPTS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution,
+                     power_at_shift, random_head, same, tiny_target, verified_token_p)
 
-BACKENDS = ["simt32", "simt64"]
 NEW_TOKENS = 16
 # The tree shapes of test_generate with a smaller wide tree (the emulator is ~1000x slower than the
 # CPU kernels): a dynamic tree whose frontier (8) is wider than its depth, a deep narrow one, a static one.
@@ -23,11 +22,14 @@ EMULATED_TREES = {"dynamic-small": TREES["dynamic-small"], "dynamic-wide": TreeC
                   "static": TREES["static"]}
 CASES = [(k, m, t) for k, m in HEAD_METHODS for t in EMULATED_TREES if not (m in DYNAMIC_ONLY and t == "static")] + [
     (None, "ar", None)]
+# At warp width 64 every method once, on the widest tree (the most rows a kernel's lanes share),
+# and the static tree once: the engine code is the same at both widths, and every kernel's
+# 64-lane arithmetic is checked against its reference on adversarial shapes (python_tests/gpu).
+CASES_64 = [(k, m, "dynamic-wide") for k, m in HEAD_METHODS] + [("eagle2", "eagle2", "static"), (None, "ar", None)]
 
 
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind,method,tree", CASES)
+@pytest.mark.parametrize("backend,kind,method,tree", [("simt32", *case) for case in CASES] +
+                         [("simt64", *case) for case in CASES_64])
 def test_greedy_tokens_equal_the_cpu_engine(target, backend, kind, method, tree):
     tree = None if tree is None else EMULATED_TREES[tree]
     # The copy head's drafts are accepted (multi-token paths); the random head's, mostly rejected,

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from jakiro_ext import ops
 from jakiro_ext.cli.bench import cmd_bench
 from jakiro_ext.cli.common import DEFAULT_PROMPT, PROMPTS_FILE, activity
 from jakiro_ext.cli.corpus import cmd_calibrate, cmd_corpus
@@ -183,6 +184,10 @@ def main(argv=None) -> int:
         args = parser.parse_args(["demo"])
     command = {"generate": cmd_generate, "bench": cmd_bench, "demo": cmd_demo, "train": cmd_train,
                "corpus": cmd_corpus, "calibrate": cmd_calibrate}[args.command]
+    if not ops.compiled_available() and not ops.USE_REFERENCE:  # (the reference ops: only when asked for)
+        print(f"error: {ops.LOAD_ERROR} (JAKIRO_USE_REFERENCE=1 runs the slow pure-PyTorch reference ops instead)",
+              file=sys.stderr)
+        return 2
     activity.now, activity.saved = f"running {args.command}", ""
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if _main_thread() else None
     try:

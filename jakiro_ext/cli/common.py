@@ -20,6 +20,7 @@ from jakiro_ext.models import load_default_target
 from jakiro_ext.models.default import DEFAULT_MODEL
 from jakiro_ext.models.heads.config import MLP_HEAD_KINDS, MOE_KINDS, DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.formats import a_kind, read_config
 from jakiro_ext.models.llama import LlamaModel
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -47,6 +48,17 @@ def load_target(dtype_name: str, device: str = "cpu", directory: Optional[str] =
     return LlamaModel.from_hf(hf, dtype).to(device), tokenizer, Path(directory).name
 
 
+def check_head_directory(path: Optional[str]) -> None:
+    """A head directory given by an option exists and holds a readable config.json (checked again,
+    with its weights, when the head loads)."""
+    if path is None:
+        return
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"draft head directory {path} not found: a draft head directory holds config.json "
+                                f"and model.safetensors")
+    read_config(Path(path))
+
+
 def load_head(kind: str, path: Optional[str], target, model_name: str):
     """The head at ``path``, else the one shipped for the default model, else (said loudly on
     stderr) a randomly initialised head: lossless all the same, but it accepts almost nothing."""
@@ -56,7 +68,7 @@ def load_head(kind: str, path: Optional[str], target, model_name: str):
     if path is not None:
         head = DraftHead.load(path, target)
         if head.config.kind not in HEADS_FOR[kind]:
-            raise ValueError(f"{path} holds a {head.config.kind} head, but a {kind} head is needed")
+            raise ValueError(f"{path} holds {a_kind(head.config.kind)} head, but {a_kind(kind)} head is needed")
         return head
     print(f"warning: no trained {kind} head for {model_name} (looked in {shipped}); using a RANDOMLY initialised "
           f"head: the output is still exact, but almost no draft token will be accepted. Pass --{kind.replace('_', '-')}-head.",
@@ -139,10 +151,13 @@ class Runner:
         self.args = args
         self.tree = tree
         self.trees: Dict[str, TreeConfig] = {}
+        kinds = sorted({METHODS[m].shipped_head for m in methods if METHODS[m].drafts})
+        for kind in kinds:  # what can be checked of the heads' directories before the model loads
+            check_head_directory(getattr(args, f"{kind}_head"))
         activity.now = "loading the target model"
         self.target, self.tokenizer, self.name = load_target(args.dtype, args.device, args.target)
         self.heads: Dict[str, object] = {}
-        for kind in sorted({METHODS[m].shipped_head for m in methods if METHODS[m].drafts}):
+        for kind in kinds:
             activity.now = f"loading the {kind} draft head"
             self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, self.name)
         activity.now = "generating"
@@ -174,6 +189,10 @@ def print_stats(method: str, out: GenerationOutput) -> None:
     print(f"[{method}] {s.new_tokens} tokens in {s.wall_time_s:.2f} s ({s.tokens_per_s:.1f} tokens/s, prefill "
           f"{s.prefill_s * 1e3:.0f} ms); {s.target_forwards} target forwards, tau {s.tau:.2f}; "
           f"{s.draft_forwards} draft forwards; accepted-length histogram {s.accept_histogram}; stop: {s.stop_reason}")
+    rounds = len(s.accept_lengths)
+    if METHODS[method].drafts and s.plain_rounds:
+        print(f"[{method}] {s.plain_rounds} of {rounds} rounds were plain decoding: the tree chosen live found no "
+              f"draft tree that paid on this machine then (a busy machine, or a head that is rarely right)")
 
 
 @dataclass

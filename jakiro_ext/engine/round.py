@@ -163,6 +163,7 @@ class Round:
             seq.stats.target_forwards += 1
             seq.stats.draft_forwards += drafted
             seq.stats.accept_lengths.append(a)
+            seq.stats.plain_rounds += not drafter.drafts
             if s.keep_features:
                 seq.features.append(features[b, : a + 1])
             seq.root = new[a]

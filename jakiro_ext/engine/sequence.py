@@ -15,6 +15,9 @@ class GenerationStats:
     target_forwards: int = 0  # every target forward, the prompt's included
     draft_forwards: int = 0
     accept_lengths: List[int] = field(default_factory=list)  # drafted tokens accepted, per round
+    # Rounds that drafted nothing (plain decoding): every round of "ar"; with a head, the rounds
+    # where the tree chosen live was none (speculation did not pay on this machine, then).
+    plain_rounds: int = 0
     prefill_s: float = 0.0
     wall_time_s: float = 0.0
     # "eos", "max_new_tokens", "context_limit" (the target's max_position_embeddings came before
@@ -42,7 +45,8 @@ class GenerationStats:
         return dict(new_tokens=self.new_tokens, target_forwards=self.target_forwards,
                     draft_forwards=self.draft_forwards, tau=self.tau, tokens_per_s=self.tokens_per_s,
                     wall_time_s=self.wall_time_s, prefill_s=self.prefill_s,
-                    accept_histogram=self.accept_histogram, stop_reason=self.stop_reason)
+                    accept_histogram=self.accept_histogram, plain_rounds=self.plain_rounds,
+                    stop_reason=self.stop_reason)
 
 
 @dataclass

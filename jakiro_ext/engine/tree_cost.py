@@ -114,11 +114,13 @@ def batch_bucket(batch: int) -> int:
 
 
 @torch.no_grad()
-def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -> dict:
+def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, progress: bool = False) -> dict:
     """The seconds of each part of a round on this machine (see the module's docstring) for
     ``batch`` sequences decoding together, with the target and the head as given (their dtype
     and device, torch's thread count). A batch's target forward is measured up to
-    MAX_VERIFY_ROWS rows (batch x N)."""
+    MAX_VERIFY_ROWS rows (batch x N). ``progress``: a bar on stderr, a step per part measured."""
+    from tqdm import tqdm
+
     device = target.lm_head.weight.device
     B = batch
     g = torch.Generator().manual_seed(0)
@@ -140,8 +142,17 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
             state.load(b, None, started)
         return state, hidden
 
+    sizes = [n for n in SIZES if B * n <= MAX_VERIFY_ROWS]
+    bar = tqdm(total=2 + len(sizes) + len(WIDTHS) * len(depths) + 8, desc="measuring round costs", unit="part",
+               file=sys.stderr, disable=not progress, leave=False)
+
+    def timed(seconds: float) -> float:
+        bar.update()
+        return seconds
+
     state, hidden = batch_state(CONTEXT)
     short, _ = batch_state(SHORT_CONTEXT)
+    bar.update(2)
 
     def verify_once(n: int, state: BatchState = state):
         tokens = prompt[:n].expand(B, n)
@@ -154,24 +165,26 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1) -
     verify_once(1), verify_once(1, short)  # warm-up
     pairs = [(_seconds(lambda: verify_once(1)), _seconds(lambda: verify_once(1, short))) for _ in range(max(repeats, 5))]
     context_slope = max(0.0, statistics.median(a - b for a, b in pairs) / (CONTEXT - SHORT_CONTEXT))
-    verify = capped_by_larger({str(n): _median_seconds(lambda: verify_once(n), repeats)
-                               for n in SIZES if B * n <= MAX_VERIFY_ROWS})
+    verify = capped_by_larger({str(n): timed(_median_seconds(lambda: verify_once(n), repeats)) for n in sizes})
     draft, catch_up = {}, {}
     roots = prompt[:1].expand(B)
     for k in WIDTHS:
         for d in depths:
             drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k))
-            draft[f"{d},{k}"] = _median_seconds(lambda: drafter.draft(roots, state.draft_kv, state.root_step), repeats)
+            draft[f"{d},{k}"] = timed(_median_seconds(lambda: drafter.draft(roots, state.draft_kv, state.root_step),
+                                                      repeats))
     for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing)
-        catch_up[str(n)] = _median_seconds(
-            lambda: widest.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats)
+        catch_up[str(n)] = timed(_median_seconds(
+            lambda: widest.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats))
     catch_up = capped_by_larger(catch_up)
+    bar.close()
     return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, context_slope=context_slope, batch=B)
 
 
 def costs_key(target, head, method: str, batch: int = 1) -> str:
     """What the costs depend on: the CPU (or GPU), the threads, the dtype (and whether the steps
-    read bf16 copies of the weights: :meth:`LlamaModel.streamed_weights`) and the shapes."""
+    read bf16 copies of the weights: :meth:`LlamaModel.streamed_weights`), the shapes, and whether
+    the compiled kernels run (a run on the reference ops keeps its costs apart)."""
     device = target.lm_head.weight.device
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()) + \
         f"-{torch.get_num_threads()}t"
@@ -184,7 +197,8 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
     if target.streamed_weights() is not None:  # a bf16 checkpoint in float32: its steps read half the bytes
         dtype += "-bf16_weights"
     batched = f"-b{batch}" if batch > 1 else ""
-    return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}{batched}")
+    kernels = "" if ops.compiled_available() else "-reference"  # (never the compiled build's file)
+    return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}{batched}{kernels}")
 
 
 def costs_path(target, head, method: str, batch: int = 1, cache_dir: Optional[Path] = None) -> Path:
@@ -269,16 +283,18 @@ def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, prog
         costs = check_costs(json.loads(path.read_text()))
         if costs.get("build") == build:
             return costs
-        print(f"the cached costs {path} were measured with another build ({costs.get('build')}, this one "
-              f"{build}); measuring them again", file=sys.stderr)
+        print(f"note: the round costs cached for the tree choice ({path}) were measured by another build of "
+              f"jakiro_ext: measuring them again", file=sys.stderr)
     except FileNotFoundError:
         pass
     except (ValueError, UnicodeDecodeError, OSError) as exc:  # a cache: measured again
         print(f"warning: the cached costs {path} are damaged or unreadable ({exc}); measuring them again",
               file=sys.stderr)
     if progress:
-        print(f"measuring this machine's round costs once for the tree choice (cached in {path})", file=sys.stderr)
-    costs = dict(measure_costs(target, head, method, repeats=5 if batch == 1 else 3, batch=batch), build=build)
+        print(f"measuring this machine's round costs once for the tree choice (about a minute; cached in {path})",
+              file=sys.stderr)
+    costs = dict(measure_costs(target, head, method, repeats=5 if batch == 1 else 3, batch=batch, progress=progress),
+                 build=build)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(path, json.dumps(costs, indent=1) + "\n")

@@ -2,15 +2,66 @@
 failed when it did, and what the CPU kernels found of the CPU at run time."""
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
+import sys
 import warnings
-from typing import Optional, Tuple
+from pathlib import Path
+from typing import Dict, Optional, Tuple
 
 import torch
 
+KERNEL_SOURCES = (".h", ".cuh", ".cu", ".cpp")  # what setup.py installs as jakiro_ext/csrc
+
+
+def _kernel_sources(csrc: Path) -> Dict[str, bytes]:
+    return {str(f.relative_to(csrc)): f.read_bytes() for f in sorted(csrc.rglob("*")) if f.suffix in KERNEL_SOURCES}
+
+
+def installed_library(package: Path) -> Tuple[Optional[Path], str]:
+    """For the package imported from its source checkout (``setup.py`` and ``csrc/`` beside it:
+    run from the clone's root), which holds no compiled library of its own: the installed
+    build's library when that build was made from these very kernel sources (the installed
+    ``jakiro_ext/csrc`` copy equals ``csrc/``), else None; and why not, in a sentence."""
+    root = package.parent
+    if not ((root / "setup.py").is_file() and (root / "csrc").is_dir()):
+        return None, ""
+    for entry in sys.path:
+        installed = Path(entry or ".").resolve() / "jakiro_ext"
+        if installed == package.resolve() or not installed.is_dir():
+            continue
+        libraries = [f for suffix in importlib.machinery.EXTENSION_SUFFIXES for f in installed.glob("_C" + suffix)]
+        if not libraries:
+            continue
+        if _kernel_sources(installed / "csrc") != _kernel_sources(root / "csrc"):
+            return None, (f"jakiro_ext is imported from its source tree ({package}), whose csrc/ differs from the "
+                          f"installed build's ({installed}): install it again (pip install --no-build-isolation .), "
+                          f"or run from outside {root}")
+        return libraries[0], ""
+    return None, (f"jakiro_ext is imported from its source tree ({package}), and no installed build was found: "
+                  f"install it (bash scripts/demo.sh, or pip install --no-build-isolation .) and use that "
+                  f"environment's python (.venv/bin/python)")
+
+
+def _load_installed(library: Path):
+    """Load ``library`` as ``jakiro_ext._C`` (it registers torch.ops.jakiro.*)."""
+    spec = importlib.util.spec_from_file_location("jakiro_ext._C", library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["jakiro_ext._C"] = module
+    return module
+
+
 LOAD_ERROR: Optional[str] = None
 try:
-    from jakiro_ext import _C as compiled  # (registers torch.ops.jakiro.*)
+    try:
+        from jakiro_ext import _C as compiled  # (registers torch.ops.jakiro.*)
+    except ImportError as exc:
+        library, why = installed_library(Path(__file__).resolve().parents[1])
+        if library is None:
+            raise ImportError(why or str(exc)) from None
+        compiled = _load_installed(library)
 
     if compiled.torch_version.split("+")[0] != torch.__version__.split("+")[0]:
         LOAD_ERROR = (f"jakiro_ext was built against torch {compiled.torch_version} but torch {torch.__version__} "

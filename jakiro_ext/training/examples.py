@@ -7,7 +7,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.models.llama import LlamaModel, as_target
 
 
 @dataclass
@@ -22,7 +22,9 @@ class Example:
 
 @torch.no_grad()
 def target_features(target: LlamaModel, tokens: torch.Tensor) -> torch.Tensor:
-    """The target's final hidden states [n, H] of a token sequence (teacher forcing)."""
+    """The target's final hidden states [n, H] of a token sequence (teacher forcing); ``target``: a
+    LlamaModel or a transformers model (:func:`~jakiro_ext.models.llama.as_target`)."""
+    target = as_target(target)
     cache = target.new_cache(1, tokens.numel())
     _, hidden = target(tokens.unsqueeze(0), cache, last_logits_only=True)
     return hidden[0]

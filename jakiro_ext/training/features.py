@@ -3,8 +3,9 @@ cached (bf16, :mod:`.feature_cache`), and the target's top-k distributions the l
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -18,10 +19,12 @@ from jakiro_ext.training.loss import target_top_probs
 
 
 @torch.no_grad()
-def prefill_features(target: LlamaModel, sequences, batch_tokens: int = 8192) -> List[torch.Tensor]:
+def prefill_features(target: LlamaModel, sequences, batch_tokens: int = 8192,
+                     on_tokens: Optional[Callable[[int], None]] = None) -> List[torch.Tensor]:
     """The target's final hidden states [n, H] of each token sequence (teacher forcing), by
     batched prefill: sequences sorted by length, padded on the right (the causal mask keeps the
-    padding out of the real rows) in batches of at most ``batch_tokens`` padded tokens."""
+    padding out of the real rows) in batches of at most ``batch_tokens`` padded tokens;
+    ``on_tokens(n)`` after each batch, n its sequences' tokens (a progress bar's step)."""
     device = target.lm_head.weight.device
     order = sorted(range(len(sequences)), key=lambda i: sequences[i].numel())
     out: List[Optional[torch.Tensor]] = [None] * len(sequences)
@@ -38,6 +41,8 @@ def prefill_features(target: LlamaModel, sequences, batch_tokens: int = 8192) ->
         _, hidden = target(tokens.to(device), target.new_cache(len(group), longest), last_logits_only=True)
         for row, i in enumerate(group):
             out[i] = hidden[row, : sequences[i].numel()].cpu()
+        if on_tokens is not None:
+            on_tokens(sum(sequences[i].numel() for i in group))
         start = end
     return out
 
@@ -79,6 +84,17 @@ def corpus_examples(corpus_dir, target: LlamaModel, feature_dir=None, batch_toke
     if dtype != torch.float32 and target.lm_head.weight.dtype != dtype:
         target = copy.deepcopy(target).to(dtype)
 
+    missing = [s for s in meta["shards"] if not (feature_dir / s["name"].replace(".npz", ".safetensors")).exists()]
+    if ranks is not None and ranks.world > 1:
+        missing = missing[ranks.rank::ranks.world]
+    todo = sum(s.get("tokens", 0) for s in missing)
+    if progress and todo:
+        print(f"the target's features of {len(missing)} corpus shard{'s' if len(missing) > 1 else ''} "
+              f"({todo:,} tokens, {todo * target.config.hidden_size * 2 / 1e9:.1f} GB in {feature_dir}): computed "
+              f"once, then read from there (the bar's rate gives the time left)", file=sys.stderr)
+    bar = tqdm(total=todo, desc="target features", unit="tok", unit_scale=True, disable=not progress or not todo,
+               file=sys.stderr)
+
     def shard_features(shard):
         sequences = read_shard(Path(corpus_dir) / shard["name"], shard.get("sha256"))
         tokens = torch.cat([q.tokens for q in sequences])
@@ -86,16 +102,17 @@ def corpus_examples(corpus_dir, target: LlamaModel, feature_dir=None, batch_toke
         features = read_feature_shard(cached, tokens)
         if features is not None:
             return sequences, features
-        per_sequence = prefill_features(target, [q.tokens for q in sequences], batch_tokens)
+        per_sequence = prefill_features(target, [q.tokens for q in sequences], batch_tokens, bar.update)
         save_feature_shard(cached, sequences, per_sequence)
         return sequences, torch.cat(per_sequence).to(torch.bfloat16)
 
+    for shard in missing:  # (this process's share, with several)
+        shard_features(shard)
+    bar.close()
     if ranks is not None and ranks.world > 1:
-        for shard in meta["shards"][ranks.rank::ranks.world]:
-            shard_features(shard)
         ranks.barrier()
     examples: List[Example] = []
-    for shard in tqdm(meta["shards"], desc="features", unit="shard", disable=not progress):
+    for shard in meta["shards"]:
         sequences, features = shard_features(shard)
         at = 0
         for q in sequences:

@@ -418,10 +418,12 @@ def test_head_files_are_checked_with_their_name(target, tmp_path):
     for path, message in cases:
         with pytest.raises(ValueError, match=message):
             DraftHead.load(path, target)
-    nan_head = random_head(target, "jakiro")
-    with torch.no_grad():
-        nan_head.router[0, 0] = float("nan")
-    nan_head.save(tmp_path / "nan")
+    from safetensors.torch import load_file, save_file
+
+    random_head(target, "jakiro").save(tmp_path / "nan")  # (save refuses a NaN: the file is damaged after)
+    state = load_file(str(tmp_path / "nan" / "model.safetensors"))
+    state["router"][0, 0] = float("nan")
+    save_file(state, str(tmp_path / "nan" / "model.safetensors"))
     with pytest.raises(ValueError, match=r"nan/model.safetensors does not fit its config.json: router holds non-finite values"):
         DraftHead.load(tmp_path / "nan", target)
 
@@ -503,6 +505,27 @@ def test_cli_non_utf8_prompt_is_one_line(tmp_path):
     assert run.returncode == 2 and run.stderr.decode().splitlines() == ["error: the prompt is not valid UTF-8 text"]
 
 
+def test_cli_runs_from_the_clones_root():
+    # There `-m jakiro_ext` imports the source tree, which uses the installed build of its kernels.
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-m", "jakiro_ext", "show-config"], capture_output=True, text=True,
+                         cwd=root, timeout=300)
+    assert run.returncode == 0 and "compiled ops: loaded" in run.stdout, run.stdout + run.stderr
+    run = subprocess.run([sys.executable, "-m", "jakiro_ext", "generate", "Hi", "--method", "ar", "--max-new-tokens",
+                          "3"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert run.returncode == 0 and "[ar] 3 tokens" in run.stdout, run.stdout + run.stderr
+
+
+def test_cli_without_the_compiled_library_is_one_line(cli, monkeypatch):
+    monkeypatch.setattr(ops, "compiled_available", lambda: False)
+    monkeypatch.setattr(ops, "LOAD_ERROR", "the compiled library jakiro_ext._C could not be loaded: (the reason)")
+    monkeypatch.setattr(ops, "USE_REFERENCE", False)
+    status, _, err, loaded = cli("generate", "Hi", "--max-new-tokens", "2")
+    assert status == 2 and not loaded and err == [
+        "error: the compiled library jakiro_ext._C could not be loaded: (the reason) (JAKIRO_USE_REFERENCE=1 runs the "
+        "slow pure-PyTorch reference ops instead)"]
+
+
 def test_cli_bad_head_directories_are_one_line(cli, tmp_path):
     (tmp_path / "empty").mkdir()
     heads = {}
@@ -529,12 +552,14 @@ def test_cli_bad_head_directories_are_one_line(cli, tmp_path):
                           r"target has hidden_size 576"),
         (heads["malformed"], r"malformed/config.json: not a JSON config \(Expecting"),
         (heads["nan"], r"nan/model.safetensors does not fit its config.json: fc.weight holds non-finite values"),
-        (SHIPPED_HEAD.parent / "SmolLM2-135M-Instruct-eagle2", r"holds a eagle2 head, but a jakiro head is needed"),
+        (SHIPPED_HEAD.parent / "SmolLM2-135M-Instruct-eagle2", r"holds an eagle2 head, but a jakiro head is needed"),
     ]
     for path, message in cases:
-        status, _, err, _ = cli("generate", "Hi", "--max-new-tokens", "2", "--jakiro-head", str(path))
+        status, _, err, loaded = cli("generate", "Hi", "--max-new-tokens", "2", "--jakiro-head", str(path))
         assert status == 2 and len(err) == 1 and err[0].startswith("error: "), (path, err)
         assert re.search(message, err[0]), err[0]
+        if path in ("/nonexistent/head", tmp_path / "empty", heads["malformed"]):
+            assert not loaded, path  # refused before the model loads
 
 
 def test_cli_tree_wider_than_the_draft_vocabulary_is_one_line(cli):

@@ -418,6 +418,7 @@ def test_the_live_choice_gives_plain_decodings_tokens(tmp_path, monkeypatch, tem
     outs = speculative_generate(target, head, x, 24, temperature=temperature, top_k=5)
     assert None in used and any(t is not None for t in used)
     assert sum(o.stats.accept_lengths.count(0) < len(o.stats.accept_lengths) for o in outs) >= 1  # drafts accepted
+    assert all(0 < o.stats.plain_rounds < len(o.stats.accept_lengths) for o in outs)  # the plain rounds counted
     if temperature == 0:
         assert [o.token_ids for o in outs] == [o.token_ids for o in speculative_generate(target, None, x, 24)]
     else:

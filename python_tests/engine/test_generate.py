@@ -36,6 +36,7 @@ def test_greedy_tokens_equal_plain_decoding(target, kind, method, tree, head_typ
         assert s.target_forwards == len(s.accept_lengths) + 1  # the prompt's forward, then one per round
         assert sum(s.accept_histogram) == len(s.accept_lengths)
         assert sum(s.accept_lengths) + len(s.accept_lengths) + 1 >= 40  # every round emits accepted + 1
+        assert s.plain_rounds == 0 and plain.stats.plain_rounds == len(plain.stats.accept_lengths)  # a fixed tree drafts every round
     if head_type == "copy":  # the copy head's drafts are accepted: multi-token paths were exercised
         assert spec.stats.tau > 2.0, spec.stats.as_dict()
 

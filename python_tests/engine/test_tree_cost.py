@@ -119,7 +119,7 @@ def test_costs_of_another_build_are_measured_again(tmp_path, monkeypatch, capsys
     (tmp_path / "k.json").write_text(json.dumps(dict(measured, build="0.0.1-123-456")))
     costs = load_costs(None, None, "jakiro", tmp_path, progress=False)
     assert calls == [1] and costs["build"] == tree_cost.build_id() != "0.0.1-123-456"
-    assert "measured with another build" in capsys.readouterr().err
+    assert "were measured by another build of jakiro_ext" in capsys.readouterr().err
     assert load_costs(None, None, "jakiro", tmp_path, progress=False) == costs and calls == [1]
 
 
@@ -174,6 +174,15 @@ def test_a_bf16_checkpoint_in_float32_has_its_own_costs(monkeypatch):
     assert rounded != plain and rounded.replace("-bf16_weights", "") == plain
     monkeypatch.setenv("JAKIRO_CPU_BF16_WEIGHTS", "0")
     assert tree_cost.costs_key(target, head, "jakiro") == plain
+
+
+def test_a_run_on_the_reference_ops_keeps_its_costs_apart(monkeypatch):
+    # (JAKIRO_USE_REFERENCE=1, or the source tree without a build: never the compiled build's file)
+    target = tiny_target()
+    head = random_head(target, "jakiro")
+    compiled = tree_cost.costs_key(target, head, "jakiro")
+    monkeypatch.setattr(tree_cost.ops, "compiled_available", lambda: False)
+    assert tree_cost.costs_key(target, head, "jakiro") == compiled + "-reference"
 
 
 def test_costs_of_a_batch_are_measured_at_its_bucket(tmp_path, monkeypatch):

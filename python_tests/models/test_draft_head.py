@@ -250,3 +250,45 @@ def test_a_bf16_head_in_float32_drafts_from_bf16_copies_with_the_same_bits(monke
     assert head.products().fc.dtype == torch.float32 and head.products().layers[id(head)].qkv.dtype == torch.float32
     monkeypatch.setenv("JAKIRO_CPU_BF16_DRAFT_LM_HEAD", "0")
     assert head.products().lm_head is head.lm_head_weight
+
+
+def test_a_new_head_is_initialised_and_a_head_that_is_not_finite_is_never_saved(tmp_path):
+    # DraftHead(config) draws its weights (never torch.empty's leftovers); save refuses a head
+    # whose weights are not finite, and writes nothing.
+    target = tiny_target()
+    head = DraftHead(DraftConfig.for_target(target.config, "jakiro"))
+    assert all(bool(torch.isfinite(p).all()) for p in head.parameters())
+    assert 0 < float(head.w_gate.detach().std()) < 0.05 and torch.equal(head.fc.bias, torch.zeros_like(head.fc.bias))
+    again = DraftHead(DraftConfig.for_target(target.config, "jakiro"))
+    assert all(torch.equal(a, b) for a, b in zip(head.parameters(), again.parameters()))  # seed 0: reproducible
+    head.bind(target).save(tmp_path / "good")
+    with torch.no_grad():
+        head.w_up[1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"not saving the head to .*bad: w_up holds non-finite values \(nothing was "
+                                         r"written\)"):
+        head.save(tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+    with torch.no_grad():
+        head.w_up[1, 2, 3] = 7e4  # finite in float32, inf in float16
+    with pytest.raises(ValueError, match=r"w_up holds non-finite values in torch.float16"):
+        head.save(tmp_path / "good", dtype=torch.float16)
+    assert DraftHead.load(tmp_path / "good", target) is not None  # the earlier save untouched
+
+
+def test_a_head_is_shaped_for_a_transformers_model_or_its_config():
+    import transformers
+
+    from jakiro_ext.models.heads.config import target_config
+
+    target = tiny_target()
+    hf_config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         name_or_path="/models/tiny-llama")
+    for given in (target, target.config, hf_config, transformers.LlamaForCausalLM(hf_config)):
+        config = DraftConfig.for_target(given, "jakiro")
+        assert (config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim) == (64, 4, 2, 16)
+    assert DraftConfig.for_target(hf_config, "eagle2").target == "tiny-llama"  # named after the model
+    assert DraftConfig.for_target(hf_config, "eagle2", target_name="mine").target == "mine"
+    with pytest.raises(TypeError, match=r"target must be a LlamaConfig, a LlamaModel, a transformers model or its "
+                                        r"config, got str"):
+        target_config("tiny-llama")

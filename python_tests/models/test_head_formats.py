@@ -185,7 +185,7 @@ def test_released_fp16_heads_load_with_format_forced(target, tmp_path):
     ids = prompt(9, seed=5)
     assert (speculative_generate(target, loaded, ids, 20, method="jakiro", tree=TREE).token_ids
             == speculative_generate(target, None, ids, 20).token_ids)
-    with pytest.raises(ValueError, match=r"a eagle head needs the tensor 'layers.0.mlp.gate_proj.weight', which is missing"):
+    with pytest.raises(ValueError, match=r"an eagle head needs the tensor 'layers.0.mlp.gate_proj.weight', which is missing"):
         DraftHead.load(path, target, format="eagle")
     with pytest.raises(ValueError, match=r"format must be one of \('jakiro_ext', 'eagle', 'jakiro', 'gumiho', 'eagle3', 'serving'\), got 'medusa'"):
         DraftHead.load(path, target, format="medusa")
@@ -211,7 +211,7 @@ def test_released_heads_that_do_not_fit_are_clear_errors(target, tmp_path):
         (variant("missing", lambda s: s.pop("layers.0.self_attn.k_proj.weight")),
          r"needs the tensor 'layers.0.self_attn.k_proj.weight', which is missing"),
         (variant("extra", lambda s: s.update({"layers.1.mlp.gate_proj.weight": torch.zeros(2, 2)})),
-         r"tensors a eagle head does not have: \['layers.1.mlp.gate_proj.weight'\]"),
+         r"tensors an eagle head does not have: \['layers.1.mlp.gate_proj.weight'\]"),
         (variant("bias", lambda s: s.update({"layers.0.self_attn.q_proj.bias": torch.zeros(64)})),
          r"layers.0.self_attn.q_proj.bias: attention biases are not supported"),
         (variant("shape", lambda s: s.update({"layers.0.mlp.down_proj.weight": torch.zeros(64, 10)})),

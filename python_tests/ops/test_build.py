@@ -33,3 +33,32 @@ def test_every_gpu_kernel_is_tested_under_the_emulator():
         names += [n for n in dir(importlib.import_module(path.stem)) if n.startswith("test_gpu_")]
     for name in ops.OP_NAMES:
         assert any(n.startswith(f"test_gpu_{name}_matches_reference") for n in names), f"no GPU test of jakiro::{name}"
+
+
+def test_from_its_source_tree_the_package_uses_the_installed_build_of_the_same_kernels(tmp_path, monkeypatch):
+    # Run from a clone's root, `import jakiro_ext` finds the source tree, which holds no compiled
+    # library: the installed build's is used when its csrc/ copy equals the tree's, else one
+    # sentence says what to do.
+    import importlib.machinery
+    import sys
+
+    from jakiro_ext.ops.library import installed_library
+
+    root, site = tmp_path / "clone", tmp_path / "site"
+    package = root / "jakiro_ext"
+    for d in (package, root / "csrc" / "cpu", site / "jakiro_ext" / "csrc" / "cpu"):
+        d.mkdir(parents=True)
+    (root / "setup.py").write_text("")
+    for csrc in (root / "csrc", site / "jakiro_ext" / "csrc"):
+        (csrc / "cpu" / "kernel.cpp").write_text("int f() { return 1; }\n")
+    monkeypatch.setattr(sys, "path", [str(root), str(site)])
+    found, why = installed_library(package)
+    assert found is None and "no installed build was found" in why and ".venv/bin/python" in why
+    library = site / "jakiro_ext" / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    library.write_bytes(b"")
+    assert installed_library(package) == (library, "")
+    (root / "csrc" / "cpu" / "kernel.cpp").write_text("int f() { return 2; }\n")  # edited, not reinstalled
+    found, why = installed_library(package)
+    assert found is None and f"whose csrc/ differs from the installed build's ({site / 'jakiro_ext'})" in why
+    assert "pip install --no-build-isolation ." in why
+    assert installed_library(site / "jakiro_ext") == (None, "")  # an installed package is no source tree

@@ -79,11 +79,18 @@ def test_interrupted_generation_resumes_with_the_same_result(tmp_path, default):
     assert got == want
 
 
-def test_corpus_features_cached_or_recomputed_are_the_targets(tmp_path, default):
+def test_corpus_features_cached_or_recomputed_are_the_targets(tmp_path, default, capsys):
     target, _ = default
     generate(default, tmp_path / "c", 10_000, feature_dir=tmp_path / "f")
-    cached, _ = corpus_examples(tmp_path / "c", target, tmp_path / "f", progress=False)
-    fresh, _ = corpus_examples(tmp_path / "c", target, tmp_path / "empty", batch_tokens=64, progress=False)
+    capsys.readouterr()
+    cached, _ = corpus_examples(tmp_path / "c", target, tmp_path / "f")
+    assert "features" not in capsys.readouterr().err  # all cached: nothing to compute, nothing said
+    fresh, _ = corpus_examples(tmp_path / "c", target, tmp_path / "empty", batch_tokens=64)
+    shards = read_corpus_meta(tmp_path / "c")["shards"]
+    tokens = sum(s["tokens"] for s in shards)
+    # Said up front: how many tokens, how much disk (bf16 rows of the hidden size), where.
+    assert (f"the target's features of {len(shards)} corpus shard{'s' if len(shards) > 1 else ''} ({tokens:,} tokens, "
+            f"{tokens * target.config.hidden_size * 2 / 1e9:.1f} GB in {tmp_path / 'empty'})") in capsys.readouterr().err
     assert len(cached) == len(fresh) == sum(1 for _ in read_corpus(tmp_path / "c"))
     for a, b in zip(cached, fresh):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.loss_mask, b.loss_mask)

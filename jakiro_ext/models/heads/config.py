@@ -14,6 +14,20 @@ from jakiro_ext.atomic import write_directory
 from jakiro_ext.kv_cache import CacheShape
 from jakiro_ext.models.llama import LlamaConfig
 
+def target_config(target) -> LlamaConfig:
+    """The engine's config of a target given as a ``LlamaConfig``, a ``LlamaModel``, a transformers
+    causal LM or a transformers config (of a supported family: :meth:`LlamaConfig.from_hf`)."""
+    if isinstance(target, LlamaConfig):
+        return target
+    config = getattr(target, "config", target)  # a model (ours or transformers') -> its config
+    if isinstance(config, LlamaConfig):
+        return config
+    if hasattr(config, "model_type") and hasattr(config, "hidden_size"):
+        return LlamaConfig.from_hf(config)
+    raise TypeError(f"target must be a LlamaConfig, a LlamaModel, a transformers model or its config, "
+                    f"got {type(target).__name__}")
+
+
 KINDS = ("eagle2", "jakiro", "gumiho", "jakiro_gumiho")  # jakiro_gumiho: Jakiro's MoE layer, then MLP heads
 MOE_KINDS = ("jakiro", "jakiro_gumiho")  # the kinds with Jakiro's MoE layer
 MLP_HEAD_KINDS = ("gumiho", "jakiro_gumiho")  # the kinds with Gumiho's parallel MLP heads
@@ -64,14 +78,18 @@ class DraftConfig:
         return "jakiro" if self.num_experts else "eagle2"
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, kind: str = "jakiro", num_experts: int = 8,
+    def for_target(cls, target, kind: str = "jakiro", num_experts: int = 8,
                    intermediate_size: Optional[int] = None, target_name: str = "", num_layers: Optional[int] = None,
                    num_mlp_heads: int = 2, mlp_blocks: int = 5) -> "DraftConfig":
         """A head shaped for ``target``: its attention geometry; experts as wide as the hidden
         size (the released Jakiro recipe) or the target's MLP width for the dense head. A
         ``gumiho`` head has ``num_layers`` serial layers (default 2, as released) and
         ``num_mlp_heads`` MLP heads of ``mlp_blocks`` residual blocks; ``jakiro_gumiho`` the
-        same MLP heads after one Jakiro MoE layer."""
+        same MLP heads after one Jakiro MoE layer. ``target``: the engine's ``LlamaConfig`` or
+        ``LlamaModel``, a transformers model or its config (``target_name`` then defaults to the
+        model's name)."""
+        target = target_config(target)
+        target_name = target_name or target.name
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         moe, gumiho = kind in MOE_KINDS, kind in MLP_HEAD_KINDS
@@ -156,6 +174,11 @@ def write_head_files(path, config: dict, state: dict, dtype: Optional[torch.dtyp
 
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().contiguous()
              for k, v in state.items()}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:  # (a head that cannot draft is not saved: loading it would refuse it anyway)
+        raise ValueError(f"not saving the head to {path}: {', '.join(bad[:3])} "
+                         f"{'hold' if len(bad) > 1 else 'holds'} non-finite values"
+                         + (f" in {dtype}" if dtype is not None else "") + " (nothing was written)")
     unknown = set(extra_files or {}) - set(HEAD_FILES)
     if unknown:
         raise ValueError(f"a head directory's extra files are among {HEAD_FILES}, got {sorted(unknown)}")

@@ -92,11 +92,13 @@ class DraftHead(nn.Module):
         self.lm_head_weight: Optional[torch.Tensor] = None  # the target's rows of the draft vocabulary
         # How often its drafts are accepted, by depth and rank (jakiro_ext.engine.tree_cost; acceptance.json)
         self.acceptance: Optional[dict] = None
+        self.init_weights()  # (never torch.empty's leftovers: a new head drafts, if badly, until trained)
 
     # ------------------------------------------------------------------ construction and storage
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "DraftHead":
         """Random weights (normal(0, std), zero biases, unit norm weights; the MLP heads'
-        residual blocks zero, as released: each head starts as its input layer), reproducible by seed."""
+        residual blocks zero, as released: each head starts as its input layer), reproducible by
+        seed. A new head has them (seed 0); call it again for another seed or scale."""
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():

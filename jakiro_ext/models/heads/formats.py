@@ -45,6 +45,11 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # a decoder layer's projec
 MLP = ("gate_proj", "up_proj", "down_proj")
 
 
+def a_kind(kind: str) -> str:
+    """'a jakiro', 'an eagle2': a kind of head (or format) with its article."""
+    return ("an " if kind[:1] in ("a", "e", "i", "o", "u") else "a ") + kind
+
+
 def read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
@@ -130,7 +135,7 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
     anything that does not match the format is a ValueError naming ``where`` and the key or shape."""
     if fmt not in ("eagle", "jakiro", "gumiho"):
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
-    need = tensor_getter(state, f"a {fmt} head", where)
+    need = tensor_getter(state, f"{a_kind(fmt)} head", where)
 
     def setting(name: str, default=None):
         value = config.get(name, default)
@@ -199,7 +204,7 @@ def to_draft_head(config: dict, state: Dict[str, torch.Tensor], fmt: str, where:
         width = ours["w_gate"].shape[1]
     unknown = sorted(set(state) - used - ignored)
     if unknown:
-        raise ValueError(f"{where}: tensors a {fmt} head does not have: {unknown[:4]}")
+        raise ValueError(f"{where}: tensors {a_kind(fmt)} head does not have: {unknown[:4]}")
     draft = DraftConfig(hidden_size=H, vocab_size=setting("vocab_size"), num_heads=heads, num_kv_heads=kv_heads,
                         head_dim=head_dim, intermediate_size=width, num_experts=experts,
                         rope_theta=float(config.get("rope_theta", 10000.0)), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),

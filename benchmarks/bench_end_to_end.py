@@ -15,6 +15,7 @@ Writes ``results/end_to_end.csv`` (one row per question and configuration),
 ``results/end_to_end_summary.csv`` (per category and overall) and ``results/end_to_end.png``.
 """
 import argparse
+import csv
 import importlib.util
 import json
 import os
@@ -83,7 +84,16 @@ def main():
     ap.add_argument("--methods", nargs="+", choices=ENGINE_METHODS[1:], default=list(ENGINE_METHODS[1:5]),
                     help="speculative methods to run (plain decoding always runs: the reference)")
     ap.add_argument("--tag", default="end_to_end", help="output file name stem")
+    ap.add_argument("--replot", action="store_true", help="only draw the chart again from the summary CSV of --tag")
     args = ap.parse_args()
+    if args.replot:
+        summary = list(csv.DictReader(open(os.path.join(RESULTS, f"{args.tag}_summary.csv"))))
+        for r in summary:
+            r["temperature"] = float(r["temperature"])
+            r["speedup_vs_ar"] = float(r["speedup_vs_ar"]) if r["speedup_vs_ar"] else ""
+        args.dtype, args.threads = summary[0]["dtype"], int(summary[0]["threads"])
+        chart(summary, os.path.join(RESULTS, f"{args.tag}.png"), args)
+        return
     torch.set_num_threads(args.threads)
 
     from tqdm import tqdm
@@ -234,9 +244,9 @@ def chart(summary, path, args):
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([x + width for x in range(len(cats))])
         ax.set_xticklabels(cats, rotation=30, ha="right")
-        ax.set_ylabel("speedup vs engine AR")
+        ax.set_ylabel("speedup over plain decoding")
         ax.set_title(f"SmolLM2-135M-Instruct {args.dtype}, temperature {t:g}, batch 1, {args.threads} CPU threads")
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never over them
     fig.tight_layout()
     save_figure(fig, path, dpi=110)
 

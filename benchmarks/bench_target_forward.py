@@ -227,7 +227,7 @@ def chart(rows, path):
         new = [r for r in rows if r["dtype"] == dtype and r["measure"] == "tree_forward"]
         if old:
             ax.plot([int(r["tree_tokens"]) for r in old], [float(r["forward_ms"]) for r in old], "o--",
-                    label="before (issue 11)")
+                    label="the first fused build")
         ax.plot([r["tree_tokens"] for r in new], [r["ms"] for r in new], "o-", label="now")
         ax.plot([r["tree_tokens"] for r in new], [r["roofline_ms"] for r in new], ":", color="black",
                 label="roofline (this run)")

@@ -68,8 +68,8 @@ class OneLineParser(argparse.ArgumentParser):
 USER_ERRORS = (ValueError, TypeError, OSError, MemoryError)
 
 
-def main(argv=None) -> int:
-
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every command and option."""
     parser = OneLineParser(prog="python -m jakiro_ext", description=__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-epochs", type=float, default=0.0, help="with --minutes: stop at this many epochs if that comes first (0: no cap)")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (warm-up, then cosine decay to 0 at the "
                                                           "end; 2e-3: what every measured recipe used)")
-    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--warmup-steps", type=int, default=50, help="at most a tenth of the run (never under 10 steps)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--w-feature", type=float, default=1.0)
@@ -175,6 +175,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     sub.add_parser("ops-demo", help="every fused op on SmolLM2-135M shapes against its reference")
     sub.add_parser("show-config", help="what was built and what is loaded")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "show-config":
         return show_config()

@@ -30,6 +30,17 @@ def train_config(args) -> TrainConfig:
                        checkpoint_every=args.checkpoint_every, eval_doublings=args.eval_doublings)
 
 
+def held_out_summary(final_eval: dict, sequences: int) -> str:
+    """The held-out evaluation in a sentence: how often the head's draft is the sequence's own
+    token, 1, 2, ... steps ahead along a path drafted right so far (``eval_acc{s}``)."""
+    if not sequences or not final_eval:
+        return "no held-out evaluation (--eval-every-nth 0): the head has no acceptance profile for the tree choice"
+    ahead = sorted((int(k[len("eval_acc"):]), v) for k, v in final_eval.items() if k[len("eval_acc"):].isdigit())
+    rates = ", ".join(f"{v:.2f} ({s} ahead)" for s, v in ahead)
+    return (f"held out ({sequences} sequences): its draft token is right {rates} of the time; the full record is in "
+            f"training.json, the acceptance profile the tree choice reads in acceptance.json")
+
+
 def cmd_train(args) -> int:
     """Build (or reuse) the training set of target features, then train one head and save it."""
     from tqdm import tqdm
@@ -113,7 +124,9 @@ def cmd_train(args) -> int:
     activity.now = f"saving the head to {out}"
     head.save(out, getattr(torch, args.save_dtype),
               extra_files={TRAINING_FILE: json.dumps(summary, indent=2, default=str) + "\n"})
-    print(f"saved {args.kind} head to {out} ({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training); "
-          f"held-out top-1: {summary['final_eval']}", file=sys.stderr)
+    t = summary["train"]
+    print(f"saved the {args.kind} head to {out}: {time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training "
+          f"({t['total_steps']} steps, {t['epochs_seen']} epochs, {t['tokens_seen']:,} tokens seen)", file=sys.stderr)
+    print(held_out_summary(summary["final_eval"], len(held_out)), file=sys.stderr)
     ranks.close()
     return 0

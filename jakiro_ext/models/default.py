@@ -6,6 +6,7 @@ loads read the cache. Nothing is fetched from a model hub.
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Tuple
 
@@ -41,6 +42,8 @@ def default_model_dir() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = gguf_path()
+    print(f"preparing the default model once: {DEFAULT_MODEL}'s GGUF file dequantized into {out} (about half a "
+          f"minute)", file=sys.stderr)
     model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
     # transformers refuses to save a GGUF-loaded model: write its (dequantized) weights and a

@@ -106,14 +106,13 @@ def corpus_examples(corpus_dir, target: LlamaModel, feature_dir=None, batch_toke
         save_feature_shard(cached, sequences, per_sequence)
         return sequences, torch.cat(per_sequence).to(torch.bfloat16)
 
-    for shard in missing:  # (this process's share, with several)
-        shard_features(shard)
+    computed = {shard["name"]: shard_features(shard) for shard in missing}  # (this process's share, with several)
     bar.close()
     if ranks is not None and ranks.world > 1:
         ranks.barrier()
     examples: List[Example] = []
     for shard in meta["shards"]:
-        sequences, features = shard_features(shard)
+        sequences, features = computed.pop(shard["name"], None) or shard_features(shard)
         at = 0
         for q in sequences:
             n = q.tokens.numel()

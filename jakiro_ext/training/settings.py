@@ -17,7 +17,7 @@ class TrainConfig:
     betas: tuple = (0.9, 0.95)
     weight_decay: float = 1e-3
     grad_clip: float = 0.5
-    warmup_steps: int = 100
+    warmup_steps: int = 100  # at most a tenth of the run (never under 10 steps)
     batch_sequences: int = 8
     max_seq_len: int = 512  # longer sequences are cut
     w_feature: float = 1.0

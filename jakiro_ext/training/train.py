@@ -136,9 +136,12 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
     total = cfg.total_steps(len(examples)) or UNSET  # a budget in minutes: set after the probe steps
 
     def schedule(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        # The warm-up: at most a tenth of a run whose length is known (a short run reaches its peak
+        # rate), never under the probe steps; before a budget's length is known, as configured.
+        warmup = cfg.warmup_steps if total == UNSET else min(cfg.warmup_steps, max(BUDGET_PROBE_STEPS, total // 10))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)

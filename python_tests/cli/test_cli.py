@@ -142,3 +142,13 @@ def test_generate_and_bench_take_a_local_transformers_target(capsys, tmp_path):
     assert bench["methods"]["eagle2"]["all_same_tokens_as_ar"] is True  # (a random head: the warning says so)
     assert main(["generate", "x", "--target", str(tmp_path / "nothing")]) == 2
     assert "not a transformers model directory (no config.json)" in capsys.readouterr().err
+
+
+def test_the_training_summary_is_a_sentence():
+    from jakiro_ext.cli.train import held_out_summary
+
+    final = {"eval_acc1": 0.6123, "eval_acc2": 0.41, "eval_acc2_contrastive": 0.3, "eval_loss": 1.2, "eval_acc3_mlp": 0.2}
+    assert held_out_summary(final, 12) == (
+        "held out (12 sequences): its draft token is right 0.61 (1 ahead), 0.41 (2 ahead) of the time; the full "
+        "record is in training.json, the acceptance profile the tree choice reads in acceptance.json")
+    assert "no held-out evaluation" in held_out_summary({}, 0)

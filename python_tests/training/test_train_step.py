@@ -194,3 +194,12 @@ def test_evaluations_at_every_doubling_of_the_tokens_seen(target, examples):
     marks = [50 * 2 ** k for k in range(8) if 50 * 2 ** k <= seen[-1]]
     want = sorted({next(s for s in seen if s >= m) for m in marks} | {seen[-1]})
     assert evaluated == want and len(want) >= 3
+
+
+def test_a_short_run_reaches_its_peak_learning_rate(target, examples):
+    # 30 steps with the CLI's 50 warm-up steps: the warm-up is fitted to a tenth of the run (never
+    # under 10 steps), so the peak rate is reached, then the cosine decay runs to the end.
+    cfg = TrainConfig(steps=30, lr=2e-3, warmup_steps=50, batch_sequences=2, compute_dtype="float32")
+    lrs = [r["lr"] for r in train_head(head_of(target, "eagle2"), examples, cfg)]  # (each the next step's rate)
+    assert lrs[:10] == pytest.approx([2e-3 * min(s + 2, 10) / 10 for s in range(10)])
+    assert max(lrs) == pytest.approx(2e-3) and lrs[-1] < 1e-4 and all(a >= b for a, b in zip(lrs[9:], lrs[10:]))

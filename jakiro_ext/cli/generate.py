@@ -7,7 +7,8 @@ import sys
 import time
 from typing import List
 
-from jakiro_ext.cli.common import Runner, activity, chat_ids, check_generation_args, print_stats
+from jakiro_ext.cli.bench import read_prompts
+from jakiro_ext.cli.common import PROMPTS_FILE, Runner, activity, chat_ids, check_generation_args, print_stats
 
 
 # ----------------------------------------------------------------------------- commands
@@ -40,31 +41,39 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Plain decoding and Jakiro on one prompt: the same tokens, each run's statistics, and the
-    speedup of warm runs (each method run twice, alternated, after an untimed short run of each:
-    a first call allocates, and the tree choice measures the machine's round costs once)."""
+    """Plain decoding and Jakiro: the demo's question answered (the same tokens both ways, each
+    run's statistics), and the speedup over it and one packaged prompt of each category, the
+    methods alternated prompt by prompt after an untimed short run of each (a first call
+    allocates, and the tree choice measures the machine's round costs once)."""
     if args.temperature != 0:
         raise ValueError("demo compares greedy decodings (temperature 0); use generate to sample")
     runner = Runner(args, ["ar", "jakiro"], check_generation_args(args))
     ids = chat_ids(runner.tokenizer, args.prompt, True)
-    print(f"prompt: {args.prompt!r} ({ids.numel()} tokens), {runner.name} {args.dtype}, greedy\n")
+    seen, prompts = set(), [ids]
+    for row in read_prompts(PROMPTS_FILE, None):  # the first of each category
+        if row.get("category") not in seen:
+            seen.add(row.get("category"))
+            prompts.append(chat_ids(runner.tokenizer, row["prompt"], True))
+    print(f"prompt: {args.prompt!r} ({ids.numel()} tokens), {runner.name} {args.dtype}, greedy; then "
+          f"{len(prompts) - 1} packaged prompts (one of each category), timed\n")
     for method in ("ar", "jakiro"):  # warm-up, untimed
         runner.run(method, ids, max_new_tokens=8)
     busy = machine_load()
     runs = {"ar": [], "jakiro": []}
-    for order in (("ar", "jakiro"), ("jakiro", "ar")):  # alternated: the machine's drift hits both alike
-        for method in order:
-            runs[method].append(runner.run(method, ids))
+    for i, prompt in enumerate(prompts):  # alternated: the machine's drift hits both alike
+        for method in ("ar", "jakiro") if i % 2 == 0 else ("jakiro", "ar"):
+            runs[method].append(runner.run(method, prompt))
     ar, jakiro = runs["ar"][0], runs["jakiro"][0]
     print(runner.tokenizer.decode(jakiro.token_ids, skip_special_tokens=True), "\n")
     print_stats("ar", ar)
     print_stats("jakiro", jakiro)
-    if any(out.token_ids != ar.token_ids for outs in runs.values() for out in outs):
+    if any(a.token_ids != j.token_ids for a, j in zip(runs["ar"], runs["jakiro"])):
         print("FAILED: Jakiro's tokens differ from plain greedy decoding", file=sys.stderr)
         return 1
     rate = {m: sum(o.stats.new_tokens for o in outs) / sum(o.stats.wall_time_s for o in outs) for m, outs in runs.items()}
-    print(f"\nidentical tokens; Jakiro decodes {rate['jakiro'] / rate['ar']:.2f}x as fast as plain decoding "
-          f"({rate['jakiro']:.1f} against {rate['ar']:.1f} tokens/s, two runs of each, alternated)")
+    tau = sum(o.stats.new_tokens for o in runs["jakiro"]) / sum(o.stats.target_forwards for o in runs["jakiro"])
+    print(f"\nidentical tokens on all {len(prompts)} prompts; Jakiro decodes {rate['jakiro'] / rate['ar']:.2f}x as fast "
+          f"as plain decoding over them ({rate['jakiro']:.1f} against {rate['ar']:.1f} tokens/s; tau {tau:.2f})")
     print("tau: tokens per target forward (plain decoding: 1); histogram: rounds by how many drafted tokens the "
           "target accepted (0, 1, 2, ...)")
     if busy:

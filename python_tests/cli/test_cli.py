@@ -1,6 +1,7 @@
 """The command line on the default model: generate (streamed and --json) and bench (--json),
 with a Spec-Bench style prompt file."""
 import json
+import re
 
 import pytest
 
@@ -152,3 +153,12 @@ def test_the_training_summary_is_a_sentence():
         "held out (12 sequences): its draft token is right 0.61 (1 ahead), 0.41 (2 ahead) of the time; the full "
         "record is in training.json, the acceptance profile the tree choice reads in acceptance.json")
     assert "no held-out evaluation" in held_out_summary({}, 0)
+
+
+def test_demo_answers_and_times_the_methods_on_ten_prompts(capsys):
+    assert main(["demo", "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "then 9 packaged prompts (one of each category), timed" in out
+    assert re.search(r"identical tokens on all 10 prompts; Jakiro decodes \d+\.\d\dx as fast as plain decoding over "
+                     r"them \(\d+\.\d against \d+\.\d tokens/s; tau \d\.\d\d\)", out), out
+    assert "tau: tokens per target forward" in out

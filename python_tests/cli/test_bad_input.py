@@ -492,6 +492,15 @@ def test_cli_bad_options_are_one_line_before_loading_the_model(cli, options, mes
     assert not loaded
 
 
+def test_cli_train_from_elsewhere_on_the_readmes_corpus_path_is_refused_before_the_model_loads(cli, tmp_path,
+                                                                                              monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the clone's root: corpus/ is not here
+    status, _, err, loaded = cli("train", "--data", "corpus/SmolLM2-135M-Instruct", "--shards", "1", "--out",
+                                 str(tmp_path / "head"))
+    assert status == 2 and not loaded and len(err) == 1, err
+    assert err[0].startswith(f"error: --data corpus/SmolLM2-135M-Instruct: no token corpus there (seen from {tmp_path})")
+
+
 @pytest.mark.parametrize("limit", ["0", "-1"])
 def test_cli_bench_limit_must_be_positive(cli, limit):
     status, _, err, loaded = cli("bench", "--limit", limit, "--method", "ar", "--max-new-tokens", "2")

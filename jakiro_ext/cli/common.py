@@ -20,7 +20,7 @@ from jakiro_ext.models import load_default_target
 from jakiro_ext.models.default import DEFAULT_MODEL
 from jakiro_ext.models.heads.config import MLP_HEAD_KINDS, MOE_KINDS, DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
-from jakiro_ext.models.heads.formats import a_kind, read_config
+from jakiro_ext.models.heads.formats import a_kind, check_head_directory, read_config
 from jakiro_ext.models.llama import LlamaModel
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
@@ -48,15 +48,12 @@ def load_target(dtype_name: str, device: str = "cpu", directory: Optional[str] =
     return LlamaModel.from_hf(hf, dtype).to(device), tokenizer, Path(directory).name
 
 
-def check_head_directory(path: Optional[str]) -> None:
+def check_head_option(path: Optional[str]) -> None:
     """A head directory given by an option exists and holds a readable config.json (checked again,
     with its weights, when the head loads)."""
-    if path is None:
-        return
-    if not Path(path).is_dir():
-        raise FileNotFoundError(f"draft head directory {path} not found: a draft head directory holds config.json "
-                                f"and model.safetensors")
-    read_config(Path(path))
+    if path is not None:
+        check_head_directory(Path(path))
+        read_config(Path(path))
 
 
 def load_head(kind: str, path: Optional[str], target, model_name: str):
@@ -153,7 +150,7 @@ class Runner:
         self.trees: Dict[str, TreeConfig] = {}
         kinds = sorted({METHODS[m].shipped_head for m in methods if METHODS[m].drafts})
         for kind in kinds:  # what can be checked of the heads' directories before the model loads
-            check_head_directory(getattr(args, f"{kind}_head"))
+            check_head_option(getattr(args, f"{kind}_head"))
         activity.now = "loading the target model"
         self.target, self.tokenizer, self.name = load_target(args.dtype, args.device, args.target)
         self.heads: Dict[str, object] = {}

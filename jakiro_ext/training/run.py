@@ -97,7 +97,7 @@ def new_head(target: LlamaModel, target_name: str, kind: str, train: Sequence[Ex
                                     target_name=target_name, num_layers=layers, num_mlp_heads=mlp_heads,
                                     mlp_blocks=mlp_blocks)
     config.draft_vocab_size = draft_vocab
-    head = DraftHead(config).init_weights(seed=seed)
+    head = DraftHead(config, init=False).init_weights(seed=seed)
     coverage = 1.0
     start = DraftHead.load(init_from) if init_from else None
     if draft_vocab:

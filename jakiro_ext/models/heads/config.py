@@ -14,6 +14,7 @@ from jakiro_ext.atomic import write_directory
 from jakiro_ext.kv_cache import CacheShape
 from jakiro_ext.models.llama import LlamaConfig
 
+
 def target_config(target) -> LlamaConfig:
     """The engine's config of a target given as a ``LlamaConfig``, a ``LlamaModel``, a transformers
     causal LM or a transformers config (of a supported family: :meth:`LlamaConfig.from_hf`)."""

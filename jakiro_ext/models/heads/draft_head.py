@@ -32,7 +32,7 @@ from jakiro_ext import ops
 from jakiro_ext.kv_cache import KVCache, TreeKV
 from jakiro_ext.memory import memory_errors
 from jakiro_ext.models.heads import formats as head_formats
-from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, CONFIG_FILE, WEIGHTS_FILE, DraftConfig, read_acceptance,
+from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, DraftConfig, read_acceptance,
                                             write_head_files)
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
@@ -65,7 +65,9 @@ class DraftLayer(nn.Module):
 
 
 class DraftHead(nn.Module):
-    def __init__(self, config: DraftConfig):
+    def __init__(self, config: DraftConfig, init: bool = True):
+        """``init``: random weights (:meth:`init_weights`, seed 0); False leaves the tensors unset,
+        for a loader that fills every one of them."""
         super().__init__()
         c = self.config = config
         H = c.hidden_size
@@ -92,7 +94,8 @@ class DraftHead(nn.Module):
         self.lm_head_weight: Optional[torch.Tensor] = None  # the target's rows of the draft vocabulary
         # How often its drafts are accepted, by depth and rank (jakiro_ext.engine.tree_cost; acceptance.json)
         self.acceptance: Optional[dict] = None
-        self.init_weights()  # (never torch.empty's leftovers: a new head drafts, if badly, until trained)
+        if init:  # (never torch.empty's leftovers: a new head drafts, if badly, until trained)
+            self.init_weights()
 
     # ------------------------------------------------------------------ construction and storage
     def init_weights(self, seed: int = 0, std: float = 0.02) -> "DraftHead":
@@ -228,9 +231,7 @@ class DraftHead(nn.Module):
         the target a ValueError, each naming the file and the key or shape."""
         path = Path(path)
         target = None if target is None else as_target(target)
-        if not path.is_dir():
-            raise FileNotFoundError(f"draft head directory {path} not found: a draft head directory holds {CONFIG_FILE} "
-                                    f"and {WEIGHTS_FILE}")
+        head_formats.check_head_directory(path)
         if format is not None and format not in head_formats.FORMATS:
             raise ValueError(f"format must be one of {head_formats.FORMATS}, got {format!r}")
         raw = head_formats.read_config(path)

@@ -50,6 +50,13 @@ def a_kind(kind: str) -> str:
     return ("an " if kind[:1] in ("a", "e", "i", "o", "u") else "a ") + kind
 
 
+def check_head_directory(path: Path) -> None:
+    """A FileNotFoundError, saying what a head directory holds, when ``path`` is none."""
+    if not Path(path).is_dir():
+        raise FileNotFoundError(f"draft head directory {path} not found: a draft head directory holds {CONFIG_FILE} "
+                                f"and {WEIGHTS_FILE}")
+
+
 def read_config(path: Path) -> dict:
     file = path / "config.json"
     if not file.is_file():
@@ -280,35 +287,35 @@ def _read_own(cls, path: Path, config: dict, fits: Callable, weights: Optional[W
     if not (path / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{path / WEIGHTS_FILE} not found: a draft head directory holds {CONFIG_FILE} "
                                 f"and {WEIGHTS_FILE}")
-    head = cls(DraftConfig.from_json(path / CONFIG_FILE))
-    fits(head)  # before the weights are read
-    head.load_checked_state(*(weights or read_weights(path)))
-    return head
+    return _filled(cls, DraftConfig.from_json(path / CONFIG_FILE), fits, lambda: weights or read_weights(path))
 
 
 def _read_serving(cls, path: Path, config: dict, fits: Callable, weights: Optional[Weights] = None):
     state, file = weights or read_weights(path)
     fields, state = serving_format.from_serving(config, state, str(file))
-    head = cls(DraftConfig(**fields))
-    fits(head)
-    head.load_checked_state(state, file)
-    return head
+    return _filled(cls, DraftConfig(**fields), fits, lambda: (state, file))
 
 
 def _released_reader(fmt: str) -> Callable:
     def read(cls, path: Path, config: dict, fits: Callable, weights: Optional[Weights] = None):
         state, file = weights or read_weights(path)
         draft_config, state = to_draft_head(config, state, fmt, str(file))
-        head = cls(draft_config)
-        fits(head)
-        head.load_checked_state(state, file)
-        return head
+        return _filled(cls, draft_config, fits, lambda: (state, file))
     return read
+
+
+def _filled(cls, config: DraftConfig, fits: Callable, weights: Callable[[], Weights]):
+    """A head of ``config`` checked by ``fits`` (against its target) before ``weights()`` are read,
+    then given every one of its tensors from them (no initialisation: a missing tensor is an error)."""
+    head = cls(config, init=False)
+    fits(head)
+    head.load_checked_state(*weights())
+    return head
 
 
 def _write_eagle(head, full_vocabulary: bool):
     if full_vocabulary and head.config.draft_vocab_size:  # the full vocabulary's LM head rows: no d2t
-        whole = type(head)(replace(head.config, draft_vocab_size=0))
+        whole = type(head)(replace(head.config, draft_vocab_size=0), init=False)
         whole.load_state_dict({k: v for k, v in head.state_dict().items() if k != "draft_to_target"})
         head = whole
     return eagle_files(head)

@@ -110,7 +110,7 @@ def timed_run(target, kind, examples, cfg, warmup: int, recipe: str):
 
     stamps = []
     head = prepared_head(target, kind, examples, recipe)
-    train_head(head, examples, cfg, on_step=lambda s, r: stamps.append(time.perf_counter()))
+    train_head(head, examples, cfg, on_step=lambda s, r, n: stamps.append(time.perf_counter()))
     tokens = batch_tokens(examples, cfg, cfg.steps)
     seconds = stamps[-1] - stamps[warmup - 1]
     return sum(tokens[warmup:]) / seconds, seconds / (cfg.steps - warmup)
@@ -125,7 +125,7 @@ def profiled_run(target, kind, examples, cfg, warmup: int, recipe: str):
 
     active = cfg.steps - warmup
     with profile(activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1)) as prof:
-        train_head(prepared_head(target, kind, examples, recipe), examples, cfg, on_step=lambda s, r: prof.step())
+        train_head(prepared_head(target, kind, examples, recipe), examples, cfg, on_step=lambda s, r, n: prof.step())
     events = prof.events()
 
     def part_of(e):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -97,9 +98,11 @@ def cmd_train(args) -> int:
         say(f"training for {cfg.minutes:g} minutes (the steps are set from the first steps' speed)")
     bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step", disable=not main)
 
-    def on_step(step: int, record: dict) -> None:
+    def on_step(step: int, record: dict, planned: Optional[int]) -> None:
         # What an interrupt reports, set before the bar shows the step (a signal sent on seeing it
-        # finds the message saying so).
+        # finds the message saying so). A budget in minutes: its steps as planned so far.
+        if planned is not None and bar.total != planned:
+            bar.total = planned
         activity.now = f"training the {args.kind} head (step {step + 2} of {bar.total or '?'})"
         bar.n = step + 1
         bar.set_postfix({k: f"{v:.3f}" for k, v in record.items()

@@ -93,7 +93,7 @@ def read_checkpoint(path: Path) -> dict:
 
 def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                eval_examples: Sequence[Example] = (), checkpoint: Optional[os.PathLike] = None,
-               on_step: Optional[Callable[[int, dict], None]] = None, ranks: Ranks = Ranks()) -> List[dict]:
+               on_step: Optional[Callable[[int, dict, Optional[int]], None]] = None, ranks: Ranks = Ranks()) -> List[dict]:
     """Optimise the head's own weights (the target's embedding and LM head stay frozen) with
     AdamW, linear warm-up then cosine decay. Returns the history: one dict per step (loss,
     accuracies, lr, and the evaluation's when one ran).
@@ -249,7 +249,7 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                 if cfg.minutes and window is not None:
                     window = (window[0], window[1], window[2] + time.perf_counter() - t_eval)
             if on_step and ranks.rank == 0:
-                on_step(step - 1, record)
+                on_step(step - 1, record, None if total == UNSET else total)  # (a budget's steps, as planned now)
             if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 or last:
                 save(step)
     except KeyboardInterrupt:  # SIGINT, or SIGTERM as the CLI raises it: the steps taken so far are kept

@@ -40,7 +40,7 @@ def main(out: str, checkpoint: str = None):
     _, head, train, held_out = setup()
     out = Path(out)
 
-    def snapshot(step, record):  # (rank 0) the checkpoint of SNAPSHOT_STEP is on disk by the next step
+    def snapshot(step, record, planned):  # (rank 0) the checkpoint of SNAPSHOT_STEP is on disk by the next step
         if checkpoint and step == SNAPSHOT_STEP:
             shutil.copy(checkpoint, out / "snapshot.pt")
     history = train_head(head, train, CONFIG, held_out, checkpoint=checkpoint, on_step=snapshot, ranks=ranks)

@@ -154,7 +154,7 @@ def test_training_learns_and_resumes_bit_exactly(target, kind, ttt_steps, mlp_in
     class Stop(Exception):
         pass
 
-    def stop_after_checkpoint(step, record):
+    def stop_after_checkpoint(step, record, planned):
         if step + 1 == 5:
             raise Stop
 
@@ -163,7 +163,7 @@ def test_training_learns_and_resumes_bit_exactly(target, kind, ttt_steps, mlp_in
         train_head(fresh(), examples, cfg, examples, ckpt, stop_after_checkpoint)
     assert ckpt.exists()
     resumed, steps_run = fresh(), []
-    history2 = train_head(resumed, examples, cfg, examples, ckpt, lambda step, record: steps_run.append(step))
+    history2 = train_head(resumed, examples, cfg, examples, ckpt, lambda step, record, planned: steps_run.append(step))
     assert steps_run == [4, 5, 6, 7]  # resumed after the checkpoint at step 4, not from the start
     assert len(history2) == len(history) and history2[:4] == torch.load(ckpt, weights_only=False)["history"][:4]
     for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()):
@@ -282,7 +282,7 @@ def test_a_resumed_budget_counts_the_earlier_segments_as_they_ran(target, tmp_pa
     def fresh():
         return DraftHead(DraftConfig.for_target(target.config, "eagle2", intermediate_size=32)).init_weights(0).bind(target)
 
-    def tick(step, record):
+    def tick(step, record, planned):
         clock.t += clock.rate
         if step + 1 == 100 and clock.rate == 0.25:
             raise KeyboardInterrupt  # stopped after the checkpoint at step 100 (25 s)
@@ -311,10 +311,16 @@ def test_a_budget_is_not_moved_by_a_few_slow_windows(target, monkeypatch):
     cfg = TrainConfig(minutes=2, lr=1e-3, warmup_steps=10, batch_sequences=2)
     head = DraftHead(DraftConfig.for_target(target.config, "eagle2", intermediate_size=32)).init_weights(0).bind(target)
 
-    def tick(step, record):
+    plans = []
+
+    def tick(step, record, planned):
         clock.t += 1.0 if 150 <= step < 170 else 0.25
+        plans.append(planned)
 
     history = train_head(head, examples, cfg, (), None, tick)
+    # What the progress bar is told: no length before the rate is measured, then the plan, whose
+    # last figure is the steps run.
+    assert plans[0] is None and plans[-1] == len(history), (plans[:12], plans[-1])
     rates = [h["lr"] for h in history[10:]]
     assert all(b <= a for a, b in zip(rates, rates[1:])) and rates[-1] == 0.0
     # 120 s: 15 s lost to the slow steps, the rest at 0.25 s a step.

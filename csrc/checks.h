@@ -8,6 +8,9 @@
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
+
+#include "jakiro/quant.h"
 
 namespace jakiro {
 
@@ -57,6 +60,33 @@ inline void check_size(const char* op, const char* name, const at::Tensor& t, in
                        const char* what) {
   TORCH_CHECK(t.size(dim) == expected, op, ": ", name, ".shape[", dim, "] (", what, ") must be ", expected,
               ", got ", t.size(dim), " (shape ", t.sizes(), ")");
+}
+
+// A product's weight as a matrix [N, K] (`layout` names it): a 2-dimensional tensor, or where the
+// kernel reads them (`packed_weights`: the CPU's) a packed quantized weight [N / 16, K / 32, 16 B]
+// uint8 beside float32 activations ref (jakiro/quant.h). Returns (N, K).
+inline std::pair<int64_t, int64_t> check_weight_matrix(const char* op, const char* name, const at::Tensor& w,
+                                                       const char* layout, const char* ref_name, const at::Tensor& ref,
+                                                       bool packed_weights) {
+  if (w.scalar_type() != at::kByte) {
+    check_dim(op, name, w, 2, layout);
+    return {w.size(0), w.size(1)};
+  }
+  TORCH_CHECK(packed_weights, op, ": ", name, " is a packed quantized weight (uint8), which only the CPU kernels ",
+              "read; dequantize it for ", ref.device(), " (jakiro_ext.ops.quantized.dequantize)");
+  TORCH_CHECK(ref.scalar_type() == at::kFloat, op, ": a packed quantized ", name, " takes float32 ", ref_name,
+              ", got ", ref.scalar_type());
+  TORCH_CHECK(w.dim() == 3 && quant_format_of_chunk(w.size(2)) != QuantFormat::kNone, op, ": ", name,
+              " in uint8 must be a packed quantized weight [N / 16, K / 32, 16 B] with 16 B = 288 (Q4_0), 320 (Q4_1) ",
+              "or 544 (Q8_0) (jakiro_ext.ops.quantized.pack), got shape ", w.sizes());
+  return {w.size(0) * kQuantLanes, w.size(1) * kQuantBlock};
+}
+
+inline void check_weight_size(const char* op, const char* name, const at::Tensor& w, int64_t dim, int64_t got,
+                              int64_t expected, const char* what) {
+  if (w.scalar_type() != at::kByte) return check_size(op, name, w, dim, expected, what);
+  TORCH_CHECK(got == expected, op, ": ", name, "'s ", dim == 0 ? "rows" : "columns", " (", what, ") must be ",
+              expected, ", got ", got, " (packed, shape ", w.sizes(), ")");
 }
 
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t, const at::Tensor& ref) {

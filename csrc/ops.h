@@ -73,7 +73,8 @@ struct DecoderLayerShape {
 // [2 I, H]; down_weight [H, I]; kv_cache [2, B, Hkv, S, D] (Hkv and D from it, Hq from o_weight);
 // cos, sin [B, T, D]; lengths [B] int64; tree_mask [B, T, ceil(T / 64)] int64; eps finite and
 // >= 0; one dtype (float32 or bfloat16) but the index tensors, one device; `bf16_weights` (the
-// CPU kernel): float32 rows also take the four projection weights in bfloat16 (check_weight_dtype).
+// CPU kernel): float32 rows also take the four projection weights in bfloat16 (check_weight_dtype)
+// or packed quantized (jakiro/quant.h; the shapes above are then their matrices').
 // The cache positions and the mask are checked by the parts (rope_kv_write, tree_attention).
 DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::optional<at::Tensor>& residual,
                                       const at::Tensor& input_norm, const at::Tensor& qkv_weight,
@@ -99,7 +100,8 @@ DecoderLayerShape check_decoder_layers(const at::Tensor& delta, const std::optio
 void check_silu_mul(const at::Tensor& gate_up);
 
 // x [..., K]; weight [N, K]; bias [N] or absent; one dtype (float32 or bfloat16), one device;
-// `bf16_weights` (the CPU kernel): a float32 x also takes a bfloat16 weight (check_weight_dtype).
+// `bf16_weights` (the CPU kernel): a float32 x also takes a bfloat16 weight (check_weight_dtype)
+// or a packed quantized one [N / 16, K / 32, 16 B] uint8 (jakiro/quant.h, check_weight_matrix).
 void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                   bool bf16_weights = false);
 struct MlpHeadsShape {

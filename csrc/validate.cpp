@@ -212,29 +212,30 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
   check_dim(op, "delta", delta, 3, "[B, T, H]");
   check_dtype(op, "delta", delta, {at::kFloat, at::kBFloat16});
   check_dim(op, "kv_cache", kv_cache, 5, "[2, B, Hkv, S, D]");
-  check_dim(op, "o_weight", o_weight, 2, "[H, Hq D]");
   const int64_t B = delta.size(0), T = delta.size(1), H = delta.size(2);
   const int64_t Hkv = kv_cache.size(2), D = kv_cache.size(4);
   TORCH_CHECK(T >= 1 && H >= 1, op, ": delta must hold at least one token of at least one feature, got shape ",
               delta.sizes());
   TORCH_CHECK(Hkv >= 1 && D >= 2 && D % 2 == 0, op, ": kv_cache [2, B, Hkv, S, D] must have Hkv >= 1 and an even ",
               "D >= 2, got shape ", kv_cache.sizes());
-  const int64_t Hq = o_weight.size(1) / D;
-  TORCH_CHECK(o_weight.size(1) % D == 0 && Hq >= 1 && Hq % Hkv == 0, op, ": o_weight.shape[1] must be Hq * D with ",
-              "D = ", D, " (kv_cache.shape[4]) and Hq a multiple of Hkv = ", Hkv, ", got ", o_weight.size(1));
-  check_dim(op, "qkv_weight", qkv_weight, 2, "[(Hq + 2 Hkv) D, H]");
-  check_dim(op, "gate_up_weight", gate_up_weight, 2, "[2 I, H]");
-  check_dim(op, "down_weight", down_weight, 2, "[H, I]");
+  const auto [o_rows, o_cols] = check_weight_matrix(op, "o_weight", o_weight, "[H, Hq D]", "delta", delta, bf16_weights);
+  const int64_t Hq = o_cols / D;
+  TORCH_CHECK(o_cols % D == 0 && Hq >= 1 && Hq % Hkv == 0, op, ": o_weight.shape[1] must be Hq * D with ",
+              "D = ", D, " (kv_cache.shape[4]) and Hq a multiple of Hkv = ", Hkv, ", got ", o_cols);
+  const auto [qkv_rows, qkv_cols] =
+      check_weight_matrix(op, "qkv_weight", qkv_weight, "[(Hq + 2 Hkv) D, H]", "delta", delta, bf16_weights);
+  const auto [gate_up_rows, gate_up_cols] =
+      check_weight_matrix(op, "gate_up_weight", gate_up_weight, "[2 I, H]", "delta", delta, bf16_weights);
+  const auto [down_rows, I] = check_weight_matrix(op, "down_weight", down_weight, "[H, I]", "delta", delta, bf16_weights);
   check_dim(op, "input_norm", input_norm, 1, "[H]");
   check_dim(op, "post_norm", post_norm, 1, "[H]");
-  const int64_t I = down_weight.size(1);
   TORCH_CHECK(I >= 1, op, ": down_weight [H, I] must have I >= 1, got shape ", down_weight.sizes());
-  check_size(op, "qkv_weight", qkv_weight, 0, (Hq + 2 * Hkv) * D, "(Hq + 2 Hkv) D");
-  check_size(op, "qkv_weight", qkv_weight, 1, H, "hidden size H, as delta.shape[2]");
-  check_size(op, "o_weight", o_weight, 0, H, "hidden size H, as delta.shape[2]");
-  check_size(op, "gate_up_weight", gate_up_weight, 0, 2 * I, "2 I, I = down_weight.shape[1]");
-  check_size(op, "gate_up_weight", gate_up_weight, 1, H, "hidden size H, as delta.shape[2]");
-  check_size(op, "down_weight", down_weight, 0, H, "hidden size H, as delta.shape[2]");
+  check_weight_size(op, "qkv_weight", qkv_weight, 0, qkv_rows, (Hq + 2 * Hkv) * D, "(Hq + 2 Hkv) D");
+  check_weight_size(op, "qkv_weight", qkv_weight, 1, qkv_cols, H, "hidden size H, as delta.shape[2]");
+  check_weight_size(op, "o_weight", o_weight, 0, o_rows, H, "hidden size H, as delta.shape[2]");
+  check_weight_size(op, "gate_up_weight", gate_up_weight, 0, gate_up_rows, 2 * I, "2 I, I = down_weight.shape[1]");
+  check_weight_size(op, "gate_up_weight", gate_up_weight, 1, gate_up_cols, H, "hidden size H, as delta.shape[2]");
+  check_weight_size(op, "down_weight", down_weight, 0, down_rows, H, "hidden size H, as delta.shape[2]");
   check_size(op, "input_norm", input_norm, 0, H, "hidden size H, as delta.shape[2]");
   check_size(op, "post_norm", post_norm, 0, H, "hidden size H, as delta.shape[2]");
   check_size(op, "kv_cache", kv_cache, 0, 2, "keys and values");
@@ -262,7 +263,7 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
       {"qkv_weight", &qkv_weight}, {"o_weight", &o_weight}, {"gate_up_weight", &gate_up_weight},
       {"down_weight", &down_weight}};
   for (const auto& [name, t] : weights) {
-    check_weight_dtype(op, name, *t, "delta", delta, bf16_weights);
+    if (t->scalar_type() != at::kByte) check_weight_dtype(op, name, *t, "delta", delta, bf16_weights);
     check_same_device(op, name, *t, delta);
   }
   TORCH_CHECK(qkv_weight.scalar_type() == o_weight.scalar_type() && o_weight.scalar_type() == gate_up_weight.scalar_type() &&
@@ -335,15 +336,15 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   const char* op = "jakiro::linear";
   TORCH_CHECK(x.dim() >= 1, op, ": x must have shape [..., K], got a 0-dimensional tensor");
   check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
-  check_dim(op, "weight", weight, 2, "[N, K]");
-  check_weight_dtype(op, "weight", weight, "x", x, bf16_weights);
+  const auto [N, K] = check_weight_matrix(op, "weight", weight, "[N, K]", "x", x, bf16_weights);
+  if (weight.scalar_type() != at::kByte) check_weight_dtype(op, "weight", weight, "x", x, bf16_weights);
   check_same_device(op, "weight", weight, x);
-  check_size(op, "weight", weight, 1, x.size(-1), "in features K, as x.shape[-1]");
+  check_weight_size(op, "weight", weight, 1, K, x.size(-1), "in features K, as x.shape[-1]");
   if (bias.has_value()) {
     check_dim(op, "bias", *bias, 1, "[N]");
     check_same_dtype(op, "bias", *bias, "x", x);
     check_same_device(op, "bias", *bias, x);
-    check_size(op, "bias", *bias, 0, weight.size(0), "out features N, as weight.shape[0]");
+    check_size(op, "bias", *bias, 0, N, "out features N, as weight's rows");
   }
 }
 

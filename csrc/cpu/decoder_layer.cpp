@@ -29,6 +29,7 @@
 #include "cpu/layer_rows.h"
 #include "cpu/linear.h"
 #include "cpu/merge_attention_states.h"
+#include "cpu/quantized.h"
 #include "cpu/skinny_avx512.h"
 #include "cpu/tree_attention.h"
 #include "decoder_layer.h"
@@ -130,6 +131,7 @@ struct RoleScratch {
   LineAligned sums;            // the residual sums of the rows other roles write: [M, H] scalar_t
   LineAligned gate_up;         // this role's gate and up columns: 2 x [M, n] scalar_t
   LineAligned widened;         // a stage's input rows widened to float32 (bf16 without dot products)
+  QuantizedRows quantized;     // a stage's input rows quantized (packed quantized weights)
   std::vector<float> norm, product, silu, merge;
   SplitScratch attention;
 };
@@ -146,13 +148,16 @@ struct LayerTensors {
 template <typename scalar_t, typename weight_t>
 struct LayerPointers {
   const weight_t *qkv, *o, *gate_up, *down;
+  QuantFormat qkv_format, o_format, gate_up_format, down_format;  // packed quantized weights' (uint8 weight_t)
   const scalar_t *input_norm, *post_norm, *qkv_bias;
   scalar_t *keys, *values;
   int64_t batch_stride, head_stride;
   std::vector<at::Tensor> kept;
 };
 
-// weight_t: the projections' weights, scalar_t or bf16 beside float32 activations (check_weight_dtype).
+// weight_t: the projections' weights, scalar_t, or beside float32 activations bf16 (check_weight_dtype)
+// or uint8: packed quantized (jakiro/quant.h, cpu/quantized.h; their rows quantized per stage by
+// each role for itself, as the norms are).
 // The layers one after the other, every stage of every layer in one parallel region.
 template <typename scalar_t, typename weight_t = scalar_t>
 std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape& s, const at::Tensor& delta,
@@ -161,6 +166,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
                                                         const at::Tensor& sin, const at::Tensor& lengths,
                                                         const at::Tensor& tree_mask, double eps) {
   constexpr bool is_float = std::is_same_v<scalar_t, float>;
+  constexpr bool quantized = std::is_same_v<weight_t, uint8_t>;
   const int64_t B = s.batch, T = s.tokens, M = B * T, H = s.hidden, Hq = s.q_heads, Hkv = s.kv_heads,
                 D = s.head_dim, I = s.intermediate, QKV = (Hq + 2 * Hkv) * D, L = static_cast<int64_t>(layers.size());
   const auto options = delta.options();
@@ -188,6 +194,11 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
                                     t.down_weight.contiguous(), t.input_norm.contiguous(), t.post_norm.contiguous()};
     if (t.qkv_bias.has_value()) kept.push_back(t.qkv_bias->contiguous());
     p.qkv = kept[0].data_ptr<weight_t>(), p.o = kept[1].data_ptr<weight_t>();
+    auto format = [](const at::Tensor& w) {
+      return w.scalar_type() == at::kByte ? quant_format_of_chunk(w.size(2)) : QuantFormat::kNone;
+    };
+    p.qkv_format = format(kept[0]), p.o_format = format(kept[1]);
+    p.gate_up_format = format(kept[2]), p.down_format = format(kept[3]);
     p.gate_up = kept[2].data_ptr<weight_t>(), p.down = kept[3].data_ptr<weight_t>();
     p.input_norm = kept[4].data_ptr<scalar_t>(), p.post_norm = kept[5].data_ptr<scalar_t>();
     p.qkv_bias = t.qkv_bias.has_value() ? kept[6].data_ptr<scalar_t>() : nullptr;
@@ -221,6 +232,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
     rs.sums.resize(M * H * sizeof(scalar_t));
     rs.gate_up.resize(2 * M * I * sizeof(scalar_t));
     rs.widened.resize(dot || is_float ? 0 : M * std::max({H, I, Hq * D}) * sizeof(float));
+    if constexpr (quantized) rs.quantized.reserve(M, std::max({H, I, Hq * D}));
     rs.norm.resize(H);
     rs.product.resize(is_float ? 0 : M * std::max({QKV, H, I}));
     rs.silu.resize(3 * I);
@@ -234,10 +246,17 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
                               attention_scale("jakiro::tree_attention", std::nullopt, D), len,
                               mask.data_ptr<int64_t>(), mask.size(2), out_partial, lse_partial};
 
-  // y[:, j0:j1) = rows @ w[j0:j1)^T (+ bias) for a stage's input rows (M x K, scalar_t).
-  auto project = [&](RoleScratch& rs, const scalar_t* rows, int64_t K, const weight_t* w, const scalar_t* bias,
-                     int64_t j0, int64_t j1, scalar_t* y, int64_t ldy) {
+  // y[:, j0:j1) = rows @ w[j0:j1)^T (+ bias) for a stage's input rows (M x K, scalar_t); packed
+  // quantized weights (`format`) read the rows as quantized by the role, anew unless `same_rows`
+  // (the rows of its previous call).
+  auto project = [&](RoleScratch& rs, const scalar_t* rows, int64_t K, const weight_t* w, QuantFormat format,
+                     const scalar_t* bias, int64_t j0, int64_t j1, scalar_t* y, int64_t ldy, bool same_rows = false) {
     if (j0 >= j1) return;
+    if constexpr (quantized) {
+      if (!same_rows) rs.quantized.quantize(rows, M, K);
+      quantized_columns(rs.quantized, w, format, bias, j0, j1, y, ldy);
+      return;
+    } else {
     StreamedRows in;
     if constexpr (is_float) {
       in.f = rows;
@@ -248,6 +267,12 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
       in.f = rs.widened.as<float>();
     }
     linear_columns<scalar_t, weight_t>(in, M, K, w, bias, j0, j1, y, ldy, rs.product.data());
+    }
+  };
+  // Row j of a [N, K] weight (j a multiple of 16 for a packed one).
+  auto weight_row = [](const weight_t* w, int64_t j, int64_t K, QuantFormat format) {
+    if constexpr (quantized) return w + j * (K / kQuantBlock) * quant_block_bytes(format);
+    return w + j * K;
   };
   auto columns = [&](int64_t N, int64_t role) {  // a role's output columns, in units of kColumnBlock
     const auto [b0, b1] = share((N + kColumnBlock - 1) / kColumnBlock, role, roles);
@@ -272,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
         RoleScratch& rs = role_scratch[role];
         norm_rows(rs, role, delta_in(l), residual_in(l), ptrs[l].input_norm, stream);
         const auto [j0, j1] = columns(QKV, role);
-        project(rs, rs.normed.as<scalar_t>(), H, ptrs[l].qkv, ptrs[l].qkv_bias, j0, j1, qkv, QKV);
+        project(rs, rs.normed.as<scalar_t>(), H, ptrs[l].qkv, ptrs[l].qkv_format, ptrs[l].qkv_bias, j0, j1, qkv, QKV);
       },
       [&](int64_t l, int64_t role) {  // RoPE of q and k and the cache write, by (row, head)
         const auto& p = ptrs[l];
@@ -300,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
       },
       [&](int64_t l, int64_t role) {  // the output projection's columns
         const auto [j0, j1] = columns(H, role);
-        project(role_scratch[role], attn, Hq * D, ptrs[l].o, nullptr, j0, j1, o, H);
+        project(role_scratch[role], attn, Hq * D, ptrs[l].o, ptrs[l].o_format, nullptr, j0, j1, o, H);
       },
       [&](int64_t l, int64_t role) {  // the post-attention norm; the role's gate and up columns, their SiLU product
         RoleScratch& rs = role_scratch[role];
@@ -308,13 +333,15 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
         const auto [a, b] = columns(I, role);
         const int64_t n = b - a;
         scalar_t *gate = rs.gate_up.as<scalar_t>(), *up = gate + M * n;
-        project(rs, rs.normed.as<scalar_t>(), H, ptrs[l].gate_up + a * H, nullptr, 0, n, gate, n);
-        project(rs, rs.normed.as<scalar_t>(), H, ptrs[l].gate_up + (I + a) * H, nullptr, 0, n, up, n);
+        const QuantFormat f = ptrs[l].gate_up_format;
+        project(rs, rs.normed.as<scalar_t>(), H, weight_row(ptrs[l].gate_up, a, H, f), f, nullptr, 0, n, gate, n);
+        project(rs, rs.normed.as<scalar_t>(), H, weight_row(ptrs[l].gate_up, I + a, H, f), f, nullptr, 0, n, up, n,
+                /*same_rows=*/true);
         for (int64_t m = 0; m < M && n > 0; ++m) silu_mul_row(gate + m * n, up + m * n, n, act + m * I + a, rs.silu);
       },
       [&](int64_t l, int64_t role) {  // the down projection's columns
         const auto [j0, j1] = columns(H, role);
-        project(role_scratch[role], act, I, ptrs[l].down, nullptr, j0, j1, pout[l % 2][1], H);
+        project(role_scratch[role], act, I, ptrs[l].down, ptrs[l].down_format, nullptr, j0, j1, pout[l % 2][1], H);
       },
   };
 
@@ -353,6 +380,8 @@ std::tuple<at::Tensor, at::Tensor> run_fused(const DecoderLayerShape& s, const a
                                              const std::vector<LayerTensors>& layers, const at::Tensor& cos,
                                              const at::Tensor& sin, const at::Tensor& lengths,
                                              const at::Tensor& tree_mask, double eps) {
+  if (layers[0].qkv_weight.scalar_type() == at::kByte)  // float32 rows, packed quantized weights
+    return fused_decoder_layers<float, uint8_t>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
   if (layers[0].qkv_weight.scalar_type() != delta.scalar_type())  // float32 rows, bf16 weights (check_weight_dtype)
     return fused_decoder_layers<float, c10::BFloat16>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
   std::tuple<at::Tensor, at::Tensor> result;

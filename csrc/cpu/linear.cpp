@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "cpu/linear.h"
+#include "cpu/quantized.h"
 #include "cpu/skinny_avx512.h"
 #include "cpu/skinny_gemm.h"
 #include "cpu/vec_utils.h"
@@ -82,12 +83,36 @@ at::Tensor many_rows_linear(const at::Tensor& x, const at::Tensor& weight, const
   return stack.back().toTensor();
 }
 
+// x float32 times a packed quantized W^T (+ b), any number of rows: the rows quantized once, then
+// each task a block of output columns for every row (cpu/quantized.h; no BLAS path: every row
+// is computed alike, a prompt's too).
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const int64_t K = x.size(-1), N = weight.size(0) * kQuantLanes;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  const auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0) return out.view(out_shape);
+  QuantizedRows rows;
+  rows.quantize(x2.data_ptr<float>(), M, K);
+  const auto w = weight.contiguous();
+  const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const QuantFormat format = quant_format_of_chunk(weight.size(2));
+  at::parallel_for(0, N / kQuantLanes, 1, [&](int64_t g0, int64_t g1) {
+    quantized_columns(rows, w.data_ptr<uint8_t>(), format, b.defined() ? b.data_ptr<float>() : nullptr,
+                      g0 * kQuantLanes, g1 * kQuantLanes, out.data_ptr<float>(), N);
+  });
+  return out.view(out_shape);
+}
+
 }  // namespace
 
 bool onednn_linear_enabled() { return onednn_linear().has_value(); }
 
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_linear(x, weight, bias, /*bf16_weights=*/true);
+  if (weight.scalar_type() == at::kByte) return quantized_linear(x, weight, bias);
   const int64_t K = x.size(-1), N = weight.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;

@@ -30,7 +30,7 @@ namespace {
 
 // Up to this many query rows (G * T) per task the products are bound by reading K/V: they
 // stream it (skinny_gemm.h) instead of calling a BLAS GEMM, which is for the many-row
-// (compute-bound) case of a large tree. (An AMD EPYC, Zen 5, the default model's 3-query-head
+// (compute-bound) case of a prompt's tiles (a tree streams whatever its rows: see attend_one_split). (An AMD EPYC, Zen 5, the default model's 3-query-head
 // groups behind 256 tokens: a forward of 3 / 4 tokens 0.96 / 0.98x the time with 32 against 8,
 // 6 / 8 tokens the same; an Intel Xeon measured 64 against 8 the same.)
 constexpr int64_t kStreamingRows = 32;
@@ -167,7 +167,10 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   const bool wide = D % 16 == 0 && D <= kMaxAttentionDim && avx512_enabled();
   for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
     const int64_t n = std::min(kBlock, stop - j0);
-    const bool streaming = rows <= kStreamingRows;
+    // A tree (at most kFixedSplitTreeLen tokens) always streams: the streamed products compute
+    // each row alike whatever the rows, so a token's attention is the same bits in a tree of 60
+    // as alone (BLAS's blocking is not: 1e-5 apart, enough to flip a quantized activation's code).
+    const bool streaming = rows <= kStreamingRows || T <= kFixedSplitTreeLen;
     if (streaming && wide && kFloatKeys) {
       if constexpr (kFloatKeys) attention_scores_avx512(s.q.data(), rows, k_head + j0 * D, n, D, s.scores.data(), n);
     } else if (streaming) {

@@ -33,10 +33,12 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k of the target (0: off)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "gguf"], default="float32",
+                   help="the target's weights: float32, bfloat16, or gguf: a GGUF file's own quantized blocks "
+                        "(the default model's Q4_1 file, or --target FILE.gguf; CPU)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--target", help="a local transformers model directory of a Llama-family model (default: "
-                                    "SmolLM2-135M-Instruct); pass its heads with --jakiro-head / --eagle2-head")
+    p.add_argument("--target", help="a local transformers model directory or GGUF file of a Llama-family model "
+                                    "(default: SmolLM2-135M-Instruct); pass its heads with --jakiro-head / --eagle2-head")
     p.add_argument("--graphs", choices=list(GRAPH_MODES), default="eager",
                    help="cuda: replay each round's device work as a CUDA graph (with --device cuda)")
     p.add_argument("--seed", type=int, default=0)

@@ -33,12 +33,26 @@ HEADS_FOR = {"eagle2": ("eagle2",), "jakiro": MOE_KINDS, "gumiho": MLP_HEAD_KIND
 
 # ----------------------------------------------------------------------------- set-up
 def load_target(dtype_name: str, device: str = "cpu", directory: Optional[str] = None):
-    """(the engine's target, its tokenizer, its name): the default model, or the transformers
-    model in ``directory`` (a local directory: nothing is fetched from a hub)."""
-    dtype = getattr(torch, dtype_name)
+    """(the engine's target, its tokenizer, its name): the default model, the transformers model
+    in ``directory`` (a local directory: nothing is fetched from a hub) or a GGUF file's model.
+    ``dtype_name``: float32, bfloat16, or gguf (a GGUF file's own blocks: the CPU only)."""
+    if dtype_name == "gguf" and device != "cpu":
+        raise ValueError(f"--dtype gguf runs a GGUF file's blocks on the CPU, not on {device}: use --dtype float32 "
+                         "or bfloat16 there")
+    if directory is not None and str(directory).endswith(".gguf"):
+        from jakiro_ext.models.gguf import gguf_tokenizer, load_gguf
+
+        if not Path(directory).is_file():
+            raise ValueError(f"--target {directory}: no such GGUF file")
+        weights = "file" if dtype_name == "gguf" else dtype_name
+        target = load_gguf(directory, weights)
+        return target.to(device), gguf_tokenizer(directory), target.config.name
     if directory is None:
-        target, tokenizer = load_default_target(dtype)
+        target, tokenizer = load_default_target("gguf" if dtype_name == "gguf" else getattr(torch, dtype_name))
         return target.to(device), tokenizer, DEFAULT_MODEL
+    if dtype_name == "gguf":
+        raise ValueError(f"--dtype gguf reads a GGUF file: --target {directory} is a transformers directory")
+    dtype = getattr(torch, dtype_name)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not Path(directory, "config.json").is_file():

@@ -193,7 +193,7 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
              f"e{h.num_experts}x{h.intermediate_size}-dv{h.draft_vocab_size}")
     if getattr(h, "num_mlp_heads", 0):
         shape += f"-l{h.num_layers}-m{h.num_mlp_heads}x{h.mlp_blocks}"
-    dtype = str(target.lm_head.weight.dtype).replace("torch.", "")
+    dtype = target.weight_format
     if target.streamed_weights() is not None:  # a bf16 checkpoint in float32: its steps read half the bytes
         dtype += "-bf16_weights"
     batched = f"-b{batch}" if batch > 1 else ""

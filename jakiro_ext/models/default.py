@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Tuple
+from typing import Tuple, Union
 
 import torch
 
@@ -80,9 +80,29 @@ def load_default_hf(dtype: torch.dtype = torch.float32):
             hf_logging.enable_progress_bar()
 
 
-def load_default_target(dtype: torch.dtype = torch.float32) -> Tuple[LlamaModel, object]:
+def load_default_target(dtype: Union[torch.dtype, str] = torch.float32) -> Tuple[LlamaModel, object]:
     """The default model as the engine's LlamaModel, and its tokenizer; a MemoryError when it
-    does not fit."""
+    does not fit. ``dtype``: float32 or bfloat16 (the GGUF file dequantized once, cached), or
+    ``"gguf"``: the file's own blocks as they are (Q4_1 layers, a Q8_0 embedding and LM head;
+    :mod:`jakiro_ext.models.gguf`), about the file's size in memory."""
     with memory_errors(f"loading the target model {DEFAULT_MODEL} ({dtype})"):
+        if dtype == "gguf":
+            from jakiro_ext.models.gguf import load_gguf
+
+            return load_gguf(gguf_path(), "file", DEFAULT_MODEL), load_default_tokenizer()
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or 'gguf', got {dtype!r}")
         hf, tokenizer = load_default_hf(dtype)
         return LlamaModel.from_hf(hf, dtype), tokenizer
+
+
+def load_default_tokenizer():
+    """The default model's tokenizer and chat template, read from its GGUF file (kept with the
+    dequantized copy once that is made: reading the file's vocabulary takes a few seconds)."""
+    from transformers import AutoTokenizer
+
+    out = cache_root() / DEFAULT_MODEL
+    if (out / "tokenizer_config.json").exists():
+        return AutoTokenizer.from_pretrained(out)
+    src = gguf_path()
+    return AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)

@@ -18,7 +18,7 @@ from jakiro_ext.kv_cache import CacheShape, KVCache
 from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
 from jakiro_ext.models.rope import LLAMA3_ROPE_KEYS, RopeTable
 from jakiro_ext.models.weights import STREAM_ROWS, TargetWeights, bf16_weights_enabled, exactly_bf16
-from jakiro_ext.ops import reference
+from jakiro_ext.ops import quantized, reference
 from jakiro_ext.ops.masks import causal_tree_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -175,13 +175,30 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The dtype of the activations and the KV cache: the weights', float32 beside packed
+        quantized weights (a GGUF file's, :mod:`jakiro_ext.models.gguf`)."""
+        w = self.norm.weight
+        return w.dtype
+
+    @property
+    def weight_format(self) -> str:
+        """What the forwards read of the weights: their dtype's name (float32, bfloat16), or a GGUF
+        file's block formats, the layers' then the LM head's (``Q4_1-Q8_0``)."""
+        qkv = self.layers[0].self_attn.qkv_proj.weight
+        if not quantized.is_packed(qkv):
+            return str(qkv.dtype).replace("torch.", "")
+        head = self.lm_head.weight
+        return "-".join((quantized.format_of(qkv), quantized.format_of(head) if quantized.is_packed(head)
+                         else str(head.dtype).replace("torch.", "")))
+
     def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
         (default: fixed)."""
-        w = self.lm_head.weight
         c = self.config
         return KVCache(CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window), batch, capacity,
-                       dtype=w.dtype, device=w.device, max_capacity=max_capacity)
+                       dtype=self.activation_dtype, device=self.norm.weight.device, max_capacity=max_capacity)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,
@@ -328,7 +345,7 @@ class LlamaModel(nn.Module):
 
     def _rope(self, positions: torch.Tensor, capacity: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] at positions [B, T] (< capacity), from the model's :class:`RopeTable`."""
-        return self._rope_table(positions, capacity, self.embed_tokens.weight.dtype)
+        return self._rope_table(positions, capacity, self.activation_dtype)
 
     @classmethod
     def from_hf(cls, hf_model, dtype: Optional[torch.dtype] = None) -> "LlamaModel":

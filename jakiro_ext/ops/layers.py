@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from jakiro_ext.ops import quantized
 from jakiro_ext.ops.backends import kernel, same_device
 from jakiro_ext.ops.library import compiled_available
 
@@ -11,7 +12,8 @@ from jakiro_ext.ops.library import compiled_available
 def linear(x, weight, bias=None):
     """y = x @ weight.T (+ bias), like ``torch.nn.functional.linear``. x [..., K]; weight [N, K];
     bias [N] or None; one dtype (float32 or bfloat16), or on the CPU a bfloat16 weight beside a
-    float32 x (widened exactly: the bits of the same weight in float32). At decoding and tree-verification sizes
+    float32 x (widened exactly: the bits of the same weight in float32) or a packed quantized weight
+    (:mod:`jakiro_ext.ops.quantized`: x's rows quantized as GGML's, integer products). At decoding and tree-verification sizes
     (up to 64 rows) the weight is streamed once and each row is computed in the same order
     whatever the number of rows; more rows go to BLAS. Accumulates in float32."""
     return kernel("linear")(x, weight, bias)
@@ -75,7 +77,7 @@ if compiled_available():  # the fakes (meta implementations), beside their ops
     @torch.library.register_fake("jakiro::linear")
     def _linear_fake(x, weight, bias=None):
         same_device("linear", x=x, weight=weight, bias=bias)
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+        return x.new_empty((*x.shape[:-1], weight.shape[0] * (quantized.LANES if quantized.is_packed(weight) else 1)))
 
     @torch.library.register_fake("jakiro::silu_mul")
     def _silu_mul_fake(gate_up):

@@ -12,6 +12,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from jakiro_ext.ops import quantized
+
 
 # ----------------------------------------------------------------------------- attention
 def unpack_tree_mask(tree_mask: torch.Tensor, tree_len: int) -> torch.Tensor:
@@ -155,6 +157,8 @@ def rope_kv_write(qkv, cos, sin, kv_cache, lengths):
 
 
 def linear(x, weight, bias=None):
+    if quantized.is_packed(weight):
+        return quantized.linear(x, weight, bias)
     y = x.float() @ weight.float().T
     if bias is not None:
         y = y + bias.float()
@@ -170,7 +174,7 @@ def decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, p
                   down_weight, cos, sin, kv_cache, lengths, tree_mask, eps: float):
     B, T, _ = delta.shape
     Hkv, D = kv_cache.shape[2], kv_cache.shape[4]
-    Hq = o_weight.shape[1] // D
+    Hq = quantized.matrix_shape(o_weight)[1] // D
     h, stream = rms_norm(delta, input_norm, eps, residual)
     qkv = linear(h, qkv_weight, qkv_bias).view(B, T, Hq + 2 * Hkv, D)
     q = rope_kv_write(qkv, cos, sin, kv_cache, lengths)

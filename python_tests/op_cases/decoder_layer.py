@@ -6,7 +6,7 @@ import torch
 
 from conftest import TOL, randn, random_parents
 from jakiro_ext import ops
-from jakiro_ext.ops import reference
+from jakiro_ext.ops import quantized, reference
 
 # (leading dims, I): one element, odd sizes (no vector multiple), SmolLM2's 1536, many rows, no rows.
 SILU_SHAPES = [((1,), 1), ((3,), 7), ((1, 1), 1536), ((2, 5), 131), ((300,), 48), ((0,), 16)]
@@ -52,6 +52,13 @@ class Layer:
         """The four projection weights rounded to bf16 and kept so (the rest float32)."""
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             self.weights[name] = self.weights[name].bfloat16()
+        return self
+
+    def with_packed_projections(self, format: str) -> "Layer":
+        """The four projection weights quantized to ``format`` blocks and packed (H, Hq D, I
+        multiples of 32; the rows of each a multiple of 16)."""
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            self.weights[name] = quantized.from_float(self.weights[name], format)
         return self
 
     def args(self, kv_cache=None):

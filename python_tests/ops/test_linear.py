@@ -109,7 +109,7 @@ def test_linear_bad_input_errors():
         (dict(x=x, weight=w.half()), r"weight must have the dtype of x \(Float\), got Half"),
         (dict(x=x, weight=w.bfloat16(), bias=b.bfloat16()), r"bias must have the dtype of x \(Float\), got BFloat16"),
         (dict(x=x.double(), weight=w.double()), r"x must have dtype Float or BFloat16, got Double"),
-        (dict(x=x, weight=w, bias=b[:19]), r"bias.shape\[0\] \(out features N, as weight.shape\[0\]\) must be 20, got 19"),
+        (dict(x=x, weight=w, bias=b[:19]), r"bias.shape\[0\] \(out features N, as weight.s rows\) must be 20, got 19"),
         (dict(x=x, weight=w, bias=b.bfloat16()), r"bias must have the dtype of x"),
         (dict(x=torch.tensor(1.0), weight=w), r"x must have shape \[..., K\]"),
     ]

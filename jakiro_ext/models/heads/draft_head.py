@@ -39,6 +39,7 @@ from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.heads.drafting import Products
 from jakiro_ext.models.heads.head import Head, check_target_of, check_target_shapes, load_checked_state, new_head_cache
 from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target
+from jakiro_ext.ops import quantized
 
 
 def _add_layer_weights(module: nn.Module, c: DraftConfig, dense: bool = True) -> None:
@@ -188,13 +189,16 @@ class DraftHead(nn.Module):
         target = as_target(target)
         self.check_target(target)
         c = self.config
-        self.embed_weight = target.embed_tokens.weight.detach()  # shared, frozen
+        self.embed_weight = target.embed_tokens.weight.detach()  # shared, frozen (a GGUF target's may be packed)
         lm_head = target.lm_head.weight.detach()
         device = lm_head.device
-        if c.draft_vocab_size:
-            lm_head = lm_head[self.draft_to_target.to(device)].contiguous()  # [V_draft, H], not a parameter
+        draft_ids = self.draft_to_target.to(device) if c.draft_vocab_size else None
+        if quantized.is_packed(lm_head):  # a GGUF target's: its rows of the draft vocabulary dequantized
+            lm_head = quantized.dequantize(lm_head, draft_ids)
+        elif draft_ids is not None:
+            lm_head = lm_head[draft_ids].contiguous()  # [V_draft, H], not a parameter
         self.lm_head_weight = lm_head
-        return self.to(dtype=target.lm_head.weight.dtype, device=device)
+        return self.to(dtype=target.activation_dtype, device=device)
 
     def save(self, path, dtype: Optional[torch.dtype] = None, metadata: Optional[dict] = None,
              format: str = "jakiro_ext", full_vocabulary: bool = False, extra_files: Optional[dict] = None) -> None:
@@ -320,7 +324,7 @@ class DraftHead(nn.Module):
                       products: Optional[Products] = None) -> torch.Tensor:
         """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input (with
         ``train``, in plain PyTorch: the fused linear has no backward; else reading :meth:`products`)."""
-        x = torch.cat([F.embedding(tokens, self.embed_weight), features.to(self.fc.weight.dtype)], -1)
+        x = torch.cat([quantized.embedding(self.embed_weight, tokens), features.to(self.fc.weight.dtype)], -1)
         if train:
             return self.fc(x)
         return ops.linear(x, (products or self.products()).fc, self.fc.bias)

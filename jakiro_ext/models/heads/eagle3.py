@@ -36,6 +36,7 @@ from jakiro_ext.models.heads.formats import (ATTENTION, MLP, HeadFormat, check_l
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project
+from jakiro_ext.ops import quantized
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -112,7 +113,7 @@ class Eagle3Head(nn.Module):
         layers = target.config.num_layers
         self.feature_layers = tuple(self.config.feature_layers or (2, layers // 2, layers - 3))
         self.embed_weight = target.embed_tokens.weight.detach()
-        self.to(dtype=target.lm_head.weight.dtype, device=target.lm_head.weight.device)
+        self.to(dtype=target.activation_dtype, device=target.lm_head.weight.device)
         self.lm_head_weight = self.lm_head.weight.detach()
         return self
 
@@ -131,7 +132,7 @@ class Eagle3Head(nn.Module):
         h = features.to(self.fc.weight.dtype)
         if h.shape[-1] == 3 * self.config.hidden_size:
             h = project(self.fc, h)
-        x = torch.cat([self.input_layernorm(F.embedding(tokens, self.embed_weight)), self.hidden_norm(h)], -1)
+        x = torch.cat([self.input_layernorm(quantized.embedding(self.embed_weight, tokens)), self.hidden_norm(h)], -1)
         u = h + drafting.attention(self, x, positions, cache, tree_mask, ancestors)
         out = u + drafting.mlp(self, self.post_attention_layernorm(u))
         return DraftStep(out, u, lm_input=self.norm(out))

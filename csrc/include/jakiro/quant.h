@@ -1,0 +1,63 @@
+// The quantized weight formats the CPU products read: GGML's Q4_0, Q4_1 and Q8_0 blocks (32
+// weights along K with a float16 scale; Q4_1 also a float16 minimum), their rows interleaved 16
+// at a time so that a 512-bit vector holds one value of each of 16 output rows. Framework-free:
+// the checks (validate.cpp) and the kernels (cpu/quantized.cpp) read the same layout.
+//
+// A packed weight is a uint8 tensor [N / 16, K / 32, 16 * B] (B: the format's bytes per row block,
+// 18, 20 or 34, so its last dimension names the format). Chunk [g, b] holds block b of rows
+// 16 g .. 16 g + 15 ("lanes"):
+//   Q4_0: d[16] float16 | codes (256 bytes)                  w = d (c - 8), c in [0, 16)
+//   Q4_1: d[16] float16 | m[16] float16 | codes (256 bytes)  w = d c + m,   c in [0, 16)
+//   Q8_0: d[16] float16 | codes (512 bytes)                  w = d (c - 128), c in [1, 256) (GGML's int8 + 128)
+// The codes come as 64-byte vectors of 16 lanes x 4 bytes. Q8_0: vector p holds each lane's
+// weights 4p .. 4p + 3 of the block. Q4: vector p (p < 4) holds, in each byte's low nibble, weights
+// 4p .. 4p + 3 and in its high nibble weights 16 + 4p .. 16 + 4p + 3: GGML's own byte qs[4p + i]
+// of that row's block. The activations are quantized per row in blocks of 32 as GGML's
+// quantize_row_q8 does (jakiro_ext.ops.quantized holds the layout's pure-PyTorch twin).
+#pragma once
+
+#include <cstdint>
+
+namespace jakiro {
+
+enum class QuantFormat : int { kNone = 0, kQ4_0 = 1, kQ4_1 = 2, kQ8_0 = 3 };
+
+constexpr int64_t kQuantBlock = 32;  // weights per block, along K
+constexpr int64_t kQuantLanes = 16;  // output rows interleaved in a packed chunk
+
+// Bytes a row's block takes in GGML's format (the chunk is kQuantLanes times that).
+constexpr int64_t quant_block_bytes(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kQ4_0: return 18;
+    case QuantFormat::kQ4_1: return 20;
+    case QuantFormat::kQ8_0: return 34;
+    default: return 0;
+  }
+}
+
+// The format whose chunks are `chunk_bytes` long (a packed weight's last dimension); kNone if none.
+inline QuantFormat quant_format_of_chunk(int64_t chunk_bytes) {
+  for (QuantFormat f : {QuantFormat::kQ4_0, QuantFormat::kQ4_1, QuantFormat::kQ8_0})
+    if (chunk_bytes == kQuantLanes * quant_block_bytes(f)) return f;
+  return QuantFormat::kNone;
+}
+
+inline const char* quant_format_name(QuantFormat f) {
+  switch (f) {
+    case QuantFormat::kQ4_0: return "Q4_0";
+    case QuantFormat::kQ4_1: return "Q4_1";
+    case QuantFormat::kQ8_0: return "Q8_0";
+    default: return "none";
+  }
+}
+
+// What a block's integer dot product subtracts per unit of the activations' code sum: the codes'
+// offset from the weights' signed values (Q4_1's minimum is a separate term).
+constexpr int32_t quant_code_offset(QuantFormat f) {
+  return f == QuantFormat::kQ4_0 ? 8 : f == QuantFormat::kQ8_0 ? 128 : 0;
+}
+
+// Bytes before the codes in a chunk: the scales (and Q4_1's minimums), float16 per lane.
+constexpr int64_t quant_scale_bytes(QuantFormat f) { return (f == QuantFormat::kQ4_1 ? 2 : 1) * kQuantLanes * 2; }
+
+}  // namespace jakiro

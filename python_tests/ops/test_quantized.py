@@ -1,0 +1,230 @@
+"""Packed quantized weights (GGML's Q4_0, Q4_1, Q8_0 blocks) in jakiro::linear and the decoder
+layer ops: the layout's round trip, the products against their pure-PyTorch specification, every
+row independent of the others, the 512-bit VNNI kernel and the portable one bit for bit, and the
+errors for weights that are not packed as the kernels read them."""
+import pytest
+import torch
+
+from conftest import randn
+from jakiro_ext import ops
+from jakiro_ext.ops import quantized, reference
+from op_cases.decoder_layer import Layer, Layers
+from test_linear import run_kernel_check
+
+FORMATS = list(quantized.FORMATS)
+
+
+def random_blocks(N, K, format, seed=0):
+    """GGML rows of random codes with scales of a real model's size (and Q4_1 minimums)."""
+    g = torch.Generator().manual_seed(seed)
+    f = quantized.FORMATS[format]
+    rows = torch.randint(0, 256, (N, K // 32, f.block_bytes), dtype=torch.uint8, generator=g)
+    scales = (torch.rand(N, K // 32, 2 if f.has_min else 1, generator=g) * 0.02 + 0.001).half()
+    if f.has_min:
+        scales[..., 1] = -scales[..., 1] * 4
+    rows[..., : scales.shape[-1] * 2] = scales.contiguous().view(torch.uint8)
+    return rows.reshape(N, -1)
+
+
+def packed_weight(N, K, format, seed=0):
+    return quantized.pack(random_blocks(N, K, format, seed), format)
+
+
+def assert_close_to_spec(got, x, w, b=None):
+    """The kernel's float32 block sums against the specification's float64 product, to a bound
+    of float32 rounding over the terms' magnitudes."""
+    want = quantized.linear(x, w, b)
+    K = x.shape[-1]
+    codes, scale, _ = quantized.quantize_rows(x.reshape(-1, K))
+    rows = (codes.double().reshape(-1, K // 32, 32) * scale.double().unsqueeze(-1)).reshape(-1, K)
+    magnitude = (rows.abs() @ quantized.dequantize(w).double().abs().T).float().reshape(want.shape)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    assert ((got - want).abs() <= 1e-5 * magnitude + 1e-6).all(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_pack_unpack_and_dequantize(format):
+    raw = random_blocks(48, 96, format)
+    packed = quantized.pack(raw, format)
+    assert packed.shape == (3, 3, 16 * quantized.FORMATS[format].block_bytes) and quantized.format_of(packed) == format
+    assert torch.equal(quantized.unpack(packed), raw)
+    w = quantized.dequantize(packed)
+    assert w.shape == (48, 96) and quantized.matrix_shape(packed) == (48, 96)
+    rows = torch.tensor([0, 17, 47, 17])
+    assert torch.equal(quantized.dequantize(packed, rows), w[rows])
+    assert torch.equal(quantized.embedding(packed, rows.view(2, 2)), w[rows].view(2, 2, 96))
+    # GGML's arithmetic, written out for row 5's first block
+    f, block = quantized.FORMATS[format], raw[5, : quantized.FORMATS[format].block_bytes]
+    d = block[:2].view(torch.float16).float()
+    if format == "Q8_0":
+        want = block[2:].view(torch.int8).float() * d
+    else:
+        qs = block[4:] if f.has_min else block[2:]
+        codes = torch.cat([qs & 15, qs >> 4]).float()
+        want = codes * d + block[2:4].view(torch.float16).float() if f.has_min else (codes - 8) * d
+    assert torch.equal(w[5, :32], want)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_from_float_quantizes_as_ggml(format):
+    w = randn(32, 64, seed=3)
+    packed = quantized.from_float(w, format)
+    error = (quantized.dequantize(packed) - w).abs().max()
+    assert error < (0.02 if format == "Q8_0" else 0.3) * w.abs().max(), error
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("lead", [(1,), (5,), (8,), (9,), (2, 33), (65,)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.covers("linear", "adversarial_shapes")
+def test_quantized_linear_matches_its_specification(format, lead, bias):
+    w = packed_weight(48, 160, format, seed=1)
+    x = randn(*lead, 160, seed=2)
+    b = randn(48, seed=3) if bias else None
+    assert_close_to_spec(ops.linear(x, w, b), x, w, b)
+    assert_close_to_spec(reference.linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_quantized_linear_rows_do_not_depend_on_the_other_rows(format):
+    # A token's logits are the same bits alone as in a tree of 64 (the row tiles of 8, their tails).
+    w = packed_weight(64, 96, format, seed=4)
+    x = randn(64, 96, seed=5)
+    x[3, 40] = 1e4  # a row with a large block quantizes alone
+    together = ops.linear(x, w)
+    for rows in [(0, 1), (3, 4), (5, 13), (13, 64)]:
+        assert torch.equal(ops.linear(x[rows[0]:rows[1]], w), together[rows[0]:rows[1]])
+
+
+@pytest.mark.covers("linear", "nonfinite")
+def test_quantized_linear_non_finite_rows_stay_their_own():
+    w = packed_weight(32, 64, "Q4_1")
+    x = randn(3, 64, seed=6)
+    x[1, 5] = float("inf")
+    y = ops.linear(x, w)
+    assert torch.isnan(y[1]).all() and torch.isfinite(y[[0, 2]]).all()
+    assert torch.equal(y[[0, 2]], ops.linear(x[[0, 2]], w))
+
+
+VNNI_CHECK = """
+import hashlib, sys
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_quantized import packed_weight
+from jakiro_ext import ops
+from jakiro_ext.ops import quantized
+digest = hashlib.sha256()
+g = torch.Generator().manual_seed(0)
+for format in quantized.FORMATS:
+    w = packed_weight(80, 224, format, seed=7)
+    x = torch.randn(21, 224, generator=g)
+    for rows in (1, 3, 8, 21):
+        digest.update(ops.linear(x[:rows], w, torch.randn(80, generator=g)).numpy().tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_vnni_and_portable_kernels_give_the_same_bits(tmp_path):
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    digests = set()
+    for env in ({}, {"JAKIRO_CPU_VNNI": "0"}, {"JAKIRO_CPU_AVX512": "0"}):
+        out = run_kernel_check(VNNI_CHECK, tmp_path, [here], PYTHONPATH=os.pathsep.join(
+            [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]), **env)
+        assert out.returncode == 0, out.stderr
+        digests.add(out.stdout.split()[-1])
+    assert len(digests) == 1, digests
+
+
+def test_quantized_linear_opcheck():
+    w, b = packed_weight(32, 64, "Q8_0"), randn(32, seed=8)
+    x = randn(2, 3, 64, seed=9)
+    torch.library.opcheck(torch.ops.jakiro.linear.default, (x, w, b))
+    torch.library.opcheck(torch.ops.jakiro.linear.default, (x, w, None))
+
+
+def test_quantized_linear_bad_input_errors():
+    w = packed_weight(32, 64, "Q4_1")
+    x = randn(2, 64, seed=1)
+    with pytest.raises(RuntimeError, match=r"weight in uint8 must be a packed quantized weight \[N / 16, K / 32, 16 B\]"):
+        ops.linear(x, quantized.unpack(w))  # GGML's rows, not packed
+    with pytest.raises(RuntimeError, match=r"288 \(Q4_0\), 320 \(Q4_1\) or 544 \(Q8_0\).*got shape \[2, 2, 300\]"):
+        ops.linear(x, torch.zeros(2, 2, 300, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="a packed quantized weight takes float32 x, got BFloat16"):
+        ops.linear(x.bfloat16(), w)
+    with pytest.raises(RuntimeError, match=r"weight's columns \(in features K, as x.shape\[-1\]\) must be 96, got 64 \(packed"):
+        ops.linear(randn(2, 96, seed=2), w)
+    with pytest.raises(RuntimeError, match=r"bias.shape\[0\] \(out features N, as weight's rows\) must be 32, got 31"):
+        ops.linear(x, w, randn(31, seed=3))
+    with pytest.raises(ValueError, match="N must be a multiple of 16 and K of 32, got N = 20"):
+        quantized.pack(random_blocks(20, 64, "Q4_1"), "Q4_1")
+    with pytest.raises(ValueError, match=r"Q8_0 rows are uint8 \[N, K / 32 \* 34\]"):
+        quantized.pack(random_blocks(32, 64, "Q4_1"), "Q8_0")
+    with pytest.raises(ValueError, match="format must be one of Q4_0, Q4_1, Q8_0, got 'Q5_0'"):
+        quantized.pack(random_blocks(32, 64, "Q4_1"), "Q5_0")
+    with pytest.raises(IndexError, match=r"rows must be in \[0, 32\)"):
+        quantized.dequantize(w, torch.tensor([32]))
+
+
+@pytest.mark.parametrize("format", FORMATS)
+def test_decoder_layer_with_packed_weights(format):
+    """The fused layer (a batch of trees) on packed weights against the reference (its products
+    quantized.linear), and each sequence of the batch the same bits alone."""
+    layer = Layer(B=2, T=5, H=64, Hq=4, Hkv=2, D=16, I=96, prefix=(3, 7)).with_packed_projections(format)
+    want_cache, got_cache = layer.kv_cache.clone(), layer.kv_cache.clone()
+    want = reference.decoder_layer(*layer.args(want_cache))
+    got = ops.decoder_layer(*layer.args(got_cache))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got_cache, want_cache, atol=2e-4, rtol=2e-4)
+    layer.B = 1
+    for name in ("delta", "residual", "cos", "sin", "lengths", "tree_mask"):
+        setattr(layer, name, getattr(layer, name)[1:])
+    alone_cache = layer.kv_cache[:, 1:].clone()
+    for g, a in zip(got, ops.decoder_layer(*layer.args(alone_cache))):
+        assert torch.equal(g[1:], a)
+    assert torch.equal(alone_cache, got_cache[:, 1:])
+
+
+@pytest.mark.parametrize("format", ["Q4_1"])
+def test_decoder_layers_with_packed_weights_fused_and_composed(format):
+    """Every layer in one parallel region (at most 64 rows) and the ops composed (beyond, or with
+    JAKIRO_CPU_FUSED_LAYER=0) give the same bits: both quantize the rows alike."""
+    layers = Layers(3, 1, 9, 64, 4, 2, 16, 96, prefix=(4,))
+    for layer in layers.layers:
+        layer.with_packed_projections(format)
+    fused_cache, composed_cache = layers.kv_cache.clone(), layers.kv_cache.clone()
+    fused = ops.decoder_layers(*layers.args(fused_cache))
+    composed = reference_free_composed(layers, composed_cache)
+    for a, b in zip(fused, composed):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_cache, composed_cache)
+
+
+def reference_free_composed(layers, kv_cache):
+    """The layers through the ops one by one, as the composed CPU path runs them."""
+    f = layers.first
+    residual, delta = f.residual, f.delta
+    for i, layer in enumerate(layers.layers):
+        w = layer.weights
+        h, stream = ops.rms_norm(delta, w["input_norm"], 1e-5, residual)
+        qkv = ops.linear(h, w["qkv_weight"], w["qkv_bias"]).view(f.B, f.T, f.Hq + 2 * f.Hkv, f.D)
+        q = ops.rope_kv_write(qkv, f.cos, f.sin, kv_cache[i], f.lengths)
+        attention, _ = ops.tree_attention(q, kv_cache[i][0], kv_cache[i][1], f.lengths, f.tree_mask)
+        o = ops.linear(attention.reshape(f.B, f.T, f.Hq * f.D), w["o_weight"])
+        h2, residual = ops.rms_norm(o, w["post_norm"], 1e-5, stream)
+        delta = ops.linear(ops.silu_mul(ops.linear(h2, w["gate_up_weight"])), w["down_weight"])
+    return residual, delta
+
+
+def test_decoder_layer_packed_weights_bad_inputs():
+    layer = Layer(B=1, T=2, H=64, Hq=4, Hkv=2, D=16, I=96, prefix=(3,)).with_packed_projections("Q8_0")
+    args = list(layer.args())
+    o = args[5]
+    args[5] = quantized.dequantize(o)
+    with pytest.raises(RuntimeError, match="the four projection weights must share one dtype"):
+        ops.decoder_layer(*args)
+    args[5] = o[:2]
+    with pytest.raises(RuntimeError, match=r"o_weight's rows \(hidden size H, as delta.shape\[2\]\) must be 64, got 32"):
+        ops.decoder_layer(*args)

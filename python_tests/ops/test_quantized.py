@@ -1,6 +1,6 @@
 """Packed quantized weights (GGML's Q4_0, Q4_1, Q8_0 blocks) in jakiro::linear and the decoder
 layer ops: the layout's round trip, the products against their pure-PyTorch specification, every
-row independent of the others, the 512-bit VNNI kernel and the portable one bit for bit, and the
+row independent of the others, the AMX, 512-bit VNNI and portable kernels bit for bit, and the
 errors for weights that are not packed as the kernels read them."""
 import pytest
 import torch
@@ -118,18 +118,18 @@ g = torch.Generator().manual_seed(0)
 for format in quantized.FORMATS:
     w = packed_weight(80, 224, format, seed=7)
     x = torch.randn(21, 224, generator=g)
-    for rows in (1, 3, 8, 21):
+    for rows in (1, 3, 8, 16, 21, 40):
         digest.update(ops.linear(x[:rows], w, torch.randn(80, generator=g)).numpy().tobytes())
 print(digest.hexdigest())
 """
 
 
-def test_vnni_and_portable_kernels_give_the_same_bits(tmp_path):
+def test_amx_vnni_and_portable_kernels_give_the_same_bits(tmp_path):
     import os
 
     here = os.path.dirname(os.path.abspath(__file__))
     digests = set()
-    for env in ({}, {"JAKIRO_CPU_VNNI": "0"}, {"JAKIRO_CPU_AVX512": "0"}):
+    for env in ({}, {"JAKIRO_CPU_AMX": "0"}, {"JAKIRO_CPU_VNNI": "0"}, {"JAKIRO_CPU_AVX512": "0"}):
         out = run_kernel_check(VNNI_CHECK, tmp_path, [here], PYTHONPATH=os.pathsep.join(
             [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]), **env)
         assert out.returncode == 0, out.stderr

@@ -37,6 +37,50 @@ float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
+// One block of 32 activations quantized as GGML's quantize_row_q8_0: d = max |x| / 127, the
+// codes x / d rounded to nearest (ties to even, as its vector code rounds), d kept as float16.
+// False (nothing written) if a value is not finite. Both forms give the same bits.
+bool quantize_block(const float* v, int8_t* q, float* scale, int32_t* sum) {
+  float amax = 0.f;
+  bool finite = true;
+  for (int64_t i = 0; i < kQuantBlock; ++i) {
+    finite &= std::isfinite(v[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  if (!finite) return false;
+  const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+  int32_t s = 0;
+  for (int64_t i = 0; i < kQuantBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
+    s += q[i];
+  }
+  *scale = static_cast<float>(c10::Half(d));
+  *sum = s;
+  return true;
+}
+
+#ifdef JAKIRO_HAVE_AVX512_KERNELS
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+bool quantize_block_avx512(const float* v, int8_t* q, float* scale, int32_t* sum) {
+  const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16), zero = _mm512_setzero_ps();
+  // x - x is 0 for a finite x, NaN for an infinite or NaN one
+  if ((_mm512_cmp_ps_mask(_mm512_sub_ps(a, a), zero, _CMP_EQ_OQ) &
+       _mm512_cmp_ps_mask(_mm512_sub_ps(b, b), zero, _CMP_EQ_OQ)) != 0xFFFF)
+    return false;
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
+  const __m512 scaled = _mm512_set1_ps(inverse);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, scaled)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, scaled));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  *scale = static_cast<float>(c10::Half(d));
+  *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  return true;
+}
+#pragma GCC pop_options
+#endif
+
 // Weight e (< 32) of lane `lane`'s block in a chunk's codes, as the unsigned code.
 template <QuantFormat F>
 int32_t weight_code(const uint8_t* codes, int64_t lane, int64_t e) {
@@ -297,34 +341,23 @@ void QuantizedRows::quantize(const float* x, int64_t rows_, int64_t K_) {
   codes.resize(padded * K);
   std::memset(codes.data() + rows * K, 0, (padded - rows) * K);  // (rows a tile loads beyond the last)
   scale.resize(rows * nb), scaled_sum.resize(rows * nb), sum.resize(rows * nb);
+  const bool wide = avx512_enabled();
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = m * nb + b;
       const float* v = x + m * K + b * kQuantBlock;
       int8_t* q = codes.data() + m * K + b * kQuantBlock;
-      float amax = 0.f;
-      bool finite = true;
-      for (int64_t i = 0; i < kQuantBlock; ++i) {
-        finite &= std::isfinite(v[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const int64_t at = m * nb + b;
+#ifdef JAKIRO_HAVE_AVX512_KERNELS
+      const bool finite = wide ? quantize_block_avx512(v, q, &scale[at], &sum[at]) : quantize_block(v, q, &scale[at], &sum[at]);
+#else
+      const bool finite = quantize_block(v, q, &scale[at], &sum[at]);
+#endif
       if (!finite) {
         std::memset(q, 0, kQuantBlock);
-        scale[at] = scaled_sum[at] = std::numeric_limits<float>::quiet_NaN();
+        scale[at] = std::numeric_limits<float>::quiet_NaN();
         sum[at] = 0;
-        continue;
       }
-      // GGML's quantize_row_q8_0: d = amax / 127, the codes rounded from x / d (to nearest, ties
-      // to even, as its vector code rounds), d stored as float16.
-      const float d = amax / 127.f, inverse = d != 0.f ? 1.f / d : 0.f;
-      int32_t s = 0;
-      for (int64_t i = 0; i < kQuantBlock; ++i) {
-        q[i] = static_cast<int8_t>(std::nearbyint(v[i] * inverse));
-        s += q[i];
-      }
-      scale[at] = static_cast<float>(c10::Half(d));
-      sum[at] = s;
-      scaled_sum[at] = scale[at] * static_cast<float>(s);
+      scaled_sum[at] = scale[at] * static_cast<float>(sum[at]);
     }
   }
 }

@@ -112,12 +112,19 @@ print(f"setup.py: torch {torch.__version__}, CUDA kernels: {'yes (' + cuda_home 
 
 class BuildPyWithKernelSources(build_py):
     """Installs csrc/ as jakiro_ext/csrc too: ops.use_backend("simt32" | "simt64") compiles the GPU
-    kernels for the CPU SIMT emulator from it at run time (jakiro_ext/ops/emulator.py)."""
+    kernels for the CPU SIMT emulator from it at run time (jakiro_ext/ops/emulator.py). And the
+    committed token corpora as jakiro_ext/corpus (3 MB: `train --data SmolLM2-135M-Instruct` from
+    anywhere, jakiro_ext.paths.packaged_corpus)."""
 
     def run(self):
         super().run()
         for path in sorted(glob.glob(os.path.join("csrc", "**", "*"), recursive=True)):
             if path.endswith((".h", ".cuh", ".cu", ".cpp")):
+                target = os.path.join(self.build_lib, "jakiro_ext", path)
+                self.mkpath(os.path.dirname(target))
+                self.copy_file(path, target)
+        for path in sorted(glob.glob(os.path.join("corpus", "*", "*"))):
+            if path.endswith((".json", ".npz")):
                 target = os.path.join(self.build_lib, "jakiro_ext", path)
                 self.mkpath(os.path.dirname(target))
                 self.copy_file(path, target)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "jakiro_ext"
 MAX_LINES = 400
-LAZY = ("transformers", "safetensors", "tqdm", "matplotlib", "torch.utils.cpp_extension", "jakiro_ext._C", "vllm",
+LAZY = ("transformers", "safetensors", "gguf", "tqdm", "matplotlib", "torch.utils.cpp_extension", "jakiro_ext._C", "vllm",
         "sglang")  # (the serving engines: only when the engine itself calls the plugin)
 OUTSIDE_INFERENCE = ("jakiro_ext.training", "jakiro_ext.cli")
 

@@ -125,21 +125,38 @@ void group_rows_portable(const QuantizedRows& xq, int64_t m0, int64_t m1, const 
 // An int32 read from int8 codes (any alignment, any type's bytes).
 typedef int32_t Int32Unaligned __attribute__((may_alias, aligned(1)));
 
+// A chunk's 16 scales and (Q4_1) minimums, float32.
+template <QuantFormat F>
+inline void chunk_scales(const uint8_t* c, __m512& dw, __m512& mw) {
+  dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+  mw = F == QuantFormat::kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)))
+                               : _mm512_setzero_ps();
+}
+
+// acc plus one block of a row (its integer dot products with the 16 lanes, the codes' offset not
+// yet taken off; `at` its row and block in xq): every kernel adds a block so, in this order.
+template <QuantFormat F>
+inline __m512 add_block(__m512 acc, __m512i dot, __m512 dw, __m512 mw, const QuantizedRows& xq, int64_t at) {
+  constexpr int32_t offset = quant_code_offset(F);
+  if constexpr (offset != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * xq.sum[at]));
+  const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), dw);
+  acc = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.scale[at]), acc);
+  if constexpr (F == QuantFormat::kQ4_1) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq.scaled_sum[at]), acc);
+  return acc;
+}
+
 // The VNNI kernel: R rows from m0 of the 16 outputs of one group, a lane per output.
 template <QuantFormat F, int R>
 void group_rows_vnni(const QuantizedRows& xq, int64_t m0, const uint8_t* group, float* y, int64_t ldy) {
   constexpr int64_t chunk = kQuantLanes * quant_block_bytes(F), scales = quant_scale_bytes(F);
-  constexpr int32_t offset = quant_code_offset(F);
   const int64_t K = xq.K, nb = K / kQuantBlock;
   const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = group + b * chunk;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-    __m512 mw = _mm512_setzero_ps();
-    if constexpr (F == QuantFormat::kQ4_1)
-      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
+    __m512 dw, mw;
+    chunk_scales<F>(c, dw, mw);
     __m512i w[8];  // w[q]: each lane's codes of weights 4q .. 4q + 3
     if constexpr (F == QuantFormat::kQ8_0) {
       for (int q = 0; q < 8; ++q) w[q] = _mm512_loadu_si512(c + scales + 64 * q);
@@ -160,11 +177,7 @@ void group_rows_vnni(const QuantizedRows& xq, int64_t m0, const uint8_t* group, 
         s0 = _mm512_dpbusd_epi32(s0, w[q], _mm512_set1_epi32(a[q]));
         s1 = _mm512_dpbusd_epi32(s1, w[q + 1], _mm512_set1_epi32(a[q + 1]));
       }
-      __m512i dot = _mm512_add_epi32(s0, s1);
-      if constexpr (offset != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * xq.sum[at]));
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), dw);
-      acc[r] = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.scale[at]), acc[r]);
-      if constexpr (F == QuantFormat::kQ4_1) acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq.scaled_sum[at]), acc[r]);
+      acc[r] = add_block<F>(acc[r], _mm512_add_epi32(s0, s1), dw, mw, xq, at);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, acc[r]);
@@ -242,7 +255,6 @@ template <QuantFormat F>
 void group_rows_amx(const QuantizedRows& xq, int64_t m0, int64_t R, const uint8_t* group, float* y, int64_t ldy,
                     AmxScratch& s) {
   constexpr int64_t chunk = kQuantLanes * quant_block_bytes(F), scales = quant_scale_bytes(F);
-  constexpr int32_t offset = quant_code_offset(F);
   const int64_t K = xq.K, nb = K / kQuantBlock;
   s.reserve(nb);
   uint8_t* widened = AmxScratch::aligned(s.codes);
@@ -268,19 +280,12 @@ void group_rows_amx(const QuantizedRows& xq, int64_t m0, int64_t R, const uint8_
   }
   for (int64_t r = 0; r < R; ++r) _mm512_store_ps(s.acc + r * kQuantLanes, _mm512_setzero_ps());
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* c = group + b * chunk;
-    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-    __m512 mw = _mm512_setzero_ps();
-    if constexpr (F == QuantFormat::kQ4_1)
-      mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32)));
+    __m512 dw, mw;
+    chunk_scales<F>(group + b * chunk, dw, mw);
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t at = (m0 + r) * nb + b;
-      __m512i dot = _mm512_load_si512(dots + b * tile + r * kQuantLanes);
-      if constexpr (offset != 0) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(offset * xq.sum[at]));
-      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(dot), dw);
-      __m512 acc = _mm512_fmadd_ps(t, _mm512_set1_ps(xq.scale[at]), _mm512_load_ps(s.acc + r * kQuantLanes));
-      if constexpr (F == QuantFormat::kQ4_1) acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(xq.scaled_sum[at]), acc);
-      _mm512_store_ps(s.acc + r * kQuantLanes, acc);
+      const __m512i dot = _mm512_load_si512(dots + b * tile + r * kQuantLanes);
+      const __m512 acc = _mm512_load_ps(s.acc + r * kQuantLanes);
+      _mm512_store_ps(s.acc + r * kQuantLanes, add_block<F>(acc, dot, dw, mw, xq, (m0 + r) * nb + b));
     }
   }
   for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(s.acc + r * kQuantLanes));

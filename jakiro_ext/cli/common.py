@@ -18,10 +18,12 @@ from jakiro_ext.engine.sequence import GenerationOutput
 from jakiro_ext.methods import METHODS
 from jakiro_ext.models import load_default_target
 from jakiro_ext.models.default import DEFAULT_MODEL
+from jakiro_ext.models.gguf import gguf_tokenizer, load_gguf
 from jakiro_ext.models.heads.config import MLP_HEAD_KINDS, MOE_KINDS, DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.formats import a_kind, check_head_directory, read_config
 from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.paths import packaged_corpus
 
 DEFAULT_PROMPT = "Explain in a few sentences why the sky is blue."
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
@@ -40,8 +42,6 @@ def load_target(dtype_name: str, device: str = "cpu", directory: Optional[str] =
         raise ValueError(f"--dtype gguf runs a GGUF file's blocks on the CPU, not on {device}: use --dtype float32 "
                          "or bfloat16 there")
     if directory is not None and str(directory).endswith(".gguf"):
-        from jakiro_ext.models.gguf import gguf_tokenizer, load_gguf
-
         if not Path(directory).is_file():
             raise ValueError(f"--target {directory}: no such GGUF file")
         weights = "file" if dtype_name == "gguf" else dtype_name
@@ -60,6 +60,16 @@ def load_target(dtype_name: str, device: str = "cpu", directory: Optional[str] =
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
     return LlamaModel.from_hf(hf, dtype).to(device), tokenizer, Path(directory).name
+
+
+def corpus_option(data: Optional[str]) -> Optional[str]:
+    """A ``--data`` value: a path as it is, or where no such path exists, the name of a token
+    corpus the package ships (``SmolLM2-135M-Instruct``: the README's line, run from anywhere)."""
+    packaged = packaged_corpus(data) if data and not Path(data).exists() else None
+    if packaged is None:
+        return data
+    print(f"--data {data}: the packaged token corpus {packaged}", file=sys.stderr)
+    return str(packaged)
 
 
 def check_head_option(path: Optional[str]) -> None:

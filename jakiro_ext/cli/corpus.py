@@ -57,6 +57,7 @@ def cmd_calibrate(args) -> int:
     set_threads(args.threads)
     if args.eval_every_nth < 1:
         raise ValueError(f"--eval-every-nth must be >= 1, got {args.eval_every_nth}")
+    args.data = common.corpus_option(args.data)
     target, _, _ = common.load_target("float32")
     head = DraftHead.load(args.head, target)
     examples, _ = corpus_examples(args.data, target)

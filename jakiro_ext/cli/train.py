@@ -58,10 +58,11 @@ def cmd_train(args) -> int:
     # beside it and swapped in.
     atomic.check_output_dir(out, 0, "the checkpoints")
     atomic.check_output_dir(out.resolve().parent, 0, "the head's new directory while it is written")
+    args.data = common.corpus_option(args.data)
     if args.data and not Path(args.data).exists() and (args.shards is not None or args.feature_dtype != "float32"):
         raise FileNotFoundError(f"--data {args.data}: no token corpus there (seen from {Path.cwd()}); --shards and "
-                                f"--feature-dtype read a corpus: give its path from here (the committed one is the "
-                                f"clone's corpus/SmolLM2-135M-Instruct)")
+                                f"--feature-dtype read a corpus: give its path from here, or the name of a packaged one "
+                                f"(SmolLM2-135M-Instruct)")
     ranks = init_distributed(args.device)  # several processes under torchrun: data-parallel
     main = ranks.rank == 0
     say = (lambda text: print(text, file=sys.stderr)) if main else (lambda text: None)

@@ -46,6 +46,7 @@ from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.machine import cpu_name
 from jakiro_ext.methods import METHODS
+from jakiro_ext.models.weights import weight_format
 from jakiro_ext.paths import cache_root
 
 ACCEPTANCE_FILE = "acceptance.json"
@@ -193,7 +194,7 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
              f"e{h.num_experts}x{h.intermediate_size}-dv{h.draft_vocab_size}")
     if getattr(h, "num_mlp_heads", 0):
         shape += f"-l{h.num_layers}-m{h.num_mlp_heads}x{h.mlp_blocks}"
-    dtype = target.weight_format
+    dtype = weight_format(target)
     if target.streamed_weights() is not None:  # a bf16 checkpoint in float32: its steps read half the bytes
         dtype += "-bf16_weights"
     batched = f"-b{batch}" if batch > 1 else ""

@@ -14,6 +14,7 @@ import torch
 
 from jakiro_ext import atomic
 from jakiro_ext.memory import memory_errors
+from jakiro_ext.models.gguf import load_gguf
 from jakiro_ext.models.llama import LlamaModel
 from jakiro_ext.paths import cache_root
 
@@ -87,8 +88,6 @@ def load_default_target(dtype: Union[torch.dtype, str] = torch.float32) -> Tuple
     :mod:`jakiro_ext.models.gguf`), about the file's size in memory."""
     with memory_errors(f"loading the target model {DEFAULT_MODEL} ({dtype})"):
         if dtype == "gguf":
-            from jakiro_ext.models.gguf import load_gguf
-
             return load_gguf(gguf_path(), "file", DEFAULT_MODEL), load_default_tokenizer()
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or 'gguf', got {dtype!r}")

@@ -18,7 +18,7 @@ from jakiro_ext.kv_cache import CacheShape, KVCache
 from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
 from jakiro_ext.models.rope import LLAMA3_ROPE_KEYS, RopeTable
 from jakiro_ext.models.weights import STREAM_ROWS, TargetWeights, bf16_weights_enabled, exactly_bf16
-from jakiro_ext.ops import quantized, reference
+from jakiro_ext.ops import reference
 from jakiro_ext.ops.masks import causal_tree_mask
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -181,17 +181,6 @@ class LlamaModel(nn.Module):
         quantized weights (a GGUF file's, :mod:`jakiro_ext.models.gguf`)."""
         w = self.norm.weight
         return w.dtype
-
-    @property
-    def weight_format(self) -> str:
-        """What the forwards read of the weights: their dtype's name (float32, bfloat16), or a GGUF
-        file's block formats, the layers' then the LM head's (``Q4_1-Q8_0``)."""
-        qkv = self.layers[0].self_attn.qkv_proj.weight
-        if not quantized.is_packed(qkv):
-            return str(qkv.dtype).replace("torch.", "")
-        head = self.lm_head.weight
-        return "-".join((quantized.format_of(qkv), quantized.format_of(head) if quantized.is_packed(head)
-                         else str(head.dtype).replace("torch.", "")))
 
     def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``

@@ -9,6 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from jakiro_ext import ops
+from jakiro_ext.ops import quantized
 
 class TargetWeights(NamedTuple):
     """What a forward reads of a model's weights (:meth:`LlamaModel.prepare`): ``jakiro::
@@ -41,3 +42,14 @@ def exactly_bf16(t: torch.Tensor) -> bool:
     16 bits zero): what a bf16 copy holds bit for bit."""
     return t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() and \
         not bool((t.detach().view(torch.int32) & 0xFFFF).any())
+
+
+def weight_format(model) -> str:
+    """What a model's forwards read of its weights: their dtype's name (float32, bfloat16), or a
+    GGUF file's block formats, the layers' then the LM head's (``Q4_1-Q8_0``)."""
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    if not quantized.is_packed(qkv):
+        return str(qkv.dtype).replace("torch.", "")
+    head = model.lm_head.weight
+    return "-".join((quantized.format_of(qkv), quantized.format_of(head) if quantized.is_packed(head)
+                     else str(head.dtype).replace("torch.", "")))

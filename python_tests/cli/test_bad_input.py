@@ -501,6 +501,17 @@ def test_cli_train_from_elsewhere_on_the_readmes_corpus_path_is_refused_before_t
     assert err[0].startswith(f"error: --data corpus/SmolLM2-135M-Instruct: no token corpus there (seen from {tmp_path})")
 
 
+def test_a_packaged_corpus_is_found_by_its_name():
+    """`train --data SmolLM2-135M-Instruct` (the README's line) reads the committed corpus from
+    anywhere: installed with the package, or beside the source tree; a path is never taken for a name."""
+    from jakiro_ext.paths import packaged_corpus
+
+    found = packaged_corpus("SmolLM2-135M-Instruct")
+    assert found is not None and (found / "corpus.json").is_file() and found.name == "SmolLM2-135M-Instruct"
+    for name in ("corpus/SmolLM2-135M-Instruct", "..", "", "no-such-model"):
+        assert packaged_corpus(name) is None
+
+
 @pytest.mark.parametrize("limit", ["0", "-1"])
 def test_cli_bench_limit_must_be_positive(cli, limit):
     status, _, err, loaded = cli("bench", "--limit", limit, "--method", "ar", "--max-new-tokens", "2")

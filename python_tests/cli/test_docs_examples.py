@@ -16,7 +16,7 @@ def python_blocks(doc: str) -> list:
     return re.findall(r"```python\n(.*?)```", (ROOT / doc).read_text(), re.S)
 
 
-@pytest.mark.parametrize("doc,blocks", [("README.md", 1), ("docs/api.md", 3)])
+@pytest.mark.parametrize("doc,blocks", [("README.md", 1), ("docs/api.md", 4)])
 def test_the_docs_python_examples_run_as_written(doc, blocks, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     found = python_blocks(doc)

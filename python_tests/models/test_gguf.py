@@ -11,6 +11,7 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.default import DEFAULT_MODEL, default_model_dir, gguf_path, load_default_target
 from jakiro_ext.models.gguf import load_gguf
+from jakiro_ext.models.weights import weight_format
 from jakiro_ext.ops import quantized
 
 
@@ -23,7 +24,7 @@ def test_the_files_blocks_are_transformers_dequantization(gguf_target):
     from safetensors.torch import load_file
 
     model, _ = gguf_target
-    assert model.weight_format == "Q4_1-Q8_0" and model.config.name == DEFAULT_MODEL
+    assert weight_format(model) == "Q4_1-Q8_0" and model.config.name == DEFAULT_MODEL
     dense = LlamaModelOf(load_file(str(default_model_dir() / "model.safetensors")))
     for name, p in model.named_parameters():
         got = quantized.dequantize(p) if quantized.is_packed(p) else p
@@ -52,7 +53,7 @@ def LlamaModelOf(state):
 
 def test_dequantized_loads_and_bad_options():
     model = load_gguf(gguf_path(), "bfloat16")
-    assert model.weight_format == "bfloat16" and model.activation_dtype == torch.bfloat16
+    assert weight_format(model) == "bfloat16" and model.activation_dtype == torch.bfloat16
     assert model.config.name == "SmolLM2-135M-Instruct"  # the file's name up to its first dot
     with pytest.raises(ValueError, match=r"weights must be one of \('file', 'float32', 'bfloat16'\), got 'int4'"):
         load_gguf(gguf_path(), "int4")

@@ -1,7 +1,10 @@
 // Products with quantized weights (cpu/quantized.h): the activations' quantization and the
 // per-block integer dot products, on 512-bit VNNI vectors (one output row per 32-bit lane: 16
 // rows of a packed chunk at once, the weight codes decoded once for up to kRowTile activation
-// rows) or in portable C++ with the same arithmetic.
+// rows) or in portable C++ with the same arithmetic. (AMX tiles for the integer products were
+// measured on the 2-core Xeon and dropped: with the weight prefetched, 16 and 32 rows of the
+// default model's forward took 1.1-1.3x the VNNI kernel's time; the float sums of the per-block
+// scales, not the integer products, bound both.)
 #include "cpu/quantized.h"
 
 #include <c10/util/Half.h>
@@ -9,15 +12,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include "cpu/skinny_avx512.h"
+#include "cpu/skinny_gemm.h"
 
 #ifdef JAKIRO_HAVE_AVX512_KERNELS
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace jakiro::cpu {
@@ -26,10 +26,6 @@ namespace {
 // Activation rows whose products share one decoding of a chunk's weight codes (8 accumulators
 // of the 32 vector registers beside the 8 code vectors).
 constexpr int kRowTile = 8;
-// From this many rows the AMX kernel takes the integer products (a tile: 16 rows). One thread,
-// a 3072 x 576 weight, ns a row's block of 16 outputs, AMX / VNNI (2-core Xeon with AMX): Q8_0
-// 6.9 / 4.4 at 4 rows, 3.5 / 3.8 at 16, 3.3 / 3.8 at 64; Q4_1 6.9 / 4.0, 3.3 / 3.5, 3.7 / 3.7.
-constexpr int64_t kAmxMinRows = 16;
 
 float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -125,6 +121,16 @@ void group_rows_portable(const QuantizedRows& xq, int64_t m0, int64_t m1, const 
 // An int32 read from int8 codes (any alignment, any type's bytes).
 typedef int32_t Int32Unaligned __attribute__((may_alias, aligned(1)));
 
+// Asks for the weight skinny_detail::kPrefetchBytes (8 KB) past a chunk into L2, a line at a
+// time: the hardware prefetchers alone fell behind the short streams of a layer's projections
+// (the default model's Q4_1 forward of one token 4.0-4.5 -> 2.8-3.0 ms, of 4 tokens 7.0 -> 4.1-4.5
+// ms, on the 2-core Xeon; 8, 16 and 32 KB ahead alike, 2 and 4 KB slower, into L1 slower).
+template <QuantFormat F>
+inline void prefetch_chunk(const uint8_t* c) {
+  constexpr int64_t chunk = kQuantLanes * quant_block_bytes(F);
+  for (int64_t line = 0; line < chunk; line += 64) skinny_detail::prefetch_weight(c + line);
+}
+
 // A chunk's 16 scales and (Q4_1) minimums, float32.
 template <QuantFormat F>
 inline void chunk_scales(const uint8_t* c, __m512& dw, __m512& mw) {
@@ -155,6 +161,7 @@ void group_rows_vnni(const QuantizedRows& xq, int64_t m0, const uint8_t* group, 
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* c = group + b * chunk;
+    prefetch_chunk<F>(c);
     __m512 dw, mw;
     chunk_scales<F>(c, dw, mw);
     __m512i w[8];  // w[q]: each lane's codes of weights 4q .. 4q + 3
@@ -199,106 +206,6 @@ void group_rows_vnni_any(const QuantizedRows& xq, int64_t m0, int64_t rows, cons
 }
 
 #pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")
-
-// The tiles of the AMX kernel, two sets used in turn (blocks b even, odd): 0 / 3 a block's dot
-// products [16 rows, 16 lanes] int32, 1 / 4 the rows' activation codes of the block [16, 32]
-// int8, 2 / 5 the 16 lanes' weight codes [8 quads, 16 x 4] uint8.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {64, 32, 64, 64, 32, 64};
-  uint8_t rows[16] = {kAmxRows, kAmxRows, 8, kAmxRows, kAmxRows, 8};
-};
-
-// A thread's scratch for one group: its blocks' Q4 codes widened to bytes, the blocks' dot
-// products, the rows' sums.
-struct AmxScratch {
-  std::vector<uint8_t> codes;  // [nb, 8 x 64]
-  std::vector<int32_t> dots;   // [nb, 16 rows, 16 lanes]
-  alignas(64) float acc[kAmxRows * kQuantLanes];
-  void reserve(int64_t nb) {
-    if (static_cast<int64_t>(dots.size()) < nb * kAmxRows * kQuantLanes + 16) {
-      codes.resize(nb * 512 + 64);
-      dots.resize(nb * kAmxRows * kQuantLanes + 16);
-    }
-  }
-  template <typename T>
-  static T* aligned(std::vector<T>& v) {
-    return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(v.data()) + 63) / 64 * 64);
-  }
-};
-
-// One block's tile product into `dots` (tile set A: tiles 0-2, else 3-5).
-template <bool kFirstSet>
-inline void block_dots(const int8_t* rows, int64_t K, const uint8_t* codes, int32_t* dots) {
-  if constexpr (kFirstSet) {
-    _tile_loadd(1, rows, K);
-    _tile_loadd(2, codes, 64);
-    _tile_zero(0);
-    _tile_dpbsud(0, 1, 2);
-    _tile_stored(0, dots, 64);
-  } else {
-    _tile_loadd(4, rows, K);
-    _tile_loadd(5, codes, 64);
-    _tile_zero(3);
-    _tile_dpbsud(3, 4, 5);
-    _tile_stored(3, dots, 64);
-  }
-}
-
-// The AMX kernel: rows [m0, m0 + R) (R <= 16; the tiles read 16, the codes padded with zero
-// rows) of the 16 outputs of one group. The tiles give every block's integer dot products first
-// (the two tile sets in turn, so that the products overlap), then the 512-bit vectors scale and
-// sum them in the VNNI kernel's order: the same bits.
-template <QuantFormat F>
-void group_rows_amx(const QuantizedRows& xq, int64_t m0, int64_t R, const uint8_t* group, float* y, int64_t ldy,
-                    AmxScratch& s) {
-  constexpr int64_t chunk = kQuantLanes * quant_block_bytes(F), scales = quant_scale_bytes(F);
-  const int64_t K = xq.K, nb = K / kQuantBlock;
-  s.reserve(nb);
-  uint8_t* widened = AmxScratch::aligned(s.codes);
-  int32_t* dots = AmxScratch::aligned(s.dots);
-  if constexpr (F != QuantFormat::kQ8_0) {
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; ++b) {
-      for (int q = 0; q < 4; ++q) {
-        const __m512i v = _mm512_loadu_si512(group + b * chunk + scales + 64 * q);
-        _mm512_store_si512(widened + b * 512 + 64 * q, _mm512_and_si512(v, low));
-        _mm512_store_si512(widened + b * 512 + 64 * (q + 4), _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-      }
-    }
-  }
-  auto codes_of = [&](int64_t b) {
-    return F == QuantFormat::kQ8_0 ? group + b * chunk + scales : widened + b * 512;
-  };
-  const int8_t* rows = xq.codes.data() + m0 * K;
-  constexpr int64_t tile = kAmxRows * kQuantLanes;
-  for (int64_t b = 0; b < nb; b += 2) {
-    block_dots<true>(rows + b * kQuantBlock, K, codes_of(b), dots + b * tile);
-    if (b + 1 < nb) block_dots<false>(rows + (b + 1) * kQuantBlock, K, codes_of(b + 1), dots + (b + 1) * tile);
-  }
-  for (int64_t r = 0; r < R; ++r) _mm512_store_ps(s.acc + r * kQuantLanes, _mm512_setzero_ps());
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 dw, mw;
-    chunk_scales<F>(group + b * chunk, dw, mw);
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512i dot = _mm512_load_si512(dots + b * tile + r * kQuantLanes);
-      const __m512 acc = _mm512_load_ps(s.acc + r * kQuantLanes);
-      _mm512_store_ps(s.acc + r * kQuantLanes, add_block<F>(acc, dot, dw, mw, xq, (m0 + r) * nb + b));
-    }
-  }
-  for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(y + r * ldy, _mm512_load_ps(s.acc + r * kQuantLanes));
-}
-
-void amx_begin() {
-  static const TileConfig config;
-  _tile_loadconfig(&config);
-}
-
-void amx_end() { _tile_release(); }
-
-#pragma GCC pop_options
 #endif
 
 template <QuantFormat F>
@@ -306,21 +213,13 @@ void columns(const QuantizedRows& xq, const uint8_t* w, const float* bias, int64
              int64_t ldy) {
   constexpr int64_t chunk = kQuantLanes * quant_block_bytes(F);
   const int64_t nb = xq.K / kQuantBlock;
-  const bool vnni = vnni_enabled(), amx = xq.rows >= kAmxMinRows && amx_enabled();
-#ifdef JAKIRO_HAVE_AVX512_KERNELS
-  thread_local AmxScratch scratch;
-  if (amx) amx_begin();
-#endif
+  const bool vnni = vnni_enabled();
   for (int64_t g = j0 / kQuantLanes; g < j1 / kQuantLanes; ++g) {
     const uint8_t* group = w + g * nb * chunk;
     float* out = y + g * kQuantLanes;
-    for (int64_t m0 = 0; m0 < xq.rows; m0 += amx ? kAmxRows : kRowTile) {
-      const int64_t rows = std::min<int64_t>(amx ? kAmxRows : kRowTile, xq.rows - m0);
+    for (int64_t m0 = 0; m0 < xq.rows; m0 += kRowTile) {
+      const int64_t rows = std::min<int64_t>(kRowTile, xq.rows - m0);
 #ifdef JAKIRO_HAVE_AVX512_KERNELS
-      if (amx) {
-        group_rows_amx<F>(xq, m0, rows, group, out + m0 * ldy, ldy, scratch);
-        continue;
-      }
       if (vnni) {
         group_rows_vnni_any<F>(xq, m0, rows, group, out + m0 * ldy, ldy);
         continue;
@@ -333,18 +232,14 @@ void columns(const QuantizedRows& xq, const uint8_t* w, const float* bias, int64
         for (int64_t lane = 0; lane < kQuantLanes; ++lane) out[m * ldy + lane] += bias[g * kQuantLanes + lane];
     }
   }
-#ifdef JAKIRO_HAVE_AVX512_KERNELS
-  if (amx) amx_end();
-#endif
 }
 
 }  // namespace
 
 void QuantizedRows::quantize(const float* x, int64_t rows_, int64_t K_) {
   rows = rows_, K = K_;
-  const int64_t nb = K / kQuantBlock, padded = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
-  codes.resize(padded * K);
-  std::memset(codes.data() + rows * K, 0, (padded - rows) * K);  // (rows a tile loads beyond the last)
+  const int64_t nb = K / kQuantBlock;
+  codes.resize(rows * K);
   scale.resize(rows * nb), scaled_sum.resize(rows * nb), sum.resize(rows * nb);
   const bool wide = avx512_enabled();
   for (int64_t m = 0; m < rows; ++m) {
@@ -369,7 +264,7 @@ void QuantizedRows::quantize(const float* x, int64_t rows_, int64_t K_) {
 
 void QuantizedRows::reserve(int64_t rows_, int64_t K_) {
   const int64_t nb = K_ / kQuantBlock;
-  codes.reserve((rows_ + kAmxRows - 1) / kAmxRows * kAmxRows * K_);
+  codes.reserve(rows_ * K_);
   scale.reserve(rows_ * nb), scaled_sum.reserve(rows_ * nb), sum.reserve(rows_ * nb);
 }
 
@@ -381,22 +276,6 @@ void quantized_columns(const QuantizedRows& xq, const uint8_t* w, QuantFormat fo
     case QuantFormat::kQ8_0: return columns<QuantFormat::kQ8_0>(xq, w, bias, j0, j1, y, ldy);
     default: std::abort();  // unreachable: the checks name the format
   }
-}
-
-bool amx_enabled() {
-#ifdef JAKIRO_HAVE_AVX512_KERNELS
-  static const bool enabled = [] {
-    if (!vnni_enabled() || env_disabled("JAKIRO_CPU_AMX")) return false;
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 25))) return false;
-    // Linux hands out the tiles' register state only to a process that asks for it.
-    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return enabled;
-#else
-  return false;
-#endif
 }
 
 bool vnni_enabled() {

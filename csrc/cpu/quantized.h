@@ -20,7 +20,7 @@ namespace jakiro::cpu {
 // Rows of activations quantized for the products: codes [rows, K] int8, and per row and block of
 // 32 its scale (float16-rounded, as GGML stores it), its code sum and the scale times that sum.
 struct QuantizedRows {
-  std::vector<int8_t> codes;  // (then zero rows up to a multiple of kAmxRows)
+  std::vector<int8_t> codes;
   std::vector<float> scale, scaled_sum;
   std::vector<int32_t> sum;
   int64_t rows = 0, K = 0;
@@ -35,13 +35,6 @@ struct QuantizedRows {
 // packed weight's groups), y's rows ldy apart; w: the packed weight [N / 16, K / 32, 16 B].
 void quantized_columns(const QuantizedRows& xq, const uint8_t* w, QuantFormat format, const float* bias, int64_t j0,
                        int64_t j1, float* y, int64_t ldy);
-
-// Rows of an AMX tile: the codes of QuantizedRows are padded with zero rows to a multiple of it.
-constexpr int64_t kAmxRows = 16;
-
-// Whether the AMX kernel takes products of several rows (the CPU has AMX-INT8, Linux granted the
-// tiles, vnni_enabled() and JAKIRO_CPU_AMX is not 0): the same bits as the others.
-bool amx_enabled();
 
 // Whether the 512-bit VNNI kernel runs (the CPU has AVX512-VNNI, JAKIRO_CPU_AVX512 and
 // JAKIRO_CPU_VNNI are not 0); else the portable one, same bits.

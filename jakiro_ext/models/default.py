@@ -14,7 +14,7 @@ import torch
 
 from jakiro_ext import atomic
 from jakiro_ext.memory import memory_errors
-from jakiro_ext.models.gguf import load_gguf
+from jakiro_ext.models.gguf import gguf_tokenizer, load_gguf
 from jakiro_ext.models.llama import LlamaModel
 from jakiro_ext.paths import cache_root
 
@@ -103,5 +103,4 @@ def load_default_tokenizer():
     out = cache_root() / DEFAULT_MODEL
     if (out / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(out)
-    src = gguf_path()
-    return AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    return gguf_tokenizer(gguf_path())

@@ -40,10 +40,7 @@ class PackedEmbedding(nn.Module):
 
 def _field(reader, key: str, default=None):
     field = reader.fields.get(key)
-    if field is None:
-        return default
-    value = field.contents()
-    return value
+    return default if field is None else field.contents()
 
 
 def read_config(reader, name: str) -> LlamaConfig:
@@ -95,7 +92,7 @@ def load_gguf(path, weights: str = "file", name: Optional[str] = None) -> LlamaM
     """The Llama-family model of a GGUF file. ``weights``: ``"file"`` (its Q4_0 / Q4_1 / Q8_0 blocks
     as they are, see the module's docstring), ``"float32"`` or ``"bfloat16"`` (dequantized).
     ``name``: the model's name (default: the file's name up to its first dot)."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGUFReader
     from gguf.quants import dequantize as gguf_dequantize
 
     if weights not in WEIGHT_FORMATS:
@@ -104,7 +101,6 @@ def load_gguf(path, weights: str = "file", name: Optional[str] = None) -> LlamaM
     reader = GGUFReader(str(path))
     config = read_config(reader, name or path.name.split(".")[0])
     tensors = {t.name: t for t in reader.tensors}
-    float_types = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
     def dense(t) -> torch.Tensor:  # float32 [rows, cols] (numpy's order: GGUF's dims reversed)
         values = gguf_dequantize(np.asarray(t.data), t.tensor_type)
@@ -119,6 +115,11 @@ def load_gguf(path, weights: str = "file", name: Optional[str] = None) -> LlamaM
         if heads is not None:
             data = _unpermute(data, heads)
         return torch.from_numpy(np.ascontiguousarray(data)), t.tensor_type.name if packed else None
+
+    def table(tname: str) -> torch.Tensor:
+        """The embedding or the LM head: packed in whatever block format it is, or float32."""
+        rows, format = rows_of(tname)
+        return rows if format is None else quantized.pack(rows, format)
 
     def projection(parts) -> torch.Tensor:
         """One fused projection (rows of several tensors concatenated): packed, or float32."""
@@ -150,11 +151,9 @@ def load_gguf(path, weights: str = "file", name: Optional[str] = None) -> LlamaM
         params[layer + "input_layernorm.weight"] = dense(_tensor(tensors, blk + "attn_norm.weight"))
         params[layer + "post_attention_layernorm.weight"] = dense(_tensor(tensors, blk + "ffn_norm.weight"))
     params["norm.weight"] = dense(_tensor(tensors, "output_norm.weight"))
-    embed, embed_format = rows_of("token_embd.weight")
-    params["embed_tokens.weight"] = quantized.pack(embed, embed_format) if embed_format else embed
+    params["embed_tokens.weight"] = table("token_embd.weight")
     if not c.tie_word_embeddings:
-        head, head_format = rows_of("output.weight")
-        params["lm_head.weight"] = quantized.pack(head, head_format) if head_format else head
+        params["lm_head.weight"] = table("output.weight")
     del reader, tensors  # the file's mapping: every tensor above is a copy
 
     dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32

@@ -179,8 +179,7 @@ class LlamaModel(nn.Module):
     def activation_dtype(self) -> torch.dtype:
         """The dtype of the activations and the KV cache: the weights', float32 beside packed
         quantized weights (a GGUF file's, :mod:`jakiro_ext.models.gguf`)."""
-        w = self.norm.weight
-        return w.dtype
+        return self.norm.weight.dtype
 
     def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``

@@ -43,15 +43,6 @@ inline QuantFormat quant_format_of_chunk(int64_t chunk_bytes) {
   return QuantFormat::kNone;
 }
 
-inline const char* quant_format_name(QuantFormat f) {
-  switch (f) {
-    case QuantFormat::kQ4_0: return "Q4_0";
-    case QuantFormat::kQ4_1: return "Q4_1";
-    case QuantFormat::kQ8_0: return "Q8_0";
-    default: return "none";
-  }
-}
-
 // What a block's integer dot product subtracts per unit of the activations' code sum: the codes'
 // offset from the weights' signed values (Q4_1's minimum is a separate term).
 constexpr int32_t quant_code_offset(QuantFormat f) {

@@ -85,10 +85,9 @@ class Method:
         c = self.children(tree.top_k)
         return min(tree.total_tokens, 1 + c + tree.depth * tree.top_k * c)
 
-    def extra_layers(self, mlp_heads: int) -> int:
-        """Tree layers drafted without a forward of their own beyond the serial expansions (the
-        contrastive step's one, or one per MLP head)."""
-        return sum(kind not in FORWARD_KINDS for kind in self.schedule(1 + mlp_heads, mlp_heads))
+    def min_depth(self, mlp_heads: int) -> int:
+        """The least depth of its dynamic trees (``mlp_heads``: the head's parallel MLP heads)."""
+        return 1
 
     def check(self, head_kind: str, mlp_heads: int, tree) -> None:
         """What the method asks of the head (its ``head_kind``, ``mlp_heads``) and the tree: a
@@ -134,7 +133,8 @@ class Eagle2(Method):
 @dataclass(frozen=True)
 class Jakiro(Eagle2):
     """The last tree layer comes from the MoE's contrastive feature (two tokens ahead) in the same
-    forward as the layer before it: one draft forward fewer."""
+    forward as the layer before it: one draft forward fewer (at depth 1, none but the catch-up's:
+    the root's step gives both layers)."""
 
     def schedule(self, depth: int, mlp_heads: int = 0) -> Tuple[str, ...]:
         return (SERIAL,) * depth + (CONTRASTIVE,)
@@ -144,9 +144,6 @@ class Jakiro(Eagle2):
         if tree.choices is not None:
             raise ValueError(f"method {self.name!r} (hybrid contrastive last step) builds the dynamic tree; "
                              "with a static tree use 'eagle2' or 'jakiro_star'")
-        if tree.depth < 2:
-            raise ValueError(f"method {self.name!r} takes its last layer from the contrastive branch and needs "
-                             f"depth >= 2, got {tree.depth}")
 
 
 @dataclass(frozen=True)
@@ -168,14 +165,17 @@ class Gumiho(Eagle2):
     def schedule(self, depth: int, mlp_heads: int = 0) -> Tuple[str, ...]:
         return (SERIAL,) * (depth + 1 - mlp_heads) + (MLP,) * mlp_heads
 
+    def min_depth(self, mlp_heads: int) -> int:
+        return mlp_heads + 1  # the serial part's first step, then one layer per MLP head
+
     def check(self, head_kind: str, mlp_heads: int, tree) -> None:
         super().check(head_kind, mlp_heads, tree)
         if tree.choices is not None:
             raise ValueError(f"method {self.name!r} (parallel MLP heads) builds the dynamic tree; with a static tree "
                              "use 'eagle2'")
-        if tree.depth < mlp_heads + 1:
+        if tree.depth < self.min_depth(mlp_heads):
             raise ValueError(f"method {self.name!r} drafts at least one serial step before the head's "
-                             f"{mlp_heads} MLP heads and needs depth >= {mlp_heads + 1}, got {tree.depth}")
+                             f"{mlp_heads} MLP heads and needs depth >= {self.min_depth(mlp_heads)}, got {tree.depth}")
 
 
 METHODS = {m.name: m for m in (

@@ -198,13 +198,15 @@ class Drafter:
 
     def _draft_dynamic(self, tree: DraftTree, cache: KVCache, root_step: DraftStep) -> VerifyTree:
         k, kinds = self.tree.top_k, self.schedule
-        (lp, ids), _ = self._children(root_step, kinds[0])
+        # The later layers: a forward's each (SERIAL, EXPERTS), the last of which also gives the
+        # CONTRASTIVE one's candidates (the root's step, with no forward after it); then the MLP
+        # heads' (MLP), all in one pass.
+        expansions = sum(kind in FORWARD_KINDS for kind in kinds[1:])
+        (lp, ids), contrastive = self._children(root_step, kinds[0], expansions == 0 and CONTRASTIVE in kinds)
         layer = tree.add_children(torch.zeros_like(tree.tokens), ids, lp)
+        self._attach_contrastive(tree, layer, contrastive)
         prev_step, prev_rows = root_step, torch.zeros_like(layer)  # the step row holding each parent's output
         tree_kv, kv_nodes = TreeKV(), None
-        # The later layers: a forward's each (SERIAL, EXPERTS), the last of which also gives the
-        # CONTRASTIVE one's candidates; then the MLP heads' (MLP), all in one pass.
-        expansions = sum(kind in FORWARD_KINDS for kind in kinds[1:])
         for d in range(1, expansions + 1):
             pick = tree.frontier(layer, k)
             frontier = layer.gather(1, pick)
@@ -216,16 +218,24 @@ class Drafter:
             C = ids.shape[-1]
             layer = tree.add_children(frontier, ids, lp)
             prev_step, prev_rows = step, torch.arange(frontier.shape[1], device=layer.device).repeat_interleave(C).expand_as(layer)
-            if contrastive is not None:
-                # The contrastive branch at a frontier node predicts two tokens ahead, assuming the
-                # draft's best next token: attach under the node's best child (not under the
-                # r-th selected child, the released code's slip) with that child's score.
-                children = layer.view(layer.shape[0], -1, C)
-                best = children.gather(2, tree.scores.gather(1, layer).view_as(children).argmax(2, keepdim=True))
-                tree.add_children(best.squeeze(2), contrastive[1], contrastive[0])
+            self._attach_contrastive(tree, layer, contrastive)
         if MLP in kinds:
             self._draft_parallel(tree, layer, prev_step, prev_rows)
         return tree.kept(self.tree.total_tokens)
+
+    @staticmethod
+    def _attach_contrastive(tree: DraftTree, layer: torch.Tensor, contrastive) -> None:
+        """The contrastive branch's candidates (logprobs, ids) [B, R, C] of the R frontier nodes
+        whose children ``layer`` [B, R * C] just got (None: no contrastive layer here). The branch
+        at a frontier node predicts two tokens ahead, assuming the draft's best next token: attach
+        under the node's best child (not under the r-th selected child, the released code's slip)
+        with that child's score."""
+        if contrastive is None:
+            return
+        lp, ids = contrastive
+        children = layer.view(layer.shape[0], ids.shape[1], -1)
+        best = children.gather(2, tree.scores.gather(1, layer).view_as(children).argmax(2, keepdim=True))
+        tree.add_children(best.squeeze(2), ids, lp)
 
     def _draft_parallel(self, tree: DraftTree, layer: torch.Tensor, step: DraftStep, rows: torch.Tensor) -> None:
         """Gumiho's later layers. The ``top_k`` best nodes of ``layer`` (the last serial layer's

@@ -132,7 +132,7 @@ def default_tree(target, draft, method, tree: Optional[TreeConfig] = None, batch
     if tree is None:
         tree = CPU_TREE if device.type == "cpu" else GPU_TREE
         if draft is not None:  # deep enough for the layers the method drafts without a forward (Gumiho's MLP heads)
-            tree = replace(tree, depth=max(tree.depth, 1 + method.extra_layers(getattr(draft.config, "num_mlp_heads", 0))))
+            tree = replace(tree, depth=max(tree.depth, method.min_depth(getattr(draft.config, "num_mlp_heads", 0))))
     return tree
 
 

@@ -103,9 +103,10 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def tree_depths(head, method: str) -> List[int]:
-    """The tree depths a method's costs are known at: DEPTHS, deeper by the layers it drafts past
-    the serial expansions (``jakiro``: its contrastive step; ``gumiho``: its J MLP heads' layers)."""
-    return [d + METHODS[method].extra_layers(getattr(head.config, "num_mlp_heads", 0)) for d in DEPTHS]
+    """The tree depths a method's costs are known at: as many as DEPTHS, from the least its trees
+    take (``gumiho``: one past its J MLP heads' layers)."""
+    least = METHODS[method].min_depth(getattr(head.config, "num_mlp_heads", 0))
+    return [d - DEPTHS[0] + least for d in DEPTHS]
 
 
 def batch_bucket(batch: int) -> int:

@@ -13,6 +13,7 @@ so the products are those of the quantized model, not of its float32 dequantizat
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional, Tuple
 
 import torch
@@ -120,32 +121,55 @@ def dequantize(packed: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tor
     or only ``rows`` (int64 indices: [len(rows), K]; an embedding's lookup)."""
     f = FORMATS[format_of(packed)]
     if rows is not None:
-        rows = rows.reshape(-1)
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= packed.shape[0] * LANES):
-            raise IndexError(f"rows must be in [0, {packed.shape[0] * LANES}), got {rows.min()} .. {rows.max()}")
-        if not rows.numel():
-            return torch.empty(0, packed.shape[1] * BLOCK)
-        chunks = packed[rows // LANES]  # [n, nb, 16 B]: the groups holding them
-    else:
-        chunks = packed
-    G, nb, _ = chunks.shape
-    d = chunks[..., :2 * LANES].contiguous().view(torch.float16).float()  # [G, nb, 16]
+        return _dequantize_rows(packed, f, rows.reshape(-1))
+    G, nb, _ = packed.shape
+    d = packed[..., :2 * LANES].contiguous().view(torch.float16).float()  # [G, nb, 16]
     scale_bytes = (2 if f.has_min else 1) * 2 * LANES
-    parts = chunks[..., scale_bytes:].reshape(G, nb, -1, LANES, 4).transpose(2, 3)  # [G, nb, 16, P, 4]
+    parts = packed[..., scale_bytes:].reshape(G, nb, -1, LANES, 4).transpose(2, 3)  # [G, nb, 16, P, 4]
     if f.code_bits == 8:
         codes = parts.reshape(G, nb, LANES, BLOCK).float()
     else:
         low, high = (parts & 0x0F).reshape(G, nb, LANES, 16), (parts >> 4).reshape(G, nb, LANES, 16)
         codes = torch.cat([low, high], -1).float()
     if f.has_min:
-        m = chunks[..., 2 * LANES: 4 * LANES].contiguous().view(torch.float16).float()
+        m = packed[..., 2 * LANES: 4 * LANES].contiguous().view(torch.float16).float()
         w = codes * d.unsqueeze(-1) + m.unsqueeze(-1)
     else:
         w = (codes - f.offset) * d.unsqueeze(-1)
-    w = w.transpose(1, 2)  # [G, 16, nb, 32]
-    if rows is not None:
-        return w[torch.arange(len(rows)), rows % LANES].reshape(len(rows), nb * BLOCK)
-    return w.reshape(G * LANES, nb * BLOCK)
+    return w.transpose(1, 2).reshape(G * LANES, nb * BLOCK)  # [G, 16, nb, 32]
+
+
+@functools.lru_cache(maxsize=None)
+def _lane_bytes(f: Format) -> torch.Tensor:
+    """[16, B]: where in a chunk each lane's block lies, byte by byte in GGML's block order (its
+    float16 scale, Q4_1's minimum, then its codes)."""
+    lane = torch.arange(LANES).unsqueeze(1)
+    scales = [2 * lane + torch.arange(2)] + ([2 * LANES + 2 * lane + torch.arange(2)] if f.has_min else [])
+    start = len(scales) * 2 * LANES
+    code_bytes = f.block_bytes - 2 * len(scales)
+    j = torch.arange(code_bytes)  # code byte j of a lane lies in vector j // 4, at byte j % 4
+    return torch.cat(scales + [start + (j // 4) * 4 * LANES + 4 * lane + j % 4], 1)
+
+
+def _dequantize_rows(packed: torch.Tensor, f: Format, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of a packed weight, float32 [len(rows), K]: only their bytes read (an
+    embedding's lookup: a few rows of a large table)."""
+    G, nb, C = packed.shape
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= G * LANES):
+        raise IndexError(f"rows must be in [0, {G * LANES}), got {rows.min()} .. {rows.max()}")
+    n = rows.numel()
+    lanes = _lane_bytes(f)[rows % LANES]  # [n, B]
+    at = (rows // LANES * (nb * C)).view(n, 1, 1) + (torch.arange(nb) * C).view(1, nb, 1) + lanes.unsqueeze(1)
+    blocks = torch.take(packed, at)  # [n, nb, B]: each row's blocks as GGML stores them (Q8_0's codes + 128)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [n, nb, 1]
+    codes = blocks[..., 4 if f.has_min else 2:]
+    if f.code_bits == 4:
+        codes = torch.cat([codes & 0x0F, codes >> 4], -1)
+    if f.has_min:
+        w = codes.float() * d + blocks[..., 2:4].contiguous().view(torch.float16).float()
+    else:
+        w = (codes.float() - f.offset) * d
+    return w.reshape(n, nb * BLOCK)
 
 
 def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -215,7 +215,7 @@ def conflicting(kwargs, head, TreeConfig) -> list:
                                                 "eagle2" if head is not None else "ar")
     if method == "ar" or method not in ("eagle2", "jakiro", "jakiro_star", "gumiho") or head is None:
         return []
-    if method == "jakiro" and (tree.choices is not None or tree.depth < 2):
+    if method == "jakiro" and tree.choices is not None:
         return ["method", "tree"]
     if method == "gumiho" and (tree.choices is not None or tree.depth < head.config.num_mlp_heads + 1):
         return ["method", "tree"]  # the serial part's first step, then one layer per MLP head
@@ -333,7 +333,7 @@ def cli_cases(rng: random.Random, tmp: Path):
             bad.append("--jakiro-head")  # a head directory is read only when the method uses it
         if method != "ar" and tree in (["--top-k-draft", "9000"],):
             bad.append("tree")
-        if method == "jakiro" and tree in (["--static-tree", "[[0],[1],[0,0]]"], ["--depth", "1"]):
+        if method == "jakiro" and tree == ["--static-tree", "[[0],[1],[0,0]]"]:
             bad += ["--method", "tree"]
         expect_error = bool(bad)
         expected_names = sorted({n for opt in bad for n in names.get(opt, [opt])})

@@ -101,6 +101,7 @@ def test_shipped_head_is_exact_on_every_prompt(setup, shipped_heads, kind, metho
 
 @pytest.mark.parametrize("kind,method,tree", [("jakiro", "jakiro", "live"), ("jakiro", "jakiro", "cost model"),
                                               ("eagle2", "eagle2", "cost model"),
+                                              ("jakiro", "jakiro", TreeConfig(4, 1, 2)),
                                               ("gumiho", "gumiho", TreeConfig(24, 3, 4)),
                                               ("eagle2", "eagle2", TreeConfig(choices=[[0], [1], [0, 0], [0, 0, 0]]))])
 def test_shipped_head_in_a_batch_is_exact(setup, shipped_heads, kind, method, tree):

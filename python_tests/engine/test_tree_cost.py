@@ -36,6 +36,9 @@ def test_expected_acceptance_of_dynamic_trees():
     # Jakiro at depth 2: one MoE expansion of {0.6, 0.3}, plus contrastive nodes under each
     # frontier node's best child: v * 0.5 * {0.4, 0.1}.
     nodes = [0.6, 0.3, 0.3, 0.12, 0.15, 0.06, 0.12, 0.03, 0.06, 0.015]
+    # Jakiro at depth 1: the root's children, and the root step's contrastive nodes under the best
+    # of them: 0.6 * {0.9, 0.9}. (No draft forward but the catch-up's.)
+    assert expected_accepted(p, 99, 1, 2, "jakiro") == pytest.approx(0.6 + 0.3 + 0.54 + 0.54)
     assert expected_accepted(p, 99, 2, 2, "jakiro") == pytest.approx(sum(nodes))
     assert expected_accepted(p, 5, 2, 2, "jakiro") == pytest.approx(0.6 + 0.3 + 0.3 + 0.15)
     assert expected_accepted(dict(depth_rank=[[0.0, 0.0]]), 10, 3, 2, "eagle2") == 0.0

@@ -13,7 +13,7 @@ starts from the cost file as measured and what the last choosers kept beside it,
 would: every call is a first call); ``warm``: one head
 for the whole configuration (its chooser carries over from call to call, after one call to warm
 it); ``fixed``: the cost model's fixed tree from the same cache (what the engine ran before the
-live choice). SmolLM2-135M-Instruct in float32; a call is B consecutive packaged prompts (chat
+live choice). SmolLM2-135M-Instruct in float32 (``--dtype``: bfloat16, or its GGUF file's Q4_1 blocks); a call is B consecutive packaged prompts (chat
 template, cycling through them) through ``generate_many``; ``--groups`` calls, each run by the
 four arms in turn (the order rotated) before the next, ``--repeats`` times: the machine drifts by
 a quarter within minutes (its memory bandwidth is shared), so the arms are interleaved a call at a
@@ -50,6 +50,8 @@ def main():
     ap.add_argument("--groups", type=int, default=8, help="calls of B prompts per repetition")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "gguf"],
+                    help="the target's weights: float32, bfloat16, or the GGUF file's own blocks (Q4_1)")
     ap.add_argument("--repeats", type=int, default=2, help="passes over the calls")
     ap.add_argument("--out", default=os.path.join(RESULTS, "never_loses.csv"))
     ap.add_argument("--trace", help="also write every live choice's rounds here (CSV: configuration, arm, call, "
@@ -76,7 +78,7 @@ def main():
     from jakiro_ext.methods import METHODS
     from jakiro_ext.models.default import DEFAULT_MODEL, load_default_target
 
-    target, tokenizer = load_default_target(torch.float32)
+    target, tokenizer = load_default_target(args.dtype if args.dtype == "gguf" else getattr(torch, args.dtype))
     prompts = [chat_ids(tokenizer, json.loads(line)["prompt"], True).flatten()
                for line in (Path(HEADS_DIR).parent / "data" / "prompts.jsonl").read_text().splitlines() if line.strip()]
 
@@ -145,7 +147,7 @@ def main():
                            fixed_tree=f"{fixed.total_tokens}/{fixed.depth}/{fixed.top_k}",
                            fixed_tokens_per_s=round(fixed_rate, 1), fixed_vs_ar=round(fixed_x, 3),
                            live_worst_vs_ar=round(worst["live"], 3), warm_worst_vs_ar=round(worst["warm"], 3),
-                           calls=args.groups * args.repeats,
+                           calls=args.groups * args.repeats, dtype=args.dtype,
                            machine=machine(), threads=args.threads)
                 rows.append(row)
                 print(f"B={batch} T={temperature} costs {cache:8s} ar {plain:6.1f}  live {live:6.1f} "

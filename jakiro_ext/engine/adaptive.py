@@ -37,7 +37,7 @@ class TreeChooser:
     """The candidate to run each round (:meth:`choose`) and what the round measured
     (:meth:`record`)."""
 
-    def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[], None]] = None,
+    def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[str], None]] = None,
                  keep: Optional[Callable[[dict], None]] = None, context: float = 0.0, context_slope: float = 0.0):
         if not any(c.tree is None for c in candidates):
             raise ValueError("the candidates must include plain decoding (tree None)")
@@ -332,7 +332,8 @@ class TreeChooser:
             if ratio < 1 / allowed or (ratio > allowed and candidate is self.plain):
                 self.costs_disagree = True
                 if self.forget_costs is not None:
-                    self.forget_costs()
+                    what = "plain decoding's" if candidate is self.plain else f"a {candidate.tree.total_tokens}-token tree's"
+                    self.forget_costs(f"{what} rounds took {ratio:.2f}x the cached seconds")
 
     def expected_seconds_at(self, c: Candidate, context: Optional[float]) -> float:
         """The cost model's seconds of a round of ``c`` behind ``context`` committed tokens per

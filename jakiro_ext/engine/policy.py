@@ -186,12 +186,12 @@ def ranked_trees(costs: str, profile: str, method: str) -> list:
     return choose_tree(json.loads(costs), json.loads(profile), method)[1]
 
 
-def forget_cost_file(path: Path) -> Callable[[], None]:
+def forget_cost_file(path: Path) -> Callable[[str], None]:
     """A ``forget_costs`` that deletes the cached costs at ``path`` (the next call measures them;
-    a file that cannot be deleted is a warning)."""
-    def forget() -> None:
-        print(f"note: this machine's live round times disagree with the cached costs {path}; they are deleted "
-              "and will be measured again by the next call", file=sys.stderr)
+    a file that cannot be deleted is a warning), saying why."""
+    def forget(why: str) -> None:
+        print(f"note: this machine's live round times disagree with the cached costs {path} ({why}); they are "
+              "deleted and will be measured again by the next call", file=sys.stderr)
         try:
             path.unlink(missing_ok=True)
         except OSError as exc:

@@ -151,23 +151,25 @@ def test_a_new_row_count_is_measured_again():
 
 def test_forgets_cached_costs_that_disagree_with_live_timing():
     forgotten = []
-    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda: forgotten.append(True))
+    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: forgotten.append(True))
     run(chooser, 30, lambda c: c.expected_seconds * 1.1)  # within the margin
     assert not forgotten
     # Costs measured idle: a live plain round at 0.7-0.9x its cached seconds (the cached one-row
     # verification goes through the tree path) is not a verdict on them.
-    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda: forgotten.append(True))
+    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: forgotten.append(True))
     run(chooser, 30, lambda c: c.expected_seconds * 0.7)
     assert not forgotten
-    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda: forgotten.append(True))
+    said = []
+    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: (forgotten.append(True), said.append(why)))
     run(chooser, 30, lambda c: c.expected_seconds * 2.5)
     assert forgotten == [True]  # once
-    chooser = TreeChooser(candidates(), batch=2, forget_costs=lambda: forgotten.append(True))
+    assert said == ["plain decoding's rounds took 2.50x the cached seconds"]
+    chooser = TreeChooser(candidates(), batch=2, forget_costs=lambda why: forgotten.append(True))
     run(chooser, 30, lambda c: c.expected_seconds * 2.5, rows=3)  # costs of another batch size: no verdict
     assert forgotten == [True]
     # Trees 2.5x their modelled seconds, plain decoding as cached (a fast target's round carries
     # host work the model does not time): the costs stand, the trees' estimates are corrected.
-    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda: forgotten.append(True))
+    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: forgotten.append(True))
     ran = run(chooser, 30, lambda c: c.expected_seconds * (1.0 if c.tree is None else 2.5))
     assert forgotten == [True] and not chooser.costs_disagree and any(t is not None for t in ran)
 
@@ -185,17 +187,17 @@ def test_live_timing_is_judged_at_its_own_context():
             c = chooser.choose(1)
             chooser.record(c, 1, seconds_of(c), c.expected_tokens, context=context)
 
-    chooser = TreeChooser(slow, batch=1, forget_costs=lambda: forgotten.append(True), context=256, context_slope=1e-4)
+    chooser = TreeChooser(slow, batch=1, forget_costs=lambda why: forgotten.append(True), context=256, context_slope=1e-4)
     live(chooser, 30, moved, 32)
     assert not forgotten and not chooser.costs_disagree
     assert chooser.expected_seconds_at(slow[1], 32) == pytest.approx(0.050 - 0.0224)
     assert chooser.expected_seconds_at(slow[1], None) == 0.050
     # Costs measured under load still disagree at any context: 2.5x faster than the moved ones.
-    chooser = TreeChooser(slow, batch=1, forget_costs=lambda: forgotten.append(True), context=256, context_slope=1e-4)
+    chooser = TreeChooser(slow, batch=1, forget_costs=lambda why: forgotten.append(True), context=256, context_slope=1e-4)
     live(chooser, 30, lambda c: moved(c) / 2.5, 32)
     assert forgotten == [True]
     # Without the move the same timing disagrees.
-    chooser = TreeChooser(slow, batch=1, forget_costs=lambda: forgotten.append(True))
+    chooser = TreeChooser(slow, batch=1, forget_costs=lambda why: forgotten.append(True))
     live(chooser, 30, moved, 32)
     assert forgotten == [True, True]
     with pytest.raises(ValueError, match="context_slope must be finite numbers >= 0"):

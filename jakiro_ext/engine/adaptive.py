@@ -325,8 +325,10 @@ class TreeChooser:
         # them judges them, a slower one only if it is plain decoding's. A tree's round also
         # carries host work the cost model does not time (the tree's selection, the caches'
         # compaction, the chooser), which made a 3-token tree 1.8x its modelled seconds beside a
-        # quantized target's 3 ms step; its live error corrects its estimate (model_error).
-        if rows == self.batch and not self.costs_disagree:
+        # quantized target's 3 ms step; its live error corrects its estimate (model_error). The
+        # costs are greedy decoding's: a sampling call (its verification draws from the filtered
+        # distribution, 1.7-2.2x a plain round of that target) does not judge them.
+        if rows == self.batch and not self.costs_disagree and not self.sampling:
             ratio = statistics.median(candidate.seconds[rows]) / self.expected_seconds_at(candidate, context)
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
             if ratio < 1 / allowed or (ratio > allowed and candidate is self.plain):

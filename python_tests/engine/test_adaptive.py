@@ -164,6 +164,12 @@ def test_forgets_cached_costs_that_disagree_with_live_timing():
     run(chooser, 30, lambda c: c.expected_seconds * 2.5)
     assert forgotten == [True]  # once
     assert said == ["plain decoding's rounds took 2.50x the cached seconds"]
+    # The costs are greedy decoding's: a sampling call's rounds (its verification draws from the
+    # filtered distribution) are no verdict on them.
+    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: forgotten.append(True))
+    chooser.new_call(sampling=True)
+    run(chooser, 30, lambda c: c.expected_seconds * 2.5)
+    assert forgotten == [True] and not chooser.costs_disagree
     chooser = TreeChooser(candidates(), batch=2, forget_costs=lambda why: forgotten.append(True))
     run(chooser, 30, lambda c: c.expected_seconds * 2.5, rows=3)  # costs of another batch size: no verdict
     assert forgotten == [True]

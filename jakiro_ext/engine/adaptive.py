@@ -321,17 +321,17 @@ class TreeChooser:
         if probe:  # still behind: probed less often; ahead: as often as at first
             behind = self.best(rows) is not candidate
             candidate.probe_every = min(2 * candidate.probe_every, MAX_PROBE_EVERY) if behind else PROBE_EVERY
-        # Costs measured under load are too slow for every candidate: a round found faster than
-        # them judges them, a slower one only if it is plain decoding's. A tree's round also
-        # carries host work the cost model does not time (the tree's selection, the caches'
-        # compaction, the chooser), which made a 3-token tree 1.8x its modelled seconds beside a
-        # quantized target's 3 ms step; its live error corrects its estimate (model_error). The
-        # costs are greedy decoding's: a sampling call (its verification draws from the filtered
-        # distribution, 1.7-2.2x a plain round of that target) does not judge them.
-        if rows == self.batch and not self.costs_disagree and not self.sampling:
+        # Costs measured under load are too slow: a round found faster than them by the bound
+        # judges them. A slower one does not: a round also carries host work the cost model does
+        # not time (the tree's selection, the caches' compaction, the chooser: beside a quantized
+        # target's 3 ms step plain rounds took 1.6x their cost and a 3-token tree's 1.8x), a
+        # sampling call's verification draws from the filtered distribution (its plain rounds
+        # 1.7-2.2x a greedy cost), and a machine loaded now says nothing of the idle one the costs
+        # were measured on. The live error corrects each estimate (model_error).
+        if rows == self.batch and not self.costs_disagree:
             ratio = statistics.median(candidate.seconds[rows]) / self.expected_seconds_at(candidate, context)
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
-            if ratio < 1 / allowed or (ratio > allowed and candidate is self.plain):
+            if ratio < 1 / allowed:
                 self.costs_disagree = True
                 if self.forget_costs is not None:
                     what = "plain decoding's" if candidate is self.plain else f"a {candidate.tree.total_tokens}-token tree's"

@@ -51,7 +51,7 @@ class TreeChooser:
         self.forget_costs = forget_costs
         self.keep = keep  # called with :meth:`kept` at the end of each call (for the next chooser: :meth:`start_from`)
         self.kept_plain: Optional[tuple] = None  # (rows, plain decoding's seconds) the kept ratios were measured with
-        self.costs_disagree = False  # live seconds found far from the cached costs (measured under load)
+        self.costs_disagree = False  # live seconds found far from the cached costs (the model suspect)
         self.round = 0
         self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
         # The model's expected accepted drafts, the mean over the trees: its prior in the pooled acceptance.
@@ -321,19 +321,20 @@ class TreeChooser:
         if probe:  # still behind: probed less often; ahead: as often as at first
             behind = self.best(rows) is not candidate
             candidate.probe_every = min(2 * candidate.probe_every, MAX_PROBE_EVERY) if behind else PROBE_EVERY
-        # Costs measured under load are too slow: a round found faster than them by the bound
-        # judges them. A slower one does not: a round also carries host work the cost model does
-        # not time (the tree's selection, the caches' compaction, the chooser: beside a quantized
-        # target's 3 ms step plain rounds took 1.6x their cost and a 3-token tree's 1.8x), a
-        # sampling call's verification draws from the filtered distribution (its plain rounds
-        # 1.7-2.2x a greedy cost), and a machine loaded now says nothing of the idle one the costs
-        # were measured on. The live error corrects each estimate (model_error).
-        if rows == self.batch and not self.costs_disagree:
+        # A greedy round far from its cached cost: the model's relative costs are suspect, and this
+        # chooser tries the trees it has not run only at their probes (smallest first). Only a round
+        # faster than the costs condemns the file (measured under load, they are too slow): a
+        # slower one carries host work the cost model does not time (the tree's selection, the
+        # caches' compaction, the chooser: beside a quantized target's 3 ms step plain rounds took
+        # 1.6x their cost, a 3-token tree's 1.8x), or ran on a machine loaded now, which says
+        # nothing of the idle one the costs were measured on. (The costs are greedy decoding's: a
+        # sampling call's verification draws from the filtered distribution, 1.7-2.2x.)
+        if rows == self.batch and not self.costs_disagree and not self.sampling:
             ratio = statistics.median(candidate.seconds[rows]) / self.expected_seconds_at(candidate, context)
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
-            if ratio < 1 / allowed:
+            if not 1 / allowed <= ratio <= allowed:
                 self.costs_disagree = True
-                if self.forget_costs is not None:
+                if ratio < 1 / allowed and self.forget_costs is not None:
                     what = "plain decoding's" if candidate is self.plain else f"a {candidate.tree.total_tokens}-token tree's"
                     self.forget_costs(f"{what} rounds took {ratio:.2f}x the cached seconds")
 

@@ -110,7 +110,7 @@ class TreeChooser:
         rows = min(self.plain.seconds, key=lambda r: abs(r - self.batch), default=None)
         if rows is None or not self.plain.measured(rows):
             return dict(rows=0, plain_seconds=0.0, ratios={}, switch={}, acceptance={})
-        plain = statistics.median(self.plain.seconds[rows])
+        plain = self.plain.median_seconds(rows)
         ratios = {tree_key(c.tree): [ratio, c.measured_at] for c in self.candidates
                   if c is not self.plain and (ratio := self.live_ratio(c, rows)) is not None}
         switch = {tree_key(c.tree): c.switch_cost / plain for c in self.candidates
@@ -149,7 +149,7 @@ class TreeChooser:
         if not both:
             return None
         r = min(both, key=lambda r: abs(r - rows))
-        return statistics.median(c.seconds[r]) / statistics.median(self.plain.seconds[r])
+        return c.median_seconds(r) / self.plain.median_seconds(r)
 
     def live_ratio(self, c: Candidate, rows: int) -> Optional[float]:
         """``c``'s live ratio at the nearest rows (:meth:`ratio`), else the one kept when forgotten."""
@@ -209,14 +209,14 @@ class TreeChooser:
         return memo[key]
 
     def _rate(self, c: Candidate, rows: int) -> float:
-        plain = self.plain.seconds.get(rows)
+        plain = self.plain.median_seconds(rows)
         tokens = self.tokens(c)
-        if not plain:
+        if plain is None:
             return c.rate(rows, c.expected_seconds, tokens)
         ratio = self.live_ratio(c, rows)
         if ratio is None:
-            return c.rate(rows, statistics.median(plain) * self.model_ratio(c), tokens) * self.model_error(c, rows)
-        return c.rate(rows, statistics.median(plain) * ratio, tokens)
+            return c.rate(rows, plain * self.model_ratio(c), tokens) * self.model_error(c, rows)
+        return c.rate(rows, plain * ratio, tokens)
 
     def best(self, rows: int) -> Candidate:
         """The candidate to run at ``rows`` rows: the highest live rate, a tree's counted
@@ -304,7 +304,7 @@ class TreeChooser:
         candidate.measured_at = time.time()
         if candidate is self.plain and self.kept_plain is not None and rows == self.kept_plain[0] \
                 and candidate.measured(rows):  # the kept ratios' machine against this one
-            if not 1 / COSTS_DISAGREE <= statistics.median(candidate.seconds[rows]) / self.kept_plain[1] <= COSTS_DISAGREE:
+            if not 1 / COSTS_DISAGREE <= candidate.median_seconds(rows) / self.kept_plain[1] <= COSTS_DISAGREE:
                 for c in self.candidates:
                     if not c.seconds:
                         c.remembered_ratio, c.switch_cost = None, 0.0
@@ -330,7 +330,7 @@ class TreeChooser:
         # nothing of the idle one the costs were measured on. (The costs are greedy decoding's: a
         # sampling call's verification draws from the filtered distribution, 1.7-2.2x.)
         if rows == self.batch and not self.costs_disagree and not self.sampling:
-            ratio = statistics.median(candidate.seconds[rows]) / self.expected_seconds_at(candidate, context)
+            ratio = candidate.median_seconds(rows) / self.expected_seconds_at(candidate, context)
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
             if not 1 / allowed <= ratio <= allowed:
                 self.costs_disagree = True

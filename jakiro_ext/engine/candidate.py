@@ -65,6 +65,8 @@ class Candidate:
     # seconds until it is measured again (its tokens: the cost model's scaled by the live acceptance).
     remembered_ratio: Optional[float] = None
     measured_at: float = 0.0  # wall time (time.time()) of its last live round, or of the kept ratio it starts from
+    # The median of seconds[rows], kept until they change (read a few dozen times a round).
+    _medians: Dict[int, float] = field(default_factory=dict, repr=False)
 
     def samples(self, rows: int) -> int:
         return len(self.seconds.get(rows, ()))
@@ -76,11 +78,18 @@ class Candidate:
         """New tokens per sequence and round: the live mean, with ``prior`` as TOKEN_PRIOR_ROUNDS rounds."""
         return (sum(self.tokens) + TOKEN_PRIOR_ROUNDS * prior) / (len(self.tokens) + TOKEN_PRIOR_ROUNDS)
 
+    def median_seconds(self, rows: int) -> Optional[float]:
+        """The median of its live seconds at ``rows`` rows (None: none)."""
+        median = self._medians.get(rows)
+        if median is None and self.seconds.get(rows):
+            median = self._medians[rows] = statistics.median(self.seconds[rows])
+        return median
+
     def rate(self, rows: int, seconds: float, tokens: float) -> float:
         """``tokens`` new tokens per sequence a round over its seconds at ``rows`` rows: live where
         measured, else ``seconds`` (an estimate)."""
-        measured = self.seconds.get(rows)
-        return tokens / (statistics.median(measured) if measured else seconds)
+        measured = self.median_seconds(rows)
+        return tokens / (measured if measured is not None else seconds)
 
     @property
     def tried(self) -> bool:
@@ -89,6 +98,7 @@ class Candidate:
 
     def add(self, rows: int, seconds: float, tokens: float) -> None:
         self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+        self._medians.pop(rows, None)
         self.tokens.append(tokens)
 
     def forget(self, ratio: Optional[float]) -> None:
@@ -96,4 +106,5 @@ class Candidate:
         known) as the estimate."""
         self.remembered_ratio = ratio if ratio is not None else self.remembered_ratio
         self.seconds.clear()
+        self._medians.clear()
         self.tokens.clear()

@@ -25,6 +25,41 @@ struct SamplingParams {
   int64_t top_k;
 };
 
+// Top-p: keeps the tokens, most probable first (ties: lower id first), while the mass before them
+// is < top_p, and zeroes the others. The kept tokens are a prefix of that order, so only the
+// tokens at or above the power of two t whose mass reaches top_p are sorted (t from the weights'
+// mass per octave), not the whole vocabulary (sorting a growing prefix of all 49,152 tokens took
+// 1.6 ms a node at T = 1, top-p 0.9: half a quantized model's step). Their prefix sums are the
+// same sums in the same order; where rounding leaves the prefix short of top_p, every token with
+// mass is sorted, as before.
+void keep_top_p(std::vector<double>& w, double top_p, std::vector<int64_t>& order) {
+  const int64_t V = static_cast<int64_t>(w.size());
+  auto before = [&](int64_t a, int64_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
+  constexpr int kOctaves = 1100;  // w in (0, 1]: ilogb(w) in [-1074, 0]
+  std::vector<double> octave_mass(kOctaves, 0.0);
+  for (int64_t i = 0; i < V; ++i)
+    if (w[i] > 0.0) octave_mass[std::min(kOctaves - 1, -std::ilogb(w[i]))] += w[i];
+  double mass_at = 0.0;
+  int octave = 0;
+  while (octave < kOctaves - 1 && (mass_at += octave_mass[octave]) < top_p) ++octave;
+  double t = std::ldexp(1.0, -octave);  // every token of octaves 0 .. octave is >= t
+  int64_t keep = 0;
+  for (;;) {
+    order.clear();
+    for (int64_t i = 0; i < V; ++i)
+      if (w[i] > 0.0 && w[i] >= t) order.push_back(i);
+    std::sort(order.begin(), order.end(), before);
+    double mass = 0.0;
+    for (keep = 0; keep < static_cast<int64_t>(order.size()) && mass < top_p; ++keep) mass += w[order[keep]];
+    if (mass >= top_p || t == 0.0) break;
+    t = 0.0;  // (rounding: the prefix's sum fell short of top_p; every token with mass, as before)
+  }
+  std::vector<double> kept(keep);
+  for (int64_t j = 0; j < keep; ++j) kept[j] = w[order[j]];
+  std::fill(w.begin(), w.end(), 0.0);
+  for (int64_t j = 0; j < keep; ++j) w[order[j]] = kept[j];
+}
+
 // Writes the filtered target distribution (unnormalised weights) to `w`, returns its total
 // mass, or -1 when the logits give no distribution (a NaN or +inf logit, or all -inf). Top-k keeps every token whose logit reaches the k-th largest (ties kept); top-p keeps
 // tokens, most probable first (ties: lower id first), while the mass before them is < top_p.
@@ -55,27 +90,7 @@ double filtered_distribution(const scalar_t* logits, int64_t V, const SamplingPa
     sum += w[i];
   }
   for (int64_t i = 0; i < V; ++i) w[i] /= sum;
-  if (sp.top_p < 1.0) {
-    order.clear();
-    for (int64_t i = 0; i < V; ++i)
-      if (w[i] > 0.0) order.push_back(i);
-    auto before = [&](int64_t a, int64_t b) { return w[a] > w[b] || (w[a] == w[b] && a < b); };
-    // Sort a growing prefix only: top-p usually keeps a small head of the vocabulary.
-    int64_t sorted = 0, keep = static_cast<int64_t>(order.size());
-    double mass = 0.0;
-    for (int64_t want = std::min<int64_t>(64, order.size());; want = std::min<int64_t>(2 * want, order.size())) {
-      std::partial_sort(order.begin() + sorted, order.begin() + want, order.end(), before);
-      for (; sorted < want; ++sorted) {
-        if (mass >= sp.top_p) break;
-        mass += w[order[sorted]];
-      }
-      if (sorted < want || mass >= sp.top_p || want == static_cast<int64_t>(order.size())) {
-        keep = sorted;
-        break;
-      }
-    }
-    for (int64_t j = keep; j < static_cast<int64_t>(order.size()); ++j) w[order[j]] = 0.0;
-  }
+  if (sp.top_p < 1.0) keep_top_p(w, sp.top_p, order);
   double total = 0.0;
   for (int64_t i = 0; i < V; ++i) total += w[i];
   return total;

@@ -42,6 +42,22 @@ def test_verify_tree_matches_reference_sampling(B, T, V, temperature, top_p, top
     assert_same(got, reference.verify_tree(parents, tokens, logits, uniforms, temperature, top_p, top_k))
 
 
+@pytest.mark.parametrize("top_p", [0.1, 0.9, 0.95, 0.9999999])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+def test_top_p_over_a_whole_vocabulary_keeps_the_references_tokens(top_p, scale):
+    """A 49,152-token row (flat, spread or peaked; a third of it in ties): the bonus drawn at u
+    near 0 and near 1 is the lowest- and highest-id token the filter keeps (the inverse CDF runs in
+    token order), so the kept set's ends are the reference's exactly."""
+    g = gen(int(scale * 10) + int(top_p * 100))
+    logits = torch.randn(1, 1, 49152, generator=g) * scale
+    logits[..., ::3] = (logits[..., ::3] * 2).round() / 2  # ties
+    parents, tokens = torch.tensor([[-1]]), torch.tensor([[0]])
+    for u in (1e-9, 0.5, 1 - 1e-9):
+        uniforms = torch.full((1, 2), u, dtype=torch.float64)
+        got = ops.verify_tree(parents, tokens, logits, uniforms, 1.0, top_p, 0)
+        assert_same(got, reference.verify_tree(parents, tokens, logits, uniforms, 1.0, top_p, 0))
+
+
 # --------------------------------------------------------------------------- statistics
 # One fixed tree over a 6-token vocabulary, verified for many independent draws at once.
 # Root's children propose tokens 2, 2 (a duplicate), 4, 1; node 1 (token 2) has children

@@ -118,16 +118,13 @@ class BuildPyWithKernelSources(build_py):
 
     def run(self):
         super().run()
-        for path in sorted(glob.glob(os.path.join("csrc", "**", "*"), recursive=True)):
-            if path.endswith((".h", ".cuh", ".cu", ".cpp")):
-                target = os.path.join(self.build_lib, "jakiro_ext", path)
-                self.mkpath(os.path.dirname(target))
-                self.copy_file(path, target)
-        for path in sorted(glob.glob(os.path.join("corpus", "*", "*"))):
-            if path.endswith((".json", ".npz")):
-                target = os.path.join(self.build_lib, "jakiro_ext", path)
-                self.mkpath(os.path.dirname(target))
-                self.copy_file(path, target)
+        kernels = [p for p in glob.glob(os.path.join("csrc", "**", "*"), recursive=True)
+                   if p.endswith((".h", ".cuh", ".cu", ".cpp"))]
+        corpora = [p for p in glob.glob(os.path.join("corpus", "*", "*")) if p.endswith((".json", ".npz"))]
+        for path in sorted(kernels + corpora):
+            target = os.path.join(self.build_lib, "jakiro_ext", path)
+            self.mkpath(os.path.dirname(target))
+            self.copy_file(path, target)
 
 
 setup(

@@ -198,9 +198,9 @@ class Drafter:
 
     def _draft_dynamic(self, tree: DraftTree, cache: KVCache, root_step: DraftStep) -> VerifyTree:
         k, kinds = self.tree.top_k, self.schedule
-        # The later layers: a forward's each (SERIAL, EXPERTS), the last of which also gives the
-        # CONTRASTIVE one's candidates (the root's step, with no forward after it); then the MLP
-        # heads' (MLP), all in one pass.
+        # The root's children come from its step; each later layer from a forward (SERIAL, EXPERTS),
+        # the last step (the root's where no forward follows) also giving the CONTRASTIVE layer's
+        # candidates; then the MLP heads' layers (MLP), all in one pass.
         expansions = sum(kind in FORWARD_KINDS for kind in kinds[1:])
         (lp, ids), contrastive = self._children(root_step, kinds[0], expansions == 0 and CONTRASTIVE in kinds)
         layer = tree.add_children(torch.zeros_like(tree.tokens), ids, lp)

@@ -39,7 +39,8 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
 
 // h_a [..., H]; h_b like h_a or absent; contrast_weight [..., 2] (present iff h_b is);
 // lm_head [V, H] of h_a's dtype; 1 <= k <= V. `bf16_weights` (the CPU kernel): a float32 h_a
-// also takes a bfloat16 lm_head (check_weight_dtype).
+// also takes a bfloat16 lm_head (check_weight_dtype) or a packed quantized one [V / 16, H / 32, 16 B]
+// uint8 (check_weight_matrix).
 void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tensor>& h_b,
                             const std::optional<at::Tensor>& contrast_weight, const at::Tensor& lm_head, int64_t k,
                             bool bf16_weights = false);

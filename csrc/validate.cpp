@@ -385,10 +385,10 @@ void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tenso
   TORCH_CHECK(h_a.dim() >= 1 && h_a.size(-1) >= 1, op, ": h_a must have shape [..., H] with H >= 1, got ",
               h_a.sizes());
   check_dtype(op, "h_a", h_a, {at::kFloat, at::kBFloat16});
-  check_dim(op, "lm_head", lm_head, 2, "[V, H]");
-  check_weight_dtype(op, "lm_head", lm_head, "h_a", h_a, bf16_weights);
+  const auto [V, H] = check_weight_matrix(op, "lm_head", lm_head, "[V, H]", "h_a", h_a, bf16_weights);
+  if (lm_head.scalar_type() != at::kByte) check_weight_dtype(op, "lm_head", lm_head, "h_a", h_a, bf16_weights);
   check_same_device(op, "lm_head", lm_head, h_a);
-  check_size(op, "lm_head", lm_head, 1, h_a.size(-1), "hidden size, as h_a.shape[-1]");
+  check_weight_size(op, "lm_head", lm_head, 1, H, h_a.size(-1), "hidden size, as h_a.shape[-1]");
   TORCH_CHECK(h_b.has_value() == contrast_weight.has_value(), op,
               ": h_b and contrast_weight go together (both for the contrastive feature, neither for the plain one), got ",
               h_b.has_value() ? "h_b" : "no h_b", " and ", contrast_weight.has_value() ? "contrast_weight" : "no contrast_weight");
@@ -404,7 +404,7 @@ void check_contrastive_topk(const at::Tensor& h_a, const std::optional<at::Tenso
     check_dtype(op, "contrast_weight", *contrast_weight, {at::kFloat, at::kBFloat16});
     check_same_device(op, "contrast_weight", *contrast_weight, h_a);
   }
-  TORCH_CHECK(k >= 1 && k <= lm_head.size(0), op, ": k must be in [1, vocab size ", lm_head.size(0), "], got ", k);
+  TORCH_CHECK(k >= 1 && k <= V, op, ": k must be in [1, vocab size ", V, "], got ", k);
 }
 
 void check_verify_tree(const at::Tensor& parents, const at::Tensor& draft_tokens, const at::Tensor& target_logits,

@@ -7,7 +7,9 @@
 // merged at the end. For few rows the op is bound by reading the LM head, which is streamed
 // once in its own dtype (skinny_gemm.h; a bf16 block widened into an L1 scratch); 16+ float32
 // rows go to BLAS (cpu/gemm.h). The feature rows are float32 whatever h_a's dtype, so a bf16
-// LM head beside float32 features is the path bf16 features take.
+// LM head beside float32 features is the path bf16 features take. A packed quantized LM head (a
+// GGUF target's own rows: 0.27x float32's bytes in Q8_0) takes the features quantized per row
+// and the integer products of jakiro::linear (cpu/quantized.h): its logits are the linear op's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,6 +17,7 @@
 #include <vector>
 
 #include "cpu/gemm.h"
+#include "cpu/quantized.h"
 #include "cpu/vec_utils.h"
 #include "jakiro/softmax.h"
 #include "jakiro/topk.h"
@@ -46,13 +49,14 @@ at::Tensor feature_rows(const at::Tensor& h_a, const std::optional<at::Tensor>& 
       .contiguous();
 }
 
-template <typename scalar_t>
-void scan_vocab(const float* f, int64_t rows, int64_t H, const scalar_t* lm_head, int64_t v_begin, int64_t v_end,
-                RowState& st) {
+// The states of the vocabulary rows [v_begin, v_end); chunk_logits(v0, n, logits) writes the
+// logits [rows, n] of rows [v0, v0 + n).
+template <typename ChunkLogits>
+void scan_vocab(int64_t rows, int64_t v_begin, int64_t v_end, const ChunkLogits& chunk_logits, RowState& st) {
   std::vector<float> logits(rows * kVocabChunk);
   for (int64_t v0 = v_begin; v0 < v_end; v0 += kVocabChunk) {
     const int64_t n = std::min(kVocabChunk, v_end - v0);
-    rows_times_weight(f, rows, H, lm_head, H, H, v0, v0 + n, logits.data(), n);
+    chunk_logits(v0, n, logits.data());
     for (int64_t r = 0; r < rows; ++r) {
       const float* l = logits.data() + r * n;
       const float chunk_max = max_of(l, n);
@@ -75,7 +79,8 @@ std::tuple<at::Tensor, at::Tensor> contrastive_topk_cpu(const at::Tensor& h_a, c
                                                         const std::optional<at::Tensor>& contrast_weight,
                                                         const at::Tensor& lm_head, int64_t k) {
   check_contrastive_topk(h_a, h_b, contrast_weight, lm_head, k, /*bf16_weights=*/true);
-  const int64_t H = h_a.size(-1), V = lm_head.size(0);
+  const bool packed = lm_head.scalar_type() == at::kByte;
+  const int64_t H = h_a.size(-1), V = packed ? lm_head.size(0) * kQuantLanes : lm_head.size(0);
   auto f = feature_rows(h_a, h_b, contrast_weight);
   const int64_t rows = f.size(0);
   auto w = lm_head.contiguous();
@@ -86,15 +91,32 @@ std::tuple<at::Tensor, at::Tensor> contrastive_topk_cpu(const at::Tensor& h_a, c
   std::vector<RowState> states;
   states.reserve(parts);
   for (int64_t p = 0; p < parts; ++p) states.emplace_back(rows, k);
-  JAKIRO_DISPATCH_FLOAT_BF16(lm_head.scalar_type(), "contrastive_topk_cpu", [&] {
-    const scalar_t* pw = w.data_ptr<scalar_t>();
+  const auto scan_parts = [&](const auto& chunk_logits) {
     at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         const int64_t c0 = chunks * p / parts, c1 = chunks * (p + 1) / parts;
-        scan_vocab(f.data_ptr<float>(), rows, H, pw, c0 * kVocabChunk, std::min(V, c1 * kVocabChunk), states[p]);
+        scan_vocab(rows, c0 * kVocabChunk, std::min(V, c1 * kVocabChunk), chunk_logits, states[p]);
       }
     });
-  });
+  };
+  if (packed) {  // the features quantized once, as the linear op's activations (cpu/quantized.h)
+    QuantizedRows xq;
+    xq.quantize(f.data_ptr<float>(), rows, H);
+    const QuantFormat format = quant_format_of_chunk(w.size(2));
+    const int64_t group_bytes = w.size(1) * w.size(2);  // 16 vocabulary rows
+    const uint8_t* pw = w.data_ptr<uint8_t>();
+    scan_parts([&](int64_t v0, int64_t n, float* logits) {
+      quantized_columns(xq, pw + v0 / kQuantLanes * group_bytes, format, nullptr, 0, n, logits, n);
+    });
+  } else {
+    JAKIRO_DISPATCH_FLOAT_BF16(lm_head.scalar_type(), "contrastive_topk_cpu", [&] {
+      const scalar_t* pw = w.data_ptr<scalar_t>();
+      const float* pf = f.data_ptr<float>();
+      scan_parts([&](int64_t v0, int64_t n, float* logits) {
+        rows_times_weight(pf, rows, H, pw, H, H, v0, v0 + n, logits, n);
+      });
+    });
+  }
 
   auto lead = h_a.sizes().slice(0, h_a.dim() - 1).vec();
   lead.push_back(k);

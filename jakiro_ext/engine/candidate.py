@@ -41,6 +41,9 @@ MARGIN = 1.10  # a tree runs instead of plain decoding when its live rate is at 
 KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
 # head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
 # or more, and each first call spent rounds finding that out again
+KEPT_CHANGE = 0.05  # what a chooser keeps is written again only if a value moved by more than this (plain
+# decoding's seconds drift by a few percent from call to call; the next chooser acts on 1.6x, COSTS_DISAGREE):
+# a write (fsync) cost 2 ms, 1% of a 64-token call of the Q4_1 model, at the end of every call
 EXPLORE_MARGIN = 1.15  # ... and a tree never run, estimated from the cost model alone, by this: the model's
 # error on a tree's seconds over plain decoding's is about 10% at 16 rows, and trying a tree costs the
 # draft's prefill and catch-up over every row (at 16 rows, a few percent of a 64-token call)

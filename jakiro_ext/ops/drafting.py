@@ -23,8 +23,10 @@ def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
 def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
     """Top-k tokens of log_softmax(f @ lm_head.T) with f = w_hi * h_a - w_lo * h_b when ``h_b``
     and ``contrast_weight`` [..., 2] = (w_hi, w_lo) are given, or f = h_a when both are None
-    (the MoE branch). h_a, h_b [..., H]; lm_head [V, H]. Returns logprobs [..., k] float32
-    (descending) and token_ids [..., k] int64. The [..., V] logits are never materialised."""
+    (the MoE branch). h_a, h_b [..., H]; lm_head [V, H] (on the CPU also bfloat16 beside float32
+    features, or packed quantized: :mod:`jakiro_ext.ops.quantized`, the logits then those of
+    ``linear``, the features quantized per row). Returns logprobs [..., k] float32 (descending)
+    and token_ids [..., k] int64. The [..., V] logits are never materialised."""
     return kernel("contrastive_topk")(h_a, h_b, contrast_weight, lm_head, k)
 
 

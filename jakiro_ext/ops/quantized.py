@@ -6,7 +6,7 @@ their activations are quantized per row to 8-bit blocks of 32 as GGML does (:fun
 so the products are those of the quantized model, not of its float32 dequantization.
 
 - :func:`pack` makes one from a GGUF file's tensor bytes (GGML's rows of blocks), :func:`unpack`
-  gives them back, :func:`from_float` quantizes a float weight as GGML does; :func:`dequantize`
+  gives them back, :func:`select_rows` packs some of its rows, :func:`from_float` quantizes a float weight as GGML does; :func:`dequantize`
   gives the float32 matrix (or some of its rows), :func:`embedding` rows of a table;
 - :func:`quantize_rows` and :func:`linear` are the pure-PyTorch specification of the kernels'
   activations and products (``jakiro_ext.ops.reference.linear`` uses them).
@@ -114,6 +114,14 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
         codes = codes ^ 0x80
     rows = torch.cat([scales, codes], -1)  # [G, nb, 16, B]
     return rows.transpose(1, 2).reshape(G * LANES, nb * f.block_bytes).contiguous()
+
+
+def select_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The packed weight of ``rows`` (int64 indices, a multiple of 16 of them) of a packed weight,
+    in their order: the same blocks, moved."""
+    if rows.numel() % LANES:
+        raise ValueError(f"a packed weight takes rows 16 at a time: got {rows.numel()} rows")
+    return pack(unpack(packed)[rows.reshape(-1)], format_of(packed))
 
 
 def dequantize(packed: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -126,7 +126,7 @@ def contrastive_topk(h_a, h_b, contrast_weight, lm_head, k: int):
     if h_b is not None:
         w = contrast_weight.float()
         f = w[..., 0:1] * f - w[..., 1:2] * h_b.float()
-    logits = f @ lm_head.float().T
+    logits = quantized.linear(f, lm_head) if quantized.is_packed(lm_head) else f @ lm_head.float().T
     # No distribution (a NaN or +inf logit, or every logit -inf): NaN log-probabilities, token -1.
     none = (logits.isnan() | logits.isposinf()).any(-1) | logits.isneginf().all(-1)
     logprobs = torch.log_softmax(logits.masked_fill(none.unsqueeze(-1), 0.0), dim=-1)

@@ -124,6 +124,34 @@ def test_a_chooser_that_measured_nothing_keeps_nothing():
     assert kept == []
 
 
+def test_a_call_that_changes_nothing_kept_writes_nothing():
+    # The next chooser acts on what moved by COSTS_DISAGREE: a call that only ran plain decoding
+    # at about the kept seconds does not write the file again (2 ms with its fsync, every call).
+    def pair():
+        return TreeChooser([Candidate(BIG, 2.5, 0.020), Candidate(None, 1.0, 0.010)], batch=1)
+    first = pair()
+    run(first, 40, slow_big)
+    kept = first.kept()
+    second = pair()
+    written = []
+    second.keep = written.append
+    second.start_from(json.loads(json.dumps(kept)))
+    second.new_call()
+    assert BIG not in run(second, 40, lambda c: 1.02 * slow_big(c))  # plain decoding 2% slower: the same
+    second.end_call()
+    assert written == []
+    run(second, 40, lambda c: 1.2 * slow_big(c))  # 20% slower (drift, not yet a changed machine): kept
+    second.end_call()
+    assert len(written) == 1 and written[0]["plain_seconds"] == pytest.approx(0.012)
+    second.end_call()  # nothing new since
+    assert len(written) == 1
+    big = next(c for c in second.candidates if c.tree is BIG)
+    time.sleep(0.01)
+    second.record(big, 1, 1.2 * slow_big(big), 2.5)  # a round of BIG (its probe): measured anew, at the same ratio
+    second.end_call()
+    assert len(written) == 2 and written[1]["ratios"][tree_key(BIG)][1] > kept["ratios"][tree_key(BIG)][1]
+
+
 def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
     path = tmp_path / "costs.live.json"
     assert policy.load_live(path) is None

@@ -126,6 +126,21 @@ def test_costs_of_another_build_are_measured_again(tmp_path, monkeypatch, capsys
     assert load_costs(None, None, "jakiro", tmp_path, progress=False) == costs and calls == [1]
 
 
+def test_a_cost_file_is_read_again_only_when_it_changed(tmp_path, monkeypatch):
+    # Every new head's first call loads the costs: parsed and checked once while the file stays.
+    monkeypatch.setattr(tree_cost, "costs_key", lambda *a: "k")
+    monkeypatch.setattr(tree_cost, "measure_costs", lambda *a, **k: pytest.fail("cached costs measured again"))
+    path = tmp_path / "k.json"
+    path.write_text(json.dumps(dict(MEASURED, build=tree_cost.build_id())))
+    checked = []
+    check = tree_cost.check_costs
+    monkeypatch.setattr(tree_cost, "check_costs", lambda costs: checked.append(1) or check(costs))
+    first = load_costs(None, None, "jakiro", tmp_path, progress=False)
+    assert load_costs(None, None, "jakiro", tmp_path, progress=False) == first and checked == [1]
+    path.write_text(json.dumps(dict(MEASURED, context_slope=2e-6, build=tree_cost.build_id())))  # rewritten
+    assert load_costs(None, None, "jakiro", tmp_path, progress=False)["context_slope"] == 2e-6 and checked == [1, 1]
+
+
 @pytest.mark.parametrize("damage", [
     dict(verify={"1": "0.01", "2": "0.02"}), dict(verify={"1": None, "2": 0.01}), dict(verify={"1": 0.0, "2": 0.01}),
     dict(verify={"1": 0.01}), dict(verify={"0": 0.01, "2": 0.02}), dict(verify=[0.01, 0.02]),

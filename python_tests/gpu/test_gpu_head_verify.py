@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import randn
-from jakiro_ext.ops import reference
+from jakiro_ext.ops import quantized, reference
 from op_cases.head_verify import CONTRASTIVE_SHAPES as HEAD_SHAPES
 from op_cases.head_verify import SAMPLING_FILTERS, assert_same, contrast_weights, make_tree
 
@@ -78,6 +78,10 @@ def test_gpu_contrastive_topk_refuses_a_bf16_lm_head_beside_float32_features(gpu
     h_a, lm_head = randn(3, 32, seed=40), randn(100, 32, seed=41, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"lm_head in bfloat16 beside float32 h_a is read by the CPU kernels only"):
         gpu_backend.run("contrastive_topk", h_a, None, None, lm_head, 3)
+    # ... and a packed quantized one (a GGUF target's rows), which only the CPU kernel reads.
+    packed = quantized.from_float(randn(96, 32, seed=42), "Q8_0")
+    with pytest.raises(RuntimeError, match=r"lm_head is a packed quantized weight \(uint8\), which only the CPU kernels read"):
+        gpu_backend.run("contrastive_topk", h_a, None, None, packed, 3)
 
 
 @pytest.mark.parametrize("V,k,ties", [(4099, 7, False), (4099, 64, True), (4097, 10, False), (4099, 65, False),

@@ -75,6 +75,19 @@ def test_speculation_on_the_file_gives_its_plain_decodings_tokens(gguf_target, m
         assert max(spec.stats.accept_lengths) >= 2  # drafts were accepted: the trees ran
 
 
+def test_a_head_drafts_from_the_files_own_lm_head_rows(gguf_target):
+    # Its draft vocabulary's rows of the target's Q8_0 LM head, as they are (0.27x the bytes of
+    # float32): what the draft's top-k reads; the float32 rows (training, scoring) are theirs.
+    from jakiro_ext.cli.common import load_head
+
+    model, _ = gguf_target
+    head = load_head("jakiro", None, model, DEFAULT_MODEL)
+    rows = head.products().lm_head
+    assert rows is head.packed_lm_head and quantized.format_of(rows) == "Q8_0"
+    assert torch.equal(quantized.unpack(rows), quantized.unpack(model.lm_head.weight)[head.draft_to_target])
+    assert torch.equal(quantized.dequantize(rows), head.lm_head_weight)
+
+
 SAMPLES = 4000
 
 

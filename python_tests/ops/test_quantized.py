@@ -53,6 +53,10 @@ def test_pack_unpack_and_dequantize(format):
     rows = torch.tensor([0, 17, 47, 17])
     assert torch.equal(quantized.dequantize(packed, rows), w[rows])
     assert torch.equal(quantized.embedding(packed, rows.view(2, 2)), w[rows].view(2, 2, 96))
+    some = torch.arange(47, -1, -3)  # 16 rows, in another order
+    assert torch.equal(quantized.unpack(quantized.select_rows(packed, some)), raw[some])
+    with pytest.raises(ValueError, match="a packed weight takes rows 16 at a time: got 15 rows"):
+        quantized.select_rows(packed, some[:15])
     # GGML's arithmetic, written out for row 5's first block
     f, block = quantized.FORMATS[format], raw[5, : quantized.FORMATS[format].block_bytes]
     d = block[:2].view(torch.float16).float()

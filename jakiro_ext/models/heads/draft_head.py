@@ -93,6 +93,7 @@ class DraftHead(nn.Module):
             self.register_buffer("draft_to_target", torch.arange(c.draft_vocab_size, dtype=torch.int64))
         self.embed_weight: Optional[torch.Tensor] = None  # the target's, set by bind()
         self.lm_head_weight: Optional[torch.Tensor] = None  # the target's rows of the draft vocabulary
+        self.packed_lm_head: Optional[torch.Tensor] = None  # ... packed, a quantized target's (bind)
         # How often its drafts are accepted, by depth and rank (jakiro_ext.engine.tree_cost; acceptance.json)
         self.acceptance: Optional[dict] = None
         if init:  # (never torch.empty's leftovers: a new head drafts, if badly, until trained)
@@ -193,7 +194,10 @@ class DraftHead(nn.Module):
         lm_head = target.lm_head.weight.detach()
         device = lm_head.device
         draft_ids = self.draft_to_target.to(device) if c.draft_vocab_size else None
-        if quantized.is_packed(lm_head):  # a GGUF target's: its rows of the draft vocabulary dequantized
+        self.packed_lm_head = None
+        if quantized.is_packed(lm_head):  # a GGUF target's: its rows of the draft vocabulary dequantized,
+            if draft_ids is None or draft_ids.numel() % quantized.LANES == 0:  # and as they are (drafting_products)
+                self.packed_lm_head = lm_head if draft_ids is None else quantized.select_rows(lm_head, draft_ids)
             lm_head = quantized.dequantize(lm_head, draft_ids)
         elif draft_ids is not None:
             lm_head = lm_head[draft_ids].contiguous()  # [V_draft, H], not a parameter

@@ -39,7 +39,7 @@ class Products(NamedTuple):
 
 
 def bf16_draft_lm_head_enabled() -> bool:
-    """Whether a float32 draft on the CPU reads its LM head rows in bf16 (:meth:`DraftHead.products`):
+    """Whether a float32 draft on the CPU reads its LM head rows in bf16 or packed (:meth:`DraftHead.products`):
     the CPU kernels run the ops (not the GPU kernels' emulation) and ``JAKIRO_CPU_BF16_DRAFT_LM_HEAD``
     is not ``0``."""
     return os.environ.get("JAKIRO_CPU_BF16_DRAFT_LM_HEAD") != "0" and ops.backend() == "native"
@@ -57,11 +57,13 @@ def drafting_products(head) -> Products:
     them and ``fc`` is exactly a bf16 value in a float32 head (the shipped heads are stored in
     bf16), they are bf16 copies, which the products widen in registers: the same bits, half the
     bytes (``JAKIRO_CPU_BF16_WEIGHTS=0``: float32). A float32 draft on the CPU reads its LM head
-    rows in bf16 (``JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0``: float32): the draft's scores are then
-    those of rounded weights (exact for a bf16 checkpoint's), which changes which tokens are
-    drafted at most where two candidates tie within the rounding, never the tokens emitted
-    (the target's verification decides them); the shipped pair's acceptance measured the same
-    (docs/benchmarks.md)."""
+    rows in bf16, or beside a quantized target (a GGUF file's) in the target's own packed blocks,
+    the features quantized per row as the target's are (0.27x float32's bytes in Q8_0; a draft
+    vocabulary of a multiple of 16 rows) (``JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0``: float32): the
+    draft's scores are then those of rounded weights (exact for a bf16 checkpoint's; the target's
+    own for its packed rows), which changes which tokens are drafted at most where two candidates
+    tie within the rounding, never the tokens emitted (the target's verification decides them);
+    the shipped pair's acceptance measured the same (docs/benchmarks.md)."""
     # (Read from the modules' dicts, not through nn.Module's attribute lookup: this runs every forward.)
     serial = head._modules.get("layers")
     modules = [head] + (list(serial._modules.values()) if serial is not None else [])
@@ -83,8 +85,9 @@ def drafting_products(head) -> Products:
             w = [t.detach() for t in own[id(m)]]  # q, k, v, o (, gate, up, down)
             layers[id(m)] = LayerProducts(torch.cat(w[:3]), w[3], torch.cat(w[4:6]) if len(w) > 4 else None,
                                           w[6] if len(w) > 4 else None)
-        if lm_head is not None and cpu32 and settings[1]:
-            lm_head = in_huge_pages([lm_head.bfloat16()])[0]
+        packed = head.__dict__.get("packed_lm_head")
+        if lm_head is not None and cpu32 and settings[1]:  # a quantized target's own rows, else bf16 ones
+            lm_head = packed if packed is not None else in_huge_pages([lm_head.bfloat16()])[0]
         if as_bf16:
             flat = [fc] + [t for p in layers.values() for t in p if t is not None]
             copies = iter(in_huge_pages([t.bfloat16() for t in flat]))

@@ -213,14 +213,27 @@ class TreeChooser:
         return memo[key]
 
     def _rate(self, c: Candidate, rows: int) -> float:
-        plain = self.plain.median_seconds(rows)
+        plain = self.plain_seconds(rows)
         tokens = self.tokens(c)
         if plain is None:
             return c.rate(rows, c.expected_seconds, tokens)
+        if c is self.plain:
+            return c.rate(rows, plain, tokens)
         ratio = self.live_ratio(c, rows)
         if ratio is None:
             return c.rate(rows, plain * self.model_ratio(c), tokens) * self.model_error(c, rows)
         return c.rate(rows, plain * ratio, tokens)
+
+    def plain_seconds(self, rows: int) -> Optional[float]:
+        """Plain decoding's live seconds at ``rows`` rows, else (not yet measured) the ones kept
+        there by an earlier chooser (:meth:`start_from`): a new head's first call then knows,
+        before its first round, what the kept ratios make of its trees (whether it drafts: the
+        draft's prefill of the prompt and its weights' copies, 15 ms of a 64-token call, wait for
+        a tree round). None: neither."""
+        live = self.plain.median_seconds(rows)
+        if live is None and self.kept_plain is not None and self.kept_plain[0] == rows and self.kept_plain[1] > 0:
+            return self.kept_plain[1]
+        return live
 
     def best(self, rows: int) -> Candidate:
         """The candidate to run at ``rows`` rows: the highest live rate, a tree's counted

@@ -41,6 +41,11 @@ def test_a_new_chooser_starts_from_the_last_ones_ratios():
     assert BIG not in run(second, 40, slow_big)
     # Without them it pays the exploration again.
     assert run(chooser(), 3, slow_big) == [None, None, BIG]
+    # Before its first round it knows it will not draft (the draft's prefill of the prompt waits
+    # for a tree round); without the kept ratios the cost model says BIG.
+    third = chooser()
+    third.start_from(json.loads(json.dumps(kept)))
+    assert not third.drafting(1) and chooser().drafting(1)
 
 
 def test_kept_ratios_expire_and_yield_to_a_changed_machine():

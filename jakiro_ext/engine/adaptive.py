@@ -54,6 +54,7 @@ class TreeChooser:
         self.last_kept: Optional[dict] = None  # what was last kept (or started from)
         self.costs_disagree = False  # live seconds found far from the cached costs (the model suspect)
         self.round = 0
+        self.left: Optional[float] = None  # new tokens the call's sequences have left (:meth:`record`)
         self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
         # The model's expected accepted drafts, the mean over the trees: its prior in the pooled acceptance.
         self.prior_accepted = statistics.fmean([c.expected_tokens - 1 for c in candidates if c.tree is not None] or [0.0])
@@ -73,6 +74,7 @@ class TreeChooser:
         for c in self.candidates:
             c.tokens.clear()
             c.probe_every = PROBE_EVERY
+        self.left = None
         self.carried = self.acceptance_by_kind()
         self.sampling = sampling
         kept = self.carried.get(sampling)
@@ -141,10 +143,6 @@ class TreeChooser:
                 self.carried[kind == "sampling"] = (scale * self.prior_accepted, self.prior_accepted, when)
         self.kept_plain = (kept["rows"], kept["plain_seconds"])
         self.last_kept = kept
-
-    @property
-    def trees(self) -> List[TreeConfig]:
-        return [c.tree for c in self.candidates if c.tree is not None]
 
     def ratio(self, c: Candidate, rows: int) -> Optional[float]:
         """``c``'s live seconds over plain decoding's at the number of rows nearest ``rows`` where
@@ -244,7 +242,17 @@ class TreeChooser:
             if c is self.plain:
                 return 1.0
             return MARGIN if c.tried else math.inf if self.costs_disagree else EXPLORE_MARGIN
-        return max(self.candidates, key=lambda c: self.rate(c, rows) / margin(c))
+        return max(self.candidates, key=lambda c: self.switched_rate(c, rows) / margin(c))
+
+    def switched_rate(self, c: Candidate, rows: int) -> float:
+        """``c``'s rate, what switching to it cost the last time (the draft's catch-up: beside a
+        quantized target, a prompt and 60 tokens took 14 ms, 4.5 plain steps) spread over the
+        rounds the call has left (unless it ran last, is plain decoding, or ``left`` is unknown)."""
+        rate = self.rate(c, rows)
+        if c is self.plain or c.last_round == self.round - 1 or not c.switch_cost or self.left is None:
+            return rate
+        tokens = self.tokens(c)
+        return tokens / (tokens / rate + c.switch_cost * tokens / max(self.left, tokens))
 
     def drafting(self, rows: int) -> bool:
         """Whether rounds of ``rows`` rows are expected to draft: a tree is the best candidate
@@ -306,11 +314,13 @@ class TreeChooser:
         return min((c for c in self.candidates if c is not self.plain), key=lambda c: c.tree.total_tokens)
 
     def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float,
-               catch_up_seconds: float = 0.0, context: Optional[float] = None) -> None:
+               catch_up_seconds: float = 0.0, context: Optional[float] = None, left: Optional[float] = None) -> None:
         """A round of ``candidate`` over ``rows`` batch rows took ``seconds`` and gave
         ``tokens_per_sequence`` new tokens (the mean over the batch's sequences); before it, the
         draft's catch-up on what it was behind took ``catch_up_seconds`` (not the round's).
-        ``context``: the mean committed tokens of its sequences (None: the cost model's)."""
+        ``context``: the mean committed tokens of its sequences (None: the cost model's);
+        ``left``: the new tokens its sequences have left after it, the most of them (None: not known)."""
+        self.left = left
         fresh = not candidate.seconds
         if candidate.last_round != self.round - 1:  # switched to: what that cost, against the best
             best = self.best(rows)

@@ -85,7 +85,7 @@ class LiveTree:
 
     def observe(self, result: RoundResult) -> None:
         self.chooser.record(self._candidates[id(result.tree)], result.rows, result.seconds, progress(result),
-                            result.catch_up_seconds, result.context)
+                            result.catch_up_seconds, result.context, max(result.left_after))
 
     def end_call(self) -> None:
         self.chooser.end_call()

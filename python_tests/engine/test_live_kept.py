@@ -118,6 +118,31 @@ def test_a_tree_costly_to_switch_to_is_not_probed_by_the_next_chooser_within_a_s
     assert BIG in run(third, 60, close_big, catch_up=0.05)
 
 
+def test_a_switch_the_rest_of_the_call_cannot_pay_for_is_not_made():
+    # BIG 1.25x plain decoding's rate, switching to it costs a catch-up of five plain rounds. A
+    # chooser with 1,000 tokens left switches; with 10 left (4 rounds of BIG) the switch would
+    # cost more than BIG wins, and it stays with plain decoding (the probes' budget too).
+    def pair():
+        return TreeChooser([Candidate(BIG, 2.5, 0.020), Candidate(None, 1.0, 0.010)], batch=1)
+
+    def drive(c, rounds, left):
+        ran = []
+        for _ in range(rounds):
+            chosen = c.choose(1)
+            catch_up = 0.05 if chosen.tree is not None and ran and ran[-1] is None else 0.0
+            c.record(chosen, 1, chosen.expected_seconds, chosen.expected_tokens, catch_up, left=left)
+            ran.append(chosen.tree)
+        return ran
+    first = pair()
+    assert BIG in drive(first, 10, left=None)  # (the tokens left unknown: the switch not weighed)
+    kept = first.kept()
+    assert kept["switch"][tree_key(BIG)] == pytest.approx(5.0)
+    for left, switches in ((1000, True), (10, False)):
+        c = pair()
+        c.start_from(json.loads(json.dumps(kept)))
+        assert (BIG in drive(c, 20, left)) == switches, left
+
+
 def test_a_chooser_that_measured_nothing_keeps_nothing():
     c = chooser()
     kept = []

@@ -63,12 +63,12 @@ def main():
     if args.trace:  # each round the chooser records, with where it ran
         record = adaptive.TreeChooser.record
 
-        def traced(self, candidate, rows, seconds, tokens, catch_up=0.0, context=None):
+        def traced(self, candidate, rows, seconds, tokens, catch_up=0.0, context=None, left=None):
             tree = "plain" if candidate.tree is None else adaptive.tree_key(candidate.tree)
             trace.append(dict(where, round=self.round, tree=tree, rows=rows, seconds=round(seconds, 5),
                               tokens=round(tokens, 3), catch_up=round(catch_up, 5),
                               context=None if context is None else round(context, 1)))
-            record(self, candidate, rows, seconds, tokens, catch_up, context)
+            record(self, candidate, rows, seconds, tokens, catch_up, context, left)
         adaptive.TreeChooser.record = traced
 
     from jakiro_ext.cli.common import HEADS_DIR, chat_ids, load_head

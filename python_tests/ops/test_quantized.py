@@ -53,6 +53,10 @@ def test_pack_unpack_and_dequantize(format):
     rows = torch.tensor([0, 17, 47, 17])
     assert torch.equal(quantized.dequantize(packed, rows), w[rows])
     assert torch.equal(quantized.embedding(packed, rows.view(2, 2)), w[rows].view(2, 2, 96))
+    assert quantized.dequantize(packed, rows[:0]).shape == (0, 96)
+    assert torch.equal(quantized.dequantize(packed, rows.int()), w[rows])  # (int32 indices)
+    grid = rows.view(2, 2).t()  # (a transposed view of the tokens)
+    assert torch.equal(quantized.embedding(packed, grid), w[grid])
     some = torch.arange(47, -1, -3)  # 16 rows, in another order
     assert torch.equal(quantized.unpack(quantized.select_rows(packed, some)), raw[some])
     with pytest.raises(ValueError, match="a packed weight takes rows 16 at a time: got 15 rows"):

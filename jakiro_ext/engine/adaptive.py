@@ -28,9 +28,9 @@ from typing import Callable, Dict, List, Optional
 
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.candidate import (ACCEPTANCE_WINDOW, CALL_KINDS, CARRIED_ROUNDS, COMPETITIVE, COSTS_DISAGREE,
-                                         EXPLORE_MARGIN, FORGET_AFTER, KEEP_LIVE, KEPT_CHANGE, MARGIN, MAX_FORGET_AFTER,
+                                         EXPLORE_MARGIN, FORGET_AFTER, KEEP_LIVE, MARGIN, MAX_FORGET_AFTER,
                                          MAX_PROBE_EVERY, MIN_SAMPLES, PRIOR_ROUNDS, PROBE_BUDGET, PROBE_EVERY,
-                                         Candidate)
+                                         QUIET_ROUNDS, Candidate, adds_to, tree_key)
 
 
 class TreeChooser:
@@ -55,6 +55,7 @@ class TreeChooser:
         self.costs_disagree = False  # live seconds found far from the cached costs (the model suspect)
         self.round = 0
         self.left: Optional[float] = None  # new tokens the call's sequences have left (:meth:`record`)
+        self.quiet_until, self.quiet_rows = -1, 0  # plain decoding chosen without a look until that round (:meth:`quiet`)
         self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
         # The model's expected accepted drafts, the mean over the trees: its prior in the pooled acceptance.
         self.prior_accepted = statistics.fmean([c.expected_tokens - 1 for c in candidates if c.tree is not None] or [0.0])
@@ -74,7 +75,7 @@ class TreeChooser:
         for c in self.candidates:
             c.tokens.clear()
             c.probe_every = PROBE_EVERY
-        self.left = None
+        self.left, self.quiet_until = None, -1
         self.carried = self.acceptance_by_kind()
         self.sampling = sampling
         kept = self.carried.get(sampling)
@@ -274,6 +275,8 @@ class TreeChooser:
 
     def choose(self, rows: int) -> Candidate:
         """The candidate for a round of ``rows`` batch rows."""
+        if self.round < self.quiet_until and rows == self.quiet_rows:
+            return self.plain
         overdue = [c for c in self.candidates if c.seconds and self.round - c.last_round >= c.forget_after]
         if overdue:  # (measured again from scratch: not before a probe would be)
             seconds = self.round_seconds(rows)
@@ -297,9 +300,24 @@ class TreeChooser:
             seconds = self.round_seconds(rows)
             due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every
                    and self.affordable(c, seconds) and self.probed_untried(c)]
+            if best is self.plain and not due:
+                self.quiet(rows, [c for c in close if c is not self.plain], seconds)
             return min(due, key=lambda c: c.last_round) if due else best
         finally:
             self._rates = None
+
+    def quiet(self, rows: int, close: List[Candidate], seconds: float) -> None:
+        """Plain decoding is the best and no probe is due: it stays the choice, without a look, for
+        up to QUIET_ROUNDS rounds at ``rows`` rows, until the first round a ``close`` tree's probe
+        comes due (and affordable, at rounds of ``seconds``) or a tree would be forgotten. A plain
+        round moves no tree's estimate relative to plain decoding's seconds (its ratio, or the
+        model's) nor its tokens; only plain decoding's drift against a tree's own live seconds can
+        make that tree the best, a few rounds later than a look would."""
+        events = [c.last_round + c.forget_after for c in self.candidates if c.seconds and c is not self.plain]
+        for c in close:  # (seconds > 0: plain decoding is measured)
+            events.append(c.last_round + max(c.probe_every, math.ceil(c.switch_cost / (PROBE_BUDGET * seconds))))
+        self.quiet_until = min([self.round + QUIET_ROUNDS] + [r for r in events if r > self.round])
+        self.quiet_rows = rows
 
     def probed_untried(self, c: Candidate) -> bool:
         """Whether ``c`` may be probed as far as trying an untried tree goes: always, but while the
@@ -321,6 +339,8 @@ class TreeChooser:
         ``context``: the mean committed tokens of its sequences (None: the cost model's);
         ``left``: the new tokens its sequences have left after it, the most of them (None: not known)."""
         self.left = left
+        if candidate is not self.plain:
+            self.quiet_until = -1
         fresh = not candidate.seconds
         if candidate.last_round != self.round - 1:  # switched to: what that cost, against the best
             best = self.best(rows)
@@ -370,29 +390,3 @@ class TreeChooser:
         sequence (None: the model's own context), never below a quarter of the model's."""
         shift = 0.0 if context is None else self.context_slope * (context - self.context)
         return max(c.expected_seconds + shift, c.expected_seconds / 4)
-
-
-def adds_to(kept: dict, last: Optional[dict]) -> bool:
-    """Whether ``kept`` (:meth:`TreeChooser.kept`) tells the next chooser more than ``last``: other
-    rows or keys, a tree's ratio or a kind of call's acceptance measured anew (another wall
-    time), or a value moved by more than KEPT_CHANGE."""
-    if last is None or kept["rows"] != last["rows"]:
-        return True
-    values = [(kept["plain_seconds"], last["plain_seconds"])]
-    for table in ("ratios", "acceptance", "switch"):
-        new, old = kept[table], last[table]
-        if new.keys() != old.keys():
-            return True
-        for key, value in new.items():
-            if table == "switch":
-                values.append((value, old[key]))
-            elif value[1] != old[key][1]:
-                return True
-            else:
-                values.append((value[0], old[key][0]))
-    return any(abs(a - b) > KEPT_CHANGE * max(abs(a), abs(b)) for a, b in values)
-
-
-def tree_key(tree: TreeConfig) -> str:
-    """A tree as kept (:meth:`TreeChooser.kept`): "N,D,K"."""
-    return f"{tree.total_tokens},{tree.depth},{tree.top_k}"

@@ -1,6 +1,6 @@
-"""The live tree choice's settings (what each is, and the measurements behind it) and a
+"""The live tree choice's settings (what each is, and the measurements behind it), a
 :class:`Candidate`: a tree the chooser may run (:mod:`jakiro_ext.engine.adaptive`) with its live
-measurements."""
+measurements, and how what a chooser keeps names and compares them (:func:`tree_key`, :func:`adds_to`)."""
 from __future__ import annotations
 
 import statistics
@@ -41,6 +41,9 @@ MARGIN = 1.10  # a tree runs instead of plain decoding when its live rate is at 
 KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
 # head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
 # or more, and each first call spent rounds finding that out again
+QUIET_ROUNDS = 8  # plain decoding far ahead of every tree: chosen again without a look for up to this many rounds
+# (a look cost 35-45 us a round beside a quantized target's 3 ms step: 1.3%, the most of what plain decoding
+# chosen live cost over plain decoding alone)
 KEPT_CHANGE = 0.05  # what a chooser keeps is written again only if a value moved by more than this (plain
 # decoding's seconds drift by a few percent from call to call; the next chooser acts on 1.6x, COSTS_DISAGREE):
 # a write (fsync) cost 2 ms, 1% of a 64-token call of the Q4_1 model, at the end of every call
@@ -111,3 +114,29 @@ class Candidate:
         self.seconds.clear()
         self._medians.clear()
         self.tokens.clear()
+
+
+def adds_to(kept: dict, last: Optional[dict]) -> bool:
+    """Whether ``kept`` (:meth:`TreeChooser.kept`) tells the next chooser more than ``last``: other
+    rows or keys, a tree's ratio or a kind of call's acceptance measured anew (another wall
+    time), or a value moved by more than KEPT_CHANGE."""
+    if last is None or kept["rows"] != last["rows"]:
+        return True
+    values = [(kept["plain_seconds"], last["plain_seconds"])]
+    for table in ("ratios", "acceptance", "switch"):
+        new, old = kept[table], last[table]
+        if new.keys() != old.keys():
+            return True
+        for key, value in new.items():
+            if table == "switch":
+                values.append((value, old[key]))
+            elif value[1] != old[key][1]:
+                return True
+            else:
+                values.append((value[0], old[key][0]))
+    return any(abs(a - b) > KEPT_CHANGE * max(abs(a), abs(b)) for a, b in values)
+
+
+def tree_key(tree: TreeConfig) -> str:
+    """A tree as kept (:meth:`TreeChooser.kept`): "N,D,K"."""
+    return f"{tree.total_tokens},{tree.depth},{tree.top_k}"

@@ -504,3 +504,23 @@ def test_plain_decoding_alone_is_a_valid_choice():
     assert run(chooser, 5) == [None] * 5 and chooser.acceptance_scale() == 1.0
     chooser.new_call()
     assert run(chooser, 2) == [None] * 2
+
+
+@pytest.mark.parametrize("factor", [1.5, 1.3], ids=["far", "close"])
+def test_plain_decoding_ahead_is_chosen_without_a_look_for_a_few_rounds(monkeypatch, factor):
+    # BIG live at 0.83x (far) or 0.96x (close: probed) plain decoding's rate, switching to it
+    # costing a catch-up: plain decoding is chosen with a look (the rates computed) about once in
+    # QUIET_ROUNDS rounds, with the choices of looking every round (BIG's probes and its
+    # forgetting at the same rounds).
+    def ran(quiet):
+        monkeypatch.setattr(adaptive, "QUIET_ROUNDS", quiet)
+        chooser = TreeChooser([Candidate(BIG, 2.5, 0.020), Candidate(None, 1.0, 0.010)], batch=1)
+        looks = []
+        best = chooser.best
+        chooser.best = lambda rows: looks.append(chooser.round) or best(rows)
+        seconds = lambda c: c.expected_seconds * (factor if c.tree is BIG else 1)  # noqa: E731
+        return run(chooser, 400, seconds, catch_up=0.004), len(set(looks))
+    quiet, looks = ran(8)
+    every, all_looks = ran(0)
+    assert quiet == every and quiet.count(BIG) == (1 if factor == 1.5 else 5)  # (explored; probed 4 times)
+    assert all_looks >= 390 and looks <= 400 / 8 + 2 * quiet.count(BIG) + 10

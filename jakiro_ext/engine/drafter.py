@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from jakiro_ext import ops
+from jakiro_ext.engine import draft_lag
 from jakiro_ext.engine.tree import DraftTree, VerifyTree
 from jakiro_ext.kv_cache import KVCache, TreeKV
 from jakiro_ext.methods import CONTRASTIVE, EXPERTS, FORWARD_KINDS, MLP, Method
@@ -62,9 +63,11 @@ class Drafter:
         self.schedule = method.schedule(tree.depth if tree.choices is None else max(map(len, tree.choices)) - 1,
                                         getattr(head.config, "num_mlp_heads", 0)) if self.drafts else ()
         # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
-        # frontier: top_k nodes, or a whole static layer), and a catch-up at most the tree.
+        # frontier: top_k nodes, or a whole static layer), a catch-up after a round at most the
+        # tree, and one on what plain rounds left behind DRAFT_WINDOW pairs: one forward (in
+        # forwards of a small tree's width, 32 pairs beside the Q4_1 target took 8 and 12 ms).
         self.max_nodes = tree.max_nodes_for(method) if self.drafts else 1  # a round's nodes, the root's included
-        self.scratch = max(tree.top_k, self.max_nodes) if self.drafts else 0
+        self.scratch = max(tree.top_k, self.max_nodes, draft_lag.DRAFT_WINDOW) if self.drafts else 0
 
     @staticmethod
     def check(head: Optional[Head], method: Method, tree) -> bool:

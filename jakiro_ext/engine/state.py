@@ -168,22 +168,15 @@ class BatchState:
             self.lag.defer(tokens, features)
 
     def catch_up_pending(self) -> int:
-        """Bring every row's draft up to date before it drafts, in forwards over each row's pairs
-        it is behind (:class:`DraftLag`; the rows behind by more than its window emptied first):
-        one forward unless a row is behind by more than a drafting scratch. Each row keeps its
-        own, its last becomes its root step. Returns the forwards run."""
+        """Bring every row's draft up to date before it drafts, in one forward over each row's
+        pairs it is behind (:class:`DraftLag`; the rows behind by more than its window emptied
+        first; the drafting scratch holds the window). Each row keeps its own, its last becomes
+        its root step. Returns the forwards run."""
         pending = None if self.draft_kv is None else self.lag.take([seq is not None for seq in self.rows])
         if pending is None:
             return 0
         self.draft_kv.clear(pending.rebuilt)
-        # In forwards of at most a drafting scratch's width: every row writes the forward's width
-        # after its own prefix, and beyond a sequence's bound the cache has that scratch alone.
-        n, width = pending.tokens.shape[1], max(1, self.scratch)
-        for start in range(0, n, width):
-            part = [min(max(k - start, 0), width) for k in pending.counts]
-            w = max(part)
-            self.draft_kv.reserve(max(self.draft_kv.host_lengths) + w)
-            step = self.drafter.catch_up(self.draft_kv, pending.tokens[:, start: start + w],
-                                         pending.features[:, start: start + w])
-            self._commit_draft(step, ops.to_device(torch.tensor(part), pending.tokens.device), part)
-        return -(-n // width)
+        self.draft_kv.reserve(max(self.draft_kv.host_lengths) + pending.tokens.shape[1])
+        step = self.drafter.catch_up(self.draft_kv, pending.tokens, pending.features)
+        self._commit_draft(step, ops.to_device(torch.tensor(pending.counts), pending.tokens.device), pending.counts)
+        return 1

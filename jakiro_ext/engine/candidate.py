@@ -41,9 +41,9 @@ MARGIN = 1.10  # a tree runs instead of plain decoding when its live rate is at 
 KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay the next chooser's estimate (a new
 # head, the next process on this machine and setting): at 4-16 rows the cost model overrated trees by a quarter
 # or more, and each first call spent rounds finding that out again
-QUIET_ROUNDS = 8  # plain decoding far ahead of every tree: chosen again without a look for up to this many rounds
-# (a look cost 35-45 us a round beside a quantized target's 3 ms step: 1.3%, the most of what plain decoding
-# chosen live cost over plain decoding alone)
+QUIET_ROUNDS = 8  # plain decoding the best, no probe or forgetting due: chosen again without a look for up to
+# this many rounds (a look cost 35-45 us a round beside a quantized target's 3 ms step: 1.3%, the most of what
+# plain decoding chosen live cost over plain decoding alone)
 KEPT_CHANGE = 0.05  # what a chooser keeps is written again only if a value moved by more than this (plain
 # decoding's seconds drift by a few percent from call to call; the next chooser acts on 1.6x, COSTS_DISAGREE):
 # a write (fsync) cost 2 ms, 1% of a 64-token call of the Q4_1 model, at the end of every call

@@ -22,6 +22,7 @@ import jakiro_ext.cli as cli_module
 import jakiro_ext.cli.common as cli_common
 from jakiro_ext import ops
 from jakiro_ext.methods import METHODS as METHOD_SPECS
+from jakiro_ext.engine import draft_lag
 from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
@@ -263,14 +264,16 @@ def test_caches_start_small_whatever_max_new_tokens_and_total_tokens_say(target,
                                tree=TreeConfig(1024, 2, 2))
     assert out.token_ids[:12] == plain and out.stats.stop_reason == "context_limit"
     limit = target.config.max_position_embeddings  # 2048: transformers' default
-    # The prompt runs alone in caches of its own size (target, then draft, with room for drafting
-    # an 11-node tree), then the generation's growing caches (target, draft) take it.
-    assert [(layers, start) for layers, start, bound in made if start == bound] == [(2, 13), (1, 13 + 11)]
+    # The prompt runs alone in caches of its own size (target, then draft, with the drafting
+    # scratch: an 11-node tree, or the pairs a catch-up after plain rounds runs at once), then the
+    # generation's growing caches (target, draft) take it.
+    scratch = max(11, draft_lag.DRAFT_WINDOW)
+    assert [(layers, start) for layers, start, bound in made if start == bound] == [(2, 13), (1, 13 + scratch)]
     (target_layers, target_start, target_bound), (draft_layers, draft_start, draft_bound) = [
         m for m in made if m[1] < m[2]]
     assert (draft_layers, target_layers) == (1, 2)
     assert target_start == 13 + 256 + 11 and target_bound == limit + 11  # prompt + budget + an 11-node tree
-    assert draft_start <= target_start + 11 and draft_bound <= target_bound + 11
+    assert draft_start <= target_start + scratch and draft_bound <= target_bound + scratch
 
 
 def test_dedupe_of_expert_proposals_is_not_quadratic():

@@ -55,7 +55,7 @@ class TreeChooser:
         self.costs_disagree = False  # live seconds found far from the cached costs (the model suspect)
         self.round = 0
         self.left: Optional[float] = None  # new tokens the call's sequences have left (:meth:`record`)
-        self.quiet_until, self.quiet_rows = -1, 0  # plain decoding chosen without a look until that round (:meth:`quiet`)
+        self.quiet_until, self.quiet_rows = -1, 0  # plain decoding chosen without a look until then (:meth:`quiet`)
         self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
         # The model's expected accepted drafts, the mean over the trees: its prior in the pooled acceptance.
         self.prior_accepted = statistics.fmean([c.expected_tokens - 1 for c in candidates if c.tree is not None] or [0.0])

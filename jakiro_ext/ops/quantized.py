@@ -6,8 +6,9 @@ their activations are quantized per row to 8-bit blocks of 32 as GGML does (:fun
 so the products are those of the quantized model, not of its float32 dequantization.
 
 - :func:`pack` makes one from a GGUF file's tensor bytes (GGML's rows of blocks), :func:`unpack`
-  gives them back, :func:`select_rows` packs some of its rows, :func:`from_float` quantizes a float weight as GGML does; :func:`dequantize`
-  gives the float32 matrix (or some of its rows), :func:`embedding` rows of a table;
+  gives them back, :func:`select_rows` packs some of its rows, :func:`from_float` quantizes a
+  float weight as GGML does; :func:`dequantize` gives the float32 matrix (or some of its rows),
+  :func:`embedding` rows of a table;
 - :func:`quantize_rows` and :func:`linear` are the pure-PyTorch specification of the kernels'
   activations and products (``jakiro_ext.ops.reference.linear`` uses them).
 """
@@ -173,7 +174,8 @@ def _dequantize_rows(packed: torch.Tensor, f: Format, rows: torch.Tensor) -> tor
     n = ids.size
     if n and (ids.min() < 0 or ids.max() >= G * LANES):
         raise IndexError(f"rows must be in [0, {G * LANES}), got {ids.min()} .. {ids.max()}")
-    at = (ids // LANES * (nb * C))[:, None, None] + (np.arange(nb) * C)[None, :, None] + _lane_bytes(f)[ids % LANES][:, None]
+    lanes = _lane_bytes(f)[ids % LANES][:, None]  # [n, 1, B]
+    at = (ids // LANES * (nb * C))[:, None, None] + (np.arange(nb) * C)[None, :, None] + lanes
     blocks = packed.numpy().reshape(-1)[at]  # [n, nb, B]: each row's blocks as GGML stores them (Q8_0's codes + 128)
     d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
     codes = blocks[..., 4 if f.has_min else 2:]

@@ -30,7 +30,7 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.candidate import (ACCEPTANCE_WINDOW, CALL_KINDS, CARRIED_ROUNDS, COMPETITIVE, COSTS_DISAGREE,
                                          EXPLORE_MARGIN, FORGET_AFTER, KEEP_LIVE, MARGIN, MAX_FORGET_AFTER,
                                          MAX_PROBE_EVERY, MIN_SAMPLES, PRIOR_ROUNDS, PROBE_BUDGET, PROBE_EVERY,
-                                         QUIET_ROUNDS, Candidate, adds_to, tree_key)
+                                         QUIET_ROUNDS, WINDOW, Candidate, adds_to, tree_key)
 
 
 class TreeChooser:
@@ -342,7 +342,8 @@ class TreeChooser:
         if candidate is not self.plain:
             self.quiet_until = -1
         fresh = not candidate.seconds
-        if candidate.last_round != self.round - 1:  # switched to: what that cost, against the best
+        # Switched to from plain decoding (from a tree nothing is caught up): what that cost, against the best.
+        if candidate.last_round != self.round - 1 and (candidate is self.plain or self.plain.last_round == self.round - 1):
             best = self.best(rows)
             lost = 0.0 if best is candidate else seconds - tokens_per_sequence / self.rate(best, rows)
             candidate.switch_cost = catch_up_seconds + max(0.0, lost)
@@ -350,7 +351,9 @@ class TreeChooser:
         candidate.add(rows, seconds, tokens_per_sequence)
         candidate.measured_at = time.time()
         if candidate is self.plain and self.kept_plain is not None and rows == self.kept_plain[0] \
-                and candidate.measured(rows):  # the kept ratios' machine against this one
+                and candidate.samples(rows) >= WINDOW:  # the kept ratios' machine against this one
+            # (on WINDOW rounds: a call's first plain steps beside a quantized target took 1.7-2x
+            # its later ones, from the caches, and dropped what was kept: every call probed a tree)
             if not 1 / COSTS_DISAGREE <= candidate.median_seconds(rows) / self.kept_plain[1] <= COSTS_DISAGREE:
                 for c in self.candidates:
                     if not c.seconds:

@@ -1,8 +1,8 @@
-"""Draft-head recipes at equal data and CPU time: each variant trains with ``python -m jakiro_ext
-train --minutes M --threads 1`` on the same shards of the token corpus (two at a time, one
-thread each, side by side, so that both see the same machine), evaluated on the same held-out
-answers (acc1..acc4 drafting from the head's own features, as the engine drafts) every
-``--eval-every`` steps: the slope, not only the end point.
+"""Draft-head recipes at equal data and CPU time (or equal steps, ``--steps``: about equal tokens
+seen): each variant trains with ``python -m jakiro_ext train --minutes M --threads 1`` on the same
+shards of the token corpus (two at a time, one thread each, side by side, so that both see the
+same machine), evaluated on the same held-out answers (acc1..acc4 drafting from the head's own
+features, as the engine drafts) every ``--eval-every`` steps: the slope, not only the end point.
 
 Each head is then judged by what it buys, not by acc1 alone: the tree cost model
 (:mod:`jakiro_ext.engine.tree_cost`, this machine's measured costs of a round at 2 threads, and the
@@ -48,6 +48,10 @@ VARIANTS = {
     "eagle2_then_ttt": ("eagle2", [(2 / 3, [], False), (1 / 3, TTT + ["--lr", "5e-4", "--warmup-steps", "10"], True)]),
     # Jakiro: 8 experts of half the width (the same parameters), the contrastive branch's weight
     "jakiro_8x": ("jakiro", [(1.0, ["--experts", "8"], False)]),
+    # Jakiro in the released code's shape: experts as wide as the hidden size, 2 of them (both
+    # active), and 4 with 2 active (its ablation's direction)
+    "jakiro_2x576": ("jakiro", [(1.0, ["--experts", "2", "--intermediate-size", "576"], False)]),
+    "jakiro_4x576": ("jakiro", [(1.0, ["--experts", "4", "--intermediate-size", "576"], False)]),
     "jakiro_contrastive_1": ("jakiro", [(1.0, ["--w-feature2", "1", "--w-token2", "0.1"], False)]),
 }
 
@@ -81,6 +85,8 @@ def main():
     ap.add_argument("--shards", type=int, help="its first N shards (default: all)")
     ap.add_argument("--out", required=True, help="a directory for the heads (one sub-directory per variant)")
     ap.add_argument("--minutes", type=float, default=10.0, help="CPU minutes (one thread) of each variant")
+    ap.add_argument("--steps", type=int, default=0, help="instead of --minutes: this many steps of each variant (the "
+                                                         "same data order, so about the same tokens seen)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--parallel", type=int, default=2, help="runs side by side (one thread each)")
     ap.add_argument("--lr", default="2e-3")
@@ -106,7 +112,8 @@ def main():
             for i, (fraction, extra, from_previous) in enumerate(phases):
                 out = os.path.join(args.out, name if i == len(phases) - 1 else f"{name}.phase{i}")
                 cmd = [sys.executable, "-m", "jakiro_ext", "train", "--kind", kind, "--out", out, "--data", args.data,
-                       "--minutes", f"{args.minutes * fraction:.2f}", "--threads", "1", "--lr", args.lr,
+                       *(["--steps", str(round(args.steps * fraction))] if args.steps
+                         else ["--minutes", f"{args.minutes * fraction:.2f}"]), "--threads", "1", "--lr", args.lr,
                        "--warmup-steps", "50", "--eval-every", str(args.eval_every),
                        "--eval-doublings", str(args.eval_doublings), "--checkpoint-every", str(args.checkpoint_every),
                        *(["--shards", str(args.shards)] if args.shards else []), *extra]
@@ -146,7 +153,7 @@ def main():
             seen_before += t["tokens_seen"]
         t = summary["train"]
         final = {k.replace("eval_", ""): round(v, 4) for k, v in sorted(summary["final_eval"].items())}
-        rows.append(dict(variant=name, kind=summary["kind"], minutes=args.minutes,
+        rows.append(dict(variant=name, kind=summary["kind"], minutes=0 if args.steps else args.minutes,
                          steps="+".join(str(p["train"]["total_steps"]) for p in phases),
                          tokens_seen=sum(p["train"]["tokens_seen"] for p in phases),
                          seconds=round(sum(p["train"]["seconds"] for p in phases), 1),

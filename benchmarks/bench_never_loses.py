@@ -13,7 +13,8 @@ starts from the cost file as measured and what the last choosers kept beside it,
 would: every call is a first call); ``warm``: one head
 for the whole configuration (its chooser carries over from call to call, after one call to warm
 it); ``fixed``: the cost model's fixed tree from the same cache (what the engine ran before the
-live choice). SmolLM2-135M-Instruct in float32 (``--dtype``: bfloat16, or its GGUF file's Q4_1 blocks); a call is B consecutive packaged prompts (chat
+live choice). A head is loaded before every arm's call (the live and fixed arms decode with it):
+a load's memory traffic slows the call after it, whichever arm. SmolLM2-135M-Instruct in float32 (``--dtype``: bfloat16, or its GGUF file's Q4_1 blocks); a call is B consecutive packaged prompts (chat
 template, cycling through them) through ``generate_many``; ``--groups`` calls, each run by the
 four arms in turn (the order rotated) before the next, ``--repeats`` times: the machine drifts by
 a quarter within minutes (its memory bandwidth is shared), so the arms are interleaved a call at a
@@ -117,11 +118,14 @@ def main():
                 path.write_text(measured)  # (a live run deletes costs that disagree)
                 where.update(batch=batch, temperature=temperature, costs=cache, arm="warm", call=-1)
                 run(warm_head, "jakiro", prompts[:batch], temperature)  # the warm arm's first call, not counted
+                # Every arm's call follows a head's load, used or not: a load's memory traffic
+                # slows the call after it (plain decoding's by 2-3% on the Q4_1 file, whose
+                # weights the Xeon's cache holds), a cost of the load, not of the arm.
                 arms = {
-                    "plain": lambda group: run(None, "ar", group, temperature),
-                    "live": lambda group: (path.write_text(measured), run(fresh_head(), "jakiro", group, temperature))[1],
-                    "warm": lambda group: run(warm_head, "jakiro", group, temperature),
-                    "fixed": lambda group: run(fresh_head(), "jakiro", group, temperature, fixed)}
+                    "plain": lambda group, head: run(None, "ar", group, temperature),
+                    "live": lambda group, head: (path.write_text(measured), run(head, "jakiro", group, temperature))[1],
+                    "warm": lambda group, head: run(warm_head, "jakiro", group, temperature),
+                    "fixed": lambda group, head: run(head, "jakiro", group, temperature, fixed)}
                 totals = {name: [[0, 0.0] for _ in range(args.repeats)] for name in arms}
                 for r in range(args.repeats):
                     for g in range(args.groups):
@@ -131,7 +135,7 @@ def main():
                         outs = {}
                         for name in names:
                             where.update(batch=batch, temperature=temperature, costs=cache, arm=name, call=r * args.groups + g)
-                            tokens, seconds, outs[name] = arms[name](group)
+                            tokens, seconds, outs[name] = arms[name](group, fresh_head())
                             totals[name][r][0] += tokens
                             totals[name][r][1] += seconds
                         if temperature == 0:

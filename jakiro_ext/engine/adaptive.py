@@ -30,7 +30,7 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.candidate import (ACCEPTANCE_WINDOW, CALL_KINDS, CARRIED_ROUNDS, COMPETITIVE, COSTS_DISAGREE,
                                          EXPLORE_MARGIN, FORGET_AFTER, KEEP_LIVE, MARGIN, MAX_FORGET_AFTER,
                                          MAX_PROBE_EVERY, MIN_SAMPLES, PRIOR_ROUNDS, PROBE_BUDGET, PROBE_EVERY,
-                                         QUIET_ROUNDS, WINDOW, Candidate, adds_to, tree_key)
+                                         QUIET_ROUNDS, SETTLE_ROUNDS, WINDOW, Candidate, adds_to, tree_key)
 
 
 class TreeChooser:
@@ -56,6 +56,7 @@ class TreeChooser:
         self.round = 0
         self.left: Optional[float] = None  # new tokens the call's sequences have left (:meth:`record`)
         self.quiet_until, self.quiet_rows = -1, 0  # plain decoding chosen without a look until then (:meth:`quiet`)
+        self.settle_until = -1  # the call's rounds before it are not timed (SETTLE_ROUNDS)
         self.accepted: deque = deque(maxlen=ACCEPTANCE_WINDOW)  # (live, expected) accepted drafts of tree rounds
         # The model's expected accepted drafts, the mean over the trees: its prior in the pooled acceptance.
         self.prior_accepted = statistics.fmean([c.expected_tokens - 1 for c in candidates if c.tree is not None] or [0.0])
@@ -75,7 +76,7 @@ class TreeChooser:
         for c in self.candidates:
             c.tokens.clear()
             c.probe_every = PROBE_EVERY
-        self.left, self.quiet_until = None, -1
+        self.left, self.quiet_until, self.settle_until = None, -1, self.round + SETTLE_ROUNDS
         self.carried = self.acceptance_by_kind()
         self.sampling = sampling
         kept = self.carried.get(sampling)
@@ -295,7 +296,9 @@ class TreeChooser:
             if not best.measured(rows):
                 return best
             rates = [self.rate(c, rows) for c in self.candidates]
-            close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates)
+            # (Plain decoding is always probed: its seconds are every tree's reference, and a stretch
+            # of slow ones, the machine busy for ten rounds, kept a tree 2x slower running for 60.)
+            close = [c for c, r in zip(self.candidates, rates) if r >= COMPETITIVE * max(rates) or c is self.plain
                      or (self.costs_disagree and c is self.smallest_tree)]  # (its estimate is the model's: suspect)
             seconds = self.round_seconds(rows)
             due = [c for c in close if c is not best and self.round - c.last_round >= c.probe_every
@@ -348,12 +351,14 @@ class TreeChooser:
             lost = 0.0 if best is candidate else seconds - tokens_per_sequence / self.rate(best, rows)
             candidate.switch_cost = catch_up_seconds + max(0.0, lost)
         probe = self.round - candidate.last_round >= candidate.probe_every
-        candidate.add(rows, seconds, tokens_per_sequence)
+        settling = self.round < self.settle_until and candidate.measured(rows)  # (its seconds: see SETTLE_ROUNDS)
+        if candidate is self.plain and candidate.last_round != self.round - 1 and not settling:
+            candidate.restart(rows)  # (back after trees: its older rounds are another stretch's)
+        candidate.add(rows, None if settling else seconds, tokens_per_sequence)
         candidate.measured_at = time.time()
         if candidate is self.plain and self.kept_plain is not None and rows == self.kept_plain[0] \
                 and candidate.samples(rows) >= WINDOW:  # the kept ratios' machine against this one
-            # (on WINDOW rounds: a call's first plain steps beside a quantized target took 1.7-2x
-            # its later ones, from the caches, and dropped what was kept: every call probed a tree)
+            # (on WINDOW rounds: a new chooser's first ones run slow, see SETTLE_ROUNDS, and dropped what was kept)
             if not 1 / COSTS_DISAGREE <= candidate.median_seconds(rows) / self.kept_plain[1] <= COSTS_DISAGREE:
                 for c in self.candidates:
                     if not c.seconds:

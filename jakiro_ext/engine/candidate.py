@@ -44,6 +44,9 @@ KEEP_LIVE = 3600.0  # seconds a tree's live seconds over plain decoding's stay t
 QUIET_ROUNDS = 8  # plain decoding the best, no probe or forgetting due: chosen again without a look for up to
 # this many rounds (a look cost 35-45 us a round beside a quantized target's 3 ms step: 1.3%, the most of what
 # plain decoding chosen live cost over plain decoding alone)
+SETTLE_ROUNDS = 8  # a call's first rounds are not timed (a candidate not yet measured excepted): its prefill's
+# memory traffic slows them (beside the Q4_1 file, whose weights the Xeon's cache holds, plain steps took 1.7-2x
+# their later ones for 8-10 rounds), and against trees' steady seconds they made a tree look best in most calls
 KEPT_CHANGE = 0.05  # what a chooser keeps is written again only if a value moved by more than this (plain
 # decoding's seconds drift by a few percent from call to call; the next chooser acts on 1.6x, COSTS_DISAGREE):
 # a write (fsync) cost 2 ms, 1% of a 64-token call of the Q4_1 model, at the end of every call
@@ -73,12 +76,13 @@ class Candidate:
     measured_at: float = 0.0  # wall time (time.time()) of its last live round, or of the kept ratio it starts from
     # The median of seconds[rows], kept until they change (read a few dozen times a round).
     _medians: Dict[int, float] = field(default_factory=dict, repr=False)
+    _restarted: set = field(default_factory=set, repr=False)  # rows where :meth:`restart` kept it measured
 
     def samples(self, rows: int) -> int:
         return len(self.seconds.get(rows, ()))
 
     def measured(self, rows: int) -> bool:
-        return self.samples(rows) >= (MIN_SAMPLES if self.tree is None else 1)
+        return self.samples(rows) >= (MIN_SAMPLES if self.tree is None and rows not in self._restarted else 1)
 
     def mean_tokens(self, prior: float) -> float:
         """New tokens per sequence and round: the live mean, with ``prior`` as TOKEN_PRIOR_ROUNDS rounds."""
@@ -102,10 +106,19 @@ class Candidate:
         """Whether it has live seconds (now, or as a ratio kept when they were forgotten)."""
         return bool(self.seconds) or self.remembered_ratio is not None
 
-    def add(self, rows: int, seconds: float, tokens: float) -> None:
-        self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
-        self._medians.pop(rows, None)
+    def add(self, rows: int, seconds: Optional[float], tokens: float) -> None:
+        """A round's seconds at ``rows`` rows (None: not timed) and new tokens per sequence."""
+        if seconds is not None:
+            self.seconds.setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+            self._medians.pop(rows, None)
         self.tokens.append(tokens)
+
+    def restart(self, rows: int) -> None:
+        """Drop its live seconds at ``rows`` rows, staying measured there: its next round's are its seconds."""
+        if self.measured(rows):
+            self._restarted.add(rows)
+        self.seconds.pop(rows, None)
+        self._medians.pop(rows, None)
 
     def forget(self, ratio: Optional[float]) -> None:
         """Drop the measurements, keeping ``ratio`` (its seconds over plain decoding's, None: not
@@ -113,6 +126,7 @@ class Candidate:
         self.remembered_ratio = ratio if ratio is not None else self.remembered_ratio
         self.seconds.clear()
         self._medians.clear()
+        self._restarted.clear()
         self.tokens.clear()
 
 

@@ -6,21 +6,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="$(mkdir -p "${1:-$ROOT/build/llama.cpp}" && cd "${1:-$ROOT/build/llama.cpp}" && pwd)"
-VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
-[ -x "$PY" ] || PY=python3
-
-if [ ! -f "$OUT/src/CMakeLists.txt" ]; then
-  tmp="$(mktemp -d)"
-  trap 'rm -rf "$tmp"' EXIT
-  echo "== llama-cpp-python $VERSION source (its vendored llama.cpp)"
-  (cd "$tmp" && "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
-    "llama-cpp-python==$VERSION" -d "$tmp")
-  tar xzf "$tmp"/llama_cpp_python-*.tar.gz -C "$tmp"
-  rm -rf "$OUT/src.partial" && cp -r "$tmp"/llama_cpp_python-*/vendor/llama.cpp "$OUT/src.partial"
-  rm -f "$OUT/src.partial/.git"  # a submodule link into the sdist's absent git folder
-  mv "$OUT/src.partial" "$OUT/src"  # whole or not at all
-fi
+bash "$ROOT/scripts/llama_cpp_source.sh" "$OUT"
 echo "== building llama-bench and llama-quantize in $OUT"
 cmake -S "$OUT/src" -B "$OUT/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \

@@ -13,7 +13,7 @@
 #   6. the vLLM check: vLLM's CPU build serving a Jakiro head through this package's plugin
 #      (scripts/serving/vllm_check.sh; .venv-vllm, ~2 GB). JAKIRO_TEST_VLLM=0 leaves it out.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh" pytest scipy
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh" pytest scipy sentencepiece  # (sentencepiece: llama.cpp's converter, in a test)
 cd "$ROOT"
 
 echo "== python tests (CPU build)"

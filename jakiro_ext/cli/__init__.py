@@ -92,8 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_generation_options(p)
     p = sub.add_parser("train", help="train a draft head (builds the training set of target features first)")
-    p.add_argument("--kind", choices=["jakiro", "eagle2", "gumiho", "jakiro_gumiho"], default="jakiro",
-                   help="jakiro_gumiho: Jakiro's MoE layer as the serial part, then Gumiho's MLP heads")
+    p.add_argument("--kind", choices=["jakiro", "eagle2", "gumiho", "jakiro_gumiho", "eagle3"], default="jakiro",
+                   help="jakiro_gumiho: Jakiro's MoE layer as the serial part, then Gumiho's MLP heads; eagle3: "
+                        "EAGLE-3's head (the target's low, middle and high layers fused, its own LM head, the token "
+                        "loss alone over --ttt-steps unrolled steps), saved in the format vLLM, SGLang and llama.cpp read")
     p.add_argument("--out", required=True, help="directory to save the head in (config.json, model.safetensors)")
     p.add_argument("--target", help="a local transformers model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -111,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation-batch", type=int, default=64, help="sequences generated together")
     p.add_argument("--experts", type=int, default=8, help="Jakiro: number of experts N (8 of the MLP width / 8 beat 4 of / 4 at equal CPU time: docs/training.md)")
     p.add_argument("--intermediate-size", type=int, help="expert width (Jakiro; default: the target's MLP width / N) "
-                                                         "or MLP width (EAGLE-2; default: the target's)")
+                                                         "or MLP width (EAGLE-2, EAGLE-3; default: the target's)")
+    p.add_argument("--feature-layers", type=int, nargs=3, help="EAGLE-3: the target's layers whose input it reads "
+                                                              "(default 2, L / 2, L - 3)")
     p.add_argument("--layers", type=int, help="Gumiho: serial decoder layers (default 2, as released)")
     p.add_argument("--mlp-heads", type=int, default=2, help="Gumiho: parallel MLP heads (each drafts one tree layer)")
     p.add_argument("--mlp-blocks", type=int, default=5, help="Gumiho: residual blocks of each MLP head")
@@ -140,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start the serial layers from the target's last layers (the MLP cut into the experts of a "
                         "MoE head) and fc passing the feature through, instead of random weights")
     p.add_argument("--shards", type=int, help="with a token corpus: train on its first N shards (default: all)")
-    p.add_argument("--ttt-steps", type=int, default=0, help="training-time test: also train the head on its own "
-                                                            "features this many steps deeper (EAGLE-3; 0: off)")
+    p.add_argument("--ttt-steps", type=int, help="training-time test: also train the head on its own features this "
+                                                 "many steps deeper (default 2 for eagle3, else 0: off)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     p.add_argument("--eval-doublings", type=int, default=0, help="also evaluate when the tokens seen reach N, 2N, "
                                                                  "4N, ... (a scaling curve; 0: off)")

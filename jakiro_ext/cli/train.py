@@ -17,7 +17,8 @@ from jakiro_ext.models.heads.config import TRAINING_FILE
 from jakiro_ext.training.acceptance import acceptance_profile
 from jakiro_ext.training.distributed import init_distributed
 from jakiro_ext.training.features import attach_target_probs
-from jakiro_ext.training.run import is_corpus, new_head, read_training_data, training_summary
+from jakiro_ext.training.run import (is_corpus, new_eagle3_head, new_head, read_training_data, training_summary,
+                                     use_layer_features)
 from jakiro_ext.training.settings import TrainConfig
 from jakiro_ext.training.train import train_head
 
@@ -26,7 +27,8 @@ def train_config(args) -> TrainConfig:
     return TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                        batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                        w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
-                       ttt_steps=args.ttt_steps, minutes=args.minutes, max_epochs=args.max_epochs, mlp_input=args.mlp_input,
+                       ttt_steps=args.ttt_steps if args.ttt_steps is not None else 2 if args.kind == "eagle3" else 0,
+                       minutes=args.minutes, max_epochs=args.max_epochs, mlp_input=args.mlp_input,
                        compute_dtype=args.compute_dtype, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, eval_doublings=args.eval_doublings)
 
@@ -82,9 +84,15 @@ def cmd_train(args) -> int:
         + (f"; {ranks.world} processes, each {args.batch // ranks.world}+ sequences of every batch" if ranks.world > 1 else ""))
 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    head, coverage = new_head(target, name, args.kind, train, eos, args.experts, args.intermediate_size, args.layers,
-                              args.mlp_heads, args.mlp_blocks, args.draft_vocab, args.seed, args.init_from_target,
-                              args.init_from)
+    if args.kind == "eagle3":
+        if args.init_from or args.init_from_target:
+            raise ValueError("--init-from and --init-from-target start EAGLE-1/2, Jakiro and Gumiho heads, not eagle3")
+        head, coverage = new_eagle3_head(target, name, train, eos, args.draft_vocab, args.seed, args.intermediate_size or 0,
+                                         args.feature_layers or ())
+    else:
+        head, coverage = new_head(target, name, args.kind, train, eos, args.experts, args.intermediate_size, args.layers,
+                                  args.mlp_heads, args.mlp_blocks, args.draft_vocab, args.seed, args.init_from_target,
+                                  args.init_from)
     if args.draft_vocab:
         say(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens")
     if main:  # room for the checkpoints (fp32 weights and two Adam moments, the previous one kept) and the head
@@ -92,9 +100,13 @@ def cmd_train(args) -> int:
         checkpoint_bytes = 3 * 4 * params if args.checkpoint_every else 0
         atomic.check_output_dir(out, 3 * checkpoint_bytes + 2 * 4 * params, "the checkpoints and the head")
     cfg = train_config(args)
-    if cfg.w_token or cfg.w_token2:  # the token loss's labels, computed once (and cached for a corpus)
+    if cfg.w_token or cfg.w_token2 or args.kind == "eagle3":  # the token loss's labels, computed once (cached for a corpus)
         activity.now = "computing the target's distributions the token loss learns from"
+        # (An EAGLE-3 head's LM head is still the target's rows here: the labels are the target's.)
         attach_target_probs(data.examples, head, cfg.token_loss_top, data.feature_dir, progress=main, ranks=ranks)
+    if args.kind == "eagle3":
+        activity.now = "reading or computing the target layers' features an EAGLE-3 head reads"
+        use_layer_features(data, target, head.feature_layers, ranks)
     if cfg.minutes:
         say(f"training for {cfg.minutes:g} minutes (the steps are set from the first steps' speed)")
     bar = tqdm(total=cfg.total_steps(len(train)) or None, desc=f"train {args.kind}", unit="step", disable=not main)

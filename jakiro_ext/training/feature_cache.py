@@ -14,15 +14,18 @@ from jakiro_ext import atomic
 from jakiro_ext.paths import cache_root
 
 
-def feature_cache_dir(corpus_dir, dtype: torch.dtype = torch.float32) -> Path:
+def feature_cache_dir(corpus_dir, dtype: torch.dtype = torch.float32, layers: Sequence[int] = ()) -> Path:
     """Where the features of a token corpus are cached: $JAKIRO_CACHE/features/<corpus name>-<hash of
     its absolute path> (a cached shard also records its tokens, so a stale one is detected), with
-    a ``-bf16`` suffix for features the target computed in bf16 (kept apart from fp32's)."""
+    a ``-bf16`` suffix for features the target computed in bf16 (kept apart from fp32's) and, for
+    the residual streams entering some of its layers instead of its final hidden states (an
+    EAGLE-3 head's input), ``-l`` and their indices."""
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"features are computed in float32 or bfloat16, got {dtype}")
     corpus_dir = Path(corpus_dir).resolve()
     tag = hashlib.sha256(str(corpus_dir).encode()).hexdigest()[:10]
-    return cache_root() / "features" / f"{corpus_dir.name}-{tag}{'-bf16' if dtype == torch.bfloat16 else ''}"
+    suffix = ("-bf16" if dtype == torch.bfloat16 else "") + ("-l" + "-".join(map(str, layers)) if layers else "")
+    return cache_root() / "features" / f"{corpus_dir.name}-{tag}{suffix}"
 
 
 def save_feature_shard(path, sequences, features: Sequence[torch.Tensor]) -> None:

@@ -96,7 +96,7 @@ class Scored(NamedTuple):
 def scored_step(batch: Batch, step: DraftStep, s: int, ahead: int, probs: Optional[TopProbs] = None) -> Scored:
     """The rows of step s whose target lies ``ahead`` (1: the feature, 2: the contrastive
     feature) tokens past the row's input. ``probs``: the target's distribution at every position."""
-    return shifted_rows(batch, step.feature if ahead == 1 else step.contrastive_feature(), s + ahead, probs)
+    return shifted_rows(batch, step.for_lm_head if ahead == 1 else step.contrastive_feature(), s + ahead, probs)
 
 
 def shifted_rows(batch: Batch, pred: torch.Tensor, shift: int, probs: Optional[TopProbs] = None) -> Scored:

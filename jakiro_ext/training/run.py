@@ -13,13 +13,15 @@ import torch
 from jakiro_ext import atomic
 from jakiro_ext.models.heads.config import MOE_KINDS, DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from jakiro_ext.models.llama import LlamaModel
 from jakiro_ext.paths import cache_root
 from jakiro_ext.training.corpus import CORPUS_META
 from jakiro_ext.training.distributed import Ranks
 from jakiro_ext.training.examples import Example
 from jakiro_ext.training.feature_cache import feature_cache_dir
-from jakiro_ext.training.features import corpus_examples, uncached_feature_tokens
+from jakiro_ext.training import eagle3
+from jakiro_ext.training.features import corpus_examples, prefill_features, uncached_feature_tokens
 from jakiro_ext.training.settings import TrainConfig, compute_dtype
 from jakiro_ext.training.trainset import build_trainset, load_trainset, select_draft_vocab
 
@@ -119,6 +121,51 @@ def new_head(target: LlamaModel, target_name: str, kind: str, train: Sequence[Ex
                              "draft vocabulary size")
         head.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in start.state_dict().items()})
     return head.bind(target), coverage
+
+
+def new_eagle3_head(target: LlamaModel, target_name: str, train: Sequence[Example], eos: Sequence[int] = (),
+                    draft_vocab: int = 0, seed: int = 0, intermediate_size: int = 0,
+                    layers: Sequence[int] = ()) -> Tuple[Eagle3Head, float]:
+    """(an EAGLE-3 head to train, bound to ``target``; the share of the learned tokens its draft
+    vocabulary covers): the target's attention shape and MLP width (``intermediate_size`` if
+    given), reading the residual streams entering ``layers`` (default 2, L / 2, L - 3, as vLLM),
+    over the ``draft_vocab`` tokens most learned in ``train`` (and ``eos``; 0: the whole
+    vocabulary), its LM head started from the target's rows of them, the rest random."""
+    c = target.config
+    config = Eagle3Config(hidden_size=c.hidden_size, vocab_size=c.vocab_size, draft_vocab_size=draft_vocab or c.vocab_size,
+                          num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                          intermediate_size=intermediate_size or c.intermediate_size, rope_theta=c.rope_theta,
+                          rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings or 2048,
+                          feature_layers=list(layers or (2, c.num_layers // 2, c.num_layers - 3)), target=target_name)
+    head = eagle3.init_weights(Eagle3Head(config), seed)
+    ids, coverage = select_draft_vocab(train, draft_vocab, list(eos)) if draft_vocab else (torch.arange(c.vocab_size), 1.0)
+    head.draft_to_target.copy_(ids)
+    head.bind(target)
+    eagle3.init_lm_head(head, target.lm_head.weight.detach()[ids.to(target.lm_head.weight.device)])
+    return head, coverage
+
+
+def use_layer_features(data: TrainingData, target: LlamaModel, layers: Sequence[int], ranks: Ranks) -> None:
+    """Give every example the residual streams entering the target's ``layers`` as its features
+    ([n, 3H], an EAGLE-3 head's input) in place of the final hidden states (which its labels
+    came from: attach them first): a corpus's from their own cache (computed once), other
+    examples' by prefill."""
+    layers = tuple(layers)
+    if data.corpus:
+        feature_dir = feature_cache_dir(data.directory, data.feature_dtype, layers)
+        missing = uncached_feature_tokens(data.directory, feature_dir, data.meta["shards"], data.feature_dtype)
+        if missing and ranks.rank == 0:
+            atomic.check_output_dir(feature_dir, 2 * len(layers) * target.config.hidden_size * missing,
+                                    f"the features of layers {list(layers)} of {missing} corpus tokens")
+        layered, _ = corpus_examples(data.directory, target, progress=ranks.rank == 0, ranks=ranks,
+                                     shards=data.meta["shards"], dtype=data.feature_dtype, feature_layers=layers)
+        features = [ex.features for ex in layered]
+        if [ex.tokens.numel() for ex in layered] != [ex.tokens.numel() for ex in data.examples]:
+            raise ValueError(f"{data.directory}: its layers' features are of other sequences than its examples")
+    else:
+        features = prefill_features(target, [ex.tokens for ex in data.examples], feature_layers=layers)
+    for ex, f in zip(data.examples, features):
+        ex.features = f
 
 
 def training_summary(kind: str, target_name: str, data: TrainingData, train: Sequence[Example],

@@ -12,7 +12,7 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.head import Head
-from helpers import copy_head, prompt, random_head, tiny_target
+from helpers import copy_head, eagle3_reference, prompt, random_head, six_layer_target, tiny_target, write_eagle3
 
 TREE = TreeConfig(12, 3, 4)
 
@@ -289,76 +289,6 @@ def test_a_transformers_model_is_a_target(tmp_path):
 
 
 # ----------------------------------------------------------------------------- EAGLE-3
-def six_layer_target():
-    """A transformers Llama deep enough for EAGLE-3's default layers (2, L / 2, L - 3 = 2, 3, 3)."""
-    import transformers
-
-    torch.manual_seed(5)
-    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def write_eagle3(path, vocab=211, H=64, draft_ids=None, layers=None, seed=0, dtype=torch.float16):
-    """A checkpoint as EAGLE-3 / SpecForge save it: midlayer.* with q/k/v over 2H, fc [H, 3H] without
-    bias, norm, lm_head over the draft vocabulary, d2t (draft id -> offset to the target id) and
-    t2d (target id -> in the draft vocabulary), a LlamaForCausalLMEagle3 config."""
-    g = torch.Generator().manual_seed(seed)
-    draft_ids = torch.arange(0, vocab, 3) if draft_ids is None else draft_ids
-    Vd, heads, kv, hd, inner = draft_ids.numel(), 4, 2, 16, 96
-
-    def w(*shape, std=0.2):
-        return (torch.randn(shape, generator=g) * std).to(dtype)
-    state = {"fc.weight": w(H, 3 * H, std=0.05), "norm.weight": 1 + w(H, std=0.1), "lm_head.weight": w(Vd, H),
-             "midlayer.hidden_norm.weight": 1 + w(H, std=0.1), "midlayer.input_layernorm.weight": 1 + w(H, std=0.1),
-             "midlayer.post_attention_layernorm.weight": 1 + w(H, std=0.1),
-             "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * H), "midlayer.self_attn.k_proj.weight": w(kv * hd, 2 * H),
-             "midlayer.self_attn.v_proj.weight": w(kv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": w(H, heads * hd),
-             "midlayer.mlp.gate_proj.weight": w(inner, H), "midlayer.mlp.up_proj.weight": w(inner, H),
-             "midlayer.mlp.down_proj.weight": w(H, inner),
-             "d2t": draft_ids - torch.arange(Vd), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, draft_ids[draft_ids < vocab], True)}
-    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
-              "hidden_size": H, "intermediate_size": inner, "num_attention_heads": heads, "num_key_value_heads": kv,
-              "num_hidden_layers": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": vocab,
-              "draft_vocab_size": Vd, "max_position_embeddings": 2048, "torch_dtype": "float16"}
-    if layers is not None:
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": layers}
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(state, str(path / "model.safetensors"))
-    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
-
-
-def eagle3_reference(state, embed, tokens, aux, eps=1e-6, theta=10000.0, heads=4, kv=2, hd=16, own=None):
-    """EAGLE-3's layer in plain PyTorch over a whole sequence (causal), from the checkpoint's own
-    names: (the output fed to the next step, the logits over the draft vocabulary). ``own``: the
-    head's own outputs [k, H] fed to the last k rows (drafted rows), after the target's layers."""
-    def rms(x, weight):
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    T = tokens.numel()
-    h = aux @ state["fc.weight"].T
-    if own is not None:
-        h = torch.cat([h, own])
-    x = torch.cat([rms(embed[tokens], state["midlayer.input_layernorm.weight"]),
-                   rms(h, state["midlayer.hidden_norm.weight"])], -1)
-    q = (x @ state["midlayer.self_attn.q_proj.weight"].T).view(T, heads, hd)
-    k = (x @ state["midlayer.self_attn.k_proj.weight"].T).view(T, kv, hd)
-    v = (x @ state["midlayer.self_attn.v_proj.weight"].T).view(T, kv, hd)
-    inv = 1.0 / theta ** (torch.arange(0, hd, 2).float() / hd)
-    ang = torch.arange(T).float()[:, None] * inv
-    cos, sin = torch.cat([ang.cos(), ang.cos()], -1)[:, None], torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-    rot = lambda t: t * cos + torch.cat([-t[..., hd // 2:], t[..., :hd // 2]], -1) * sin  # noqa: E731
-    q, k = rot(q), rot(k).repeat_interleave(heads // kv, 1)
-    scores = torch.einsum("thd,shd->hts", q, k) / hd ** 0.5
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v.repeat_interleave(heads // kv, 1)).reshape(T, -1)
-    u = h + attn @ state["midlayer.self_attn.o_proj.weight"].T
-    n = rms(u, state["midlayer.post_attention_layernorm.weight"])
-    gate, up = n @ state["midlayer.mlp.gate_proj.weight"].T, n @ state["midlayer.mlp.up_proj.weight"].T
-    out = u + (torch.nn.functional.silu(gate) * up) @ state["midlayer.mlp.down_proj.weight"].T
-    return out, rms(out, state["norm.weight"]) @ state["lm_head.weight"].T
-
-
 def test_eagle3_heads_load_read_three_target_layers_and_decode_losslessly(tmp_path):
     from jakiro_ext.models.heads.eagle3 import Eagle3Head
     from jakiro_ext.models.llama import as_target

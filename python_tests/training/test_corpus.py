@@ -238,6 +238,29 @@ def test_corpus_train_calibrate_commands(tmp_path):
                  *common]) == 0
     assert json.loads((tmp_path / "phase3" / "training.json").read_text())["data"]["feature_dtype"] == "bfloat16"
     assert torch.equal(DraftHead.load(tmp_path / "phase3").draft_to_target, DraftHead.load(head_dir).draft_to_target)
+    # An EAGLE-3 head on the same corpus: the target's layers 2, 15 and 27 read (their features
+    # cached apart), the token loss over 2 unrolled steps, saved in EAGLE-3's released format
+    # with its acceptance profile, read back, lossless.
+    from jakiro_ext.models.heads.eagle3 import Eagle3Head
+    from jakiro_ext.training.feature_cache import feature_cache_dir
+
+    e3 = tmp_path / "eagle3"
+    assert main(["train", "--kind", "eagle3", "--out", str(e3), "--data", str(corpus), "--steps", "3",
+                 "--warmup-steps", "1", "--batch", "2", "--draft-vocab", "256", "--eval-every-nth", "2",
+                 "--checkpoint-every", "0"]) == 0
+    config = json.loads((e3 / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 256
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert config["max_position_embeddings"] == target.config.max_position_embeddings
+    trained = json.loads((e3 / "training.json").read_text())
+    assert trained["train"]["ttt_steps"] == 2 and set(trained["final_eval"]) == {f"eval_acc{s}" for s in range(1, 5)}
+    assert (feature_cache_dir(corpus, torch.float32, (2, 15, 27)) / "shard-00000.safetensors").is_file()
+    head3 = DraftHead.load(e3, target)
+    assert isinstance(head3, Eagle3Head) and head3.feature_layers == (2, 15, 27)
+    assert len(head3.acceptance["depth_rank"]) == 6 and head3.acceptance["positions"] > 0
+    assert speculative_generate(target, head3, ids, 12).token_ids == speculative_generate(target, None, ids, 12).token_ids
+    assert main(["train", "--kind", "eagle3", "--out", str(tmp_path / "no"), "--data", str(corpus), "--steps", "1",
+                 "--init-from", str(e3)]) == 2
 
 
 def test_continuing_a_head_on_other_data_keeps_its_draft_vocabulary(tmp_path, default):

@@ -19,6 +19,7 @@ Checkpoint keys: ``fc.weight``, ``midlayer.{hidden_norm,input_layernorm,post_att
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext.kv_cache import KVCache
-from jakiro_ext.models.heads.config import DraftConfig, write_head_files
+from jakiro_ext.models.heads.config import ACCEPTANCE_FILE, DraftConfig, write_head_files
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.head import check_target_shapes, load_checked_state, new_head_cache
 from jakiro_ext.models.heads.formats import (ATTENTION, MLP, HeadFormat, check_layer_config, read_weights, register,
@@ -53,6 +54,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     feature_layers: List[int] = field(default_factory=list)  # empty: 2, L / 2, L - 3 of the target
+    max_position_embeddings: int = 2048  # (what the serving engines size the draft's positions by)
     num_experts: int = 0  # (a dense head: what the drafter asks of every head)
     target: str = ""
 
@@ -151,13 +153,15 @@ class Eagle3Head(nn.Module):
         heads = config.get("num_attention_heads")
         if not heads or config.get("vocab_size") is None:
             raise ValueError(f"{where}: config.json needs num_attention_heads and vocab_size")
-        aux = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or []
+        aux = ((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+               or config.get("eagle_aux_hidden_state_layer_ids") or [])
         c = Eagle3Config(hidden_size=H, vocab_size=config["vocab_size"], draft_vocab_size=lm_head.shape[0],
                          num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
                          head_dim=config.get("head_dim") or H // heads,
                          intermediate_size=need("midlayer.mlp.gate_proj.weight").shape[0],
                          rope_theta=float(config.get("rope_theta", 10000.0)),
-                         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), feature_layers=list(aux))
+                         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), feature_layers=list(aux),
+                         max_position_embeddings=int(config.get("max_position_embeddings") or 2048))
         declared = config.get("draft_vocab_size", c.draft_vocab_size)
         if declared != c.draft_vocab_size:
             raise ValueError(f"{where}: lm_head.weight has {c.draft_vocab_size} rows, config.json says "
@@ -193,10 +197,12 @@ class Eagle3Head(nn.Module):
                   "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
                   "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
                   "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+                  "max_position_embeddings": c.max_position_embeddings,
                   "rope_scaling": None, "vocab_size": c.vocab_size, "draft_vocab_size": c.draft_vocab_size,
                   "tie_word_embeddings": False}
-        if c.feature_layers:
+        if c.feature_layers:  # (vLLM reads them in eagle_config, SpecForge and llama.cpp's converter at the top)
             config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.feature_layers)}
+            config["eagle_aux_hidden_state_layer_ids"] = list(c.feature_layers)
         mine = self.state_dict()
         state = {"fc.weight": mine["fc.weight"], "norm.weight": mine["norm.weight"], "lm_head.weight": mine["lm_head.weight"]}
         for name in ("hidden_norm", "input_layernorm", "post_attention_layernorm"):
@@ -215,7 +221,10 @@ class Eagle3Head(nn.Module):
         (and ``extra_files``), the directory replaced atomically."""
         if format != "eagle3":
             raise ValueError(f"an EAGLE-3 head is saved in the eagle3 format, got format={format!r}")
-        write_head_files(path, *self.released_files(), dtype, {"kind": "eagle3", **(metadata or {})}, extra_files)
+        extra = dict(extra_files or {})
+        if self.acceptance is not None:  # (this package's tree choice reads it; the serving engines ignore it)
+            extra[ACCEPTANCE_FILE] = json.dumps(self.acceptance, indent=1) + "\n"
+        write_head_files(path, *self.released_files(), dtype, {"kind": "eagle3", **(metadata or {})}, extra)
 
 
 def _read_eagle3(cls, path: Path, config: dict, fits, weights=None) -> Eagle3Head:

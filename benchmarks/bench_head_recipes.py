@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from common import CLI_CWD, RESULTS, write_csv
+from common import CLI_CWD, RESULTS, save_figure, write_csv
 
 TTT = ["--ttt-steps", "1"]
 # name: (kind, [(fraction of the budget, extra train options, starts from the previous phase)])
@@ -167,6 +167,29 @@ def main():
     write_csv(os.path.join(RESULTS, f"head_recipes{args.tag}.csv"), rows, list(dict.fromkeys(k for r in rows for k in r)))
     write_csv(os.path.join(RESULTS, f"head_recipes_curves{args.tag}.csv"), curves,
               list(dict.fromkeys(k for r in curves for k in r)))
+    chart(curves, os.path.join(RESULTS, f"head_recipes_curves{args.tag}.png"))
+
+
+def chart(curves, path):
+    """Held-out acc1..acc4 against the tokens seen, a line per variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.8), sharex=True)
+    for name in dict.fromkeys(r["variant"] for r in curves):
+        pts = sorted((r["tokens_seen"], r) for r in curves if r["variant"] == name)
+        for depth, ax in enumerate(axes, 1):
+            ys = [(t / 1e6, r.get(f"acc{depth}")) for t, r in pts if r.get(f"acc{depth}") is not None]
+            ax.plot([x for x, _ in ys], [y for _, y in ys], marker="o", ms=3, label=name)
+    for depth, ax in enumerate(axes, 1):
+        ax.set_title(f"held-out acc{depth}")
+        ax.set_xlabel("tokens seen (M)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

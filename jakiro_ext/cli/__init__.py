@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--intermediate-size", type=int, help="expert width (Jakiro; default: the target's MLP width / N) "
                                                          "or MLP width (EAGLE-2, EAGLE-3; default: the target's)")
     p.add_argument("--feature-layers", type=int, nargs=3, help="EAGLE-3: the target's layers whose input it reads "
-                                                              "(default 2, L / 2, L - 3)")
+                                                              "(default 2, L / 2, L - 3; L: the stream after the last "
+                                                              "layer, this package's own: L L L reads the top alone)")
     p.add_argument("--layers", type=int, help="Gumiho: serial decoder layers (default 2, as released)")
     p.add_argument("--mlp-heads", type=int, default=2, help="Gumiho: parallel MLP heads (each drafts one tree layer)")
     p.add_argument("--mlp-blocks", type=int, default=5, help="Gumiho: residual blocks of each MLP head")

@@ -205,7 +205,8 @@ class LlamaModel(nn.Module):
             default 0..T-1 (a chain).
         last_logits_only : compute the logits of the last token only (a prompt's prefill).
         feature_layers : return, instead of the final hidden states, the residual streams entering
-            these layers, concatenated [B, T, len * H] (an EAGLE-3 head's input).
+            these layers, concatenated [B, T, len * H] (an EAGLE-3 head's input); L, the number of
+            layers: the stream after the last one, before the final norm.
         weights : what the forward reads of the weights (:meth:`prepare`, made once for many
             forwards); default: prepared for this forward.
 
@@ -289,8 +290,8 @@ class LlamaModel(nn.Module):
                 streams.append((i, delta if residual is None else residual + delta))
             residual, delta = layer.run(residual, delta, cos, sin, layer_kv, cache.lengths, tree_mask,
                                         None if streamed is None else streamed[i])
-        normed, _ = self.norm.add_and_norm(delta, residual)
-        found = dict(streams)
+        normed, top = self.norm.add_and_norm(delta, residual)
+        found = dict(streams + [(len(self.layers), top)])  # (L: the stream after the last layer, before the norm)
         return normed, torch.cat([found[i] for i in feature_layers], -1)
 
     def _layer_weights(self, streamed: Optional[list] = None) -> tuple:

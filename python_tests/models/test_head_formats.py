@@ -368,13 +368,14 @@ def test_eagle3_tree_drafts_are_the_layers_top_candidates(tmp_path):
 def test_eagle3_heads_that_do_not_fit_are_clear_errors(tmp_path):
     hf = six_layer_target()
     write_eagle3(tmp_path / "layers", layers=[2, 3, 9])
-    with pytest.raises(ValueError, match=r"reads three of the target's 6 layers, got feature layers \[2, 3, 9\]"):
+    with pytest.raises(ValueError, match=r"entering three of the target's 6 layers \(0..6, 6: after the last\), got "
+                                         r"feature layers \[2, 3, 9\]"):
         DraftHead.load(tmp_path / "layers", hf)
     write_eagle3(tmp_path / "d2t", draft_ids=torch.tensor([0, 5, 300]))
     with pytest.raises(ValueError, match=r"d2t maps draft tokens outside the target's vocabulary \[0, 211\)"):
         DraftHead.load(tmp_path / "d2t", hf)
     write_eagle3(tmp_path / "shallow")  # default layers 2, 1, -1 of a 2-layer target
-    with pytest.raises(ValueError, match=r"reads three of the target's 2 layers"):
+    with pytest.raises(ValueError, match=r"entering three of the target's 2 layers"):
         DraftHead.load(tmp_path / "shallow", tiny_target())
 
 

@@ -122,3 +122,21 @@ def test_a_short_run_learns_the_targets_next_tokens(tmp_path):
     assert after["acc1"] > before["acc1"] + 0.2 and after["acc2"] > before["acc2"], (before, after)
     with pytest.raises(ValueError, match=r"must be \[211, 64\]"):
         eagle3.init_lm_head(head, target.lm_head.weight.detach()[:5])
+
+
+def test_layer_l_is_the_stream_after_the_last_layer(setup):
+    """Feature layer L (the target's number of layers): the residual stream after its last layer,
+    before the final norm, so that the same EAGLE-3 head can read the top feature alone (layers
+    L, L, L: the ablation of the three-layer fusion at equal parameters)."""
+    target, head, _ = setup
+    L = target.config.num_layers
+    ids = prompt(12, seed=3)
+    _, top = target(ids.unsqueeze(0), target.new_cache(1, ids.numel()), feature_layers=(L,))
+    _, final = target(ids.unsqueeze(0), target.new_cache(1, ids.numel()), last_logits_only=True)
+    torch.testing.assert_close(target.norm(top), final, atol=1e-5, rtol=1e-5)
+    _, both = target(ids.unsqueeze(0), target.new_cache(1, ids.numel()), feature_layers=(2, L, L))
+    torch.testing.assert_close(both[..., 64:], torch.cat([top, top], -1), atol=0, rtol=0)
+    head.check_target(target)  # (its layers 2, 3, 5 of 6)
+    with pytest.raises(ValueError, match=r"\(0..6, 6: after the last\), got feature layers \[2, 3, 7\]"):
+        type(head)(type(head.config)(**{**head.config.__dict__, "feature_layers": [2, 3, 7]})).check_target(target)
+

@@ -105,8 +105,9 @@ class Eagle3Head(nn.Module):
         check_target_shapes(self.config, target)
         layers = target.config.num_layers
         wanted = self.config.feature_layers or [2, layers // 2, layers - 3]
-        if len(wanted) != 3 or not all(0 <= i < layers for i in wanted):
-            raise ValueError(f"an EAGLE-3 head reads three of the target's {layers} layers, got feature layers {wanted}")
+        if len(wanted) != 3 or not all(0 <= i <= layers for i in wanted):  # (L: after the last layer, this package's)
+            raise ValueError(f"an EAGLE-3 head reads the streams entering three of the target's {layers} layers "
+                             f"(0..{layers}, {layers}: after the last), got feature layers {wanted}")
 
     def bind(self, target) -> "Eagle3Head":
         """Share the target's embedding; the head keeps its own LM head."""

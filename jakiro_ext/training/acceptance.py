@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from jakiro_ext.models.heads.eagle3 import Eagle3Head
-from jakiro_ext.training import eagle3
 from jakiro_ext.training.examples import collate
 from jakiro_ext.training.loss import MLP_FIRST_DEPTH, mlp_features, scored_step, shifted_rows, unroll
 
@@ -39,7 +37,7 @@ def acceptance_profile(head, examples, max_seq_len: int = 512, depth: int = 6, r
     for i in range(0, len(examples), batch_sequences):
         b = collate(examples[i: i + batch_sequences], max_seq_len).to(head.fc.weight.device)
         steps = []
-        for s, step in (eagle3.unroll if isinstance(head, Eagle3Head) else unroll)(head, b, depth):
+        for s, step in unroll(head, b, depth):
             steps.append(step)
             add(hits, counts, s, scored_step(b, step, s, 1))
             if step.expert_out is not None:

@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.eagle3 import Eagle3Head
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.profiling import scope
+from jakiro_ext.training import eagle3
 from jakiro_ext.training.distributed import Ranks
 from jakiro_ext.training.head_forward import train_forward
 from jakiro_ext.training.examples import Batch, Example, TopProbs, collate
@@ -44,8 +46,9 @@ def _branch_loss(head: DraftHead, rows: "Scored", w_feature: float, w_token: flo
     pred, want, next_tokens = rows.pred[mask], rows.want[mask], rows.tokens[mask]
     if pred.shape[0] == 0:
         return pred.sum() * 0.0, 0, 0
-    with scope("feature loss"):
-        loss = w_feature * F.smooth_l1_loss(pred.float(), want, reduction="sum") / (total * pred.shape[-1])
+    with scope("feature loss"):  # (none for a head whose features are its own: EAGLE-3's)
+        loss = (w_feature * F.smooth_l1_loss(pred.float(), want, reduction="sum") / (total * pred.shape[-1])
+                if w_feature else pred.new_zeros((), dtype=torch.float32))
     with scope("lm head+token loss"):
         logits = (pred.to(lm_head.dtype) @ lm_head.T).float()  # (a bf16 argmax is ~10x slower than fp32's)
         if w_token:  # soft cross entropy against the target's top tokens: -sum p_j log q_j
@@ -66,11 +69,12 @@ def unroll(head: DraftHead, batch: Batch, steps: int, features: Optional[torch.T
     feats = batch.features[:, :-1] if features is None else features
     unrolled: list = []
     step = None
+    forward = eagle3.train_forward if isinstance(head, Eagle3Head) else train_forward
     for s in range(steps):
         if s == 0:
-            step = train_forward(head, tokens[:, 1:], feats, unrolled)
+            step = forward(head, tokens[:, 1:], feats, unrolled)
         else:  # the rows past the end get token 0; their outputs are never scored
-            step = train_forward(head, F.pad(tokens[:, s + 1:], (0, s)), step.feature, unrolled)
+            step = forward(head, F.pad(tokens[:, s + 1:], (0, s)), step.feature, unrolled)
         yield s, step
 
 
@@ -154,6 +158,8 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
     s's loss weighted by ``cfg.ttt_decay ** s`` (EAGLE-3's 0.8). ``noise`` [B, L - 1, H] is added
     to the input features; ``totals``: each term's rows in the whole batch when several processes
     split it (default: this batch's, :func:`scored_rows`)."""
+    if isinstance(head, Eagle3Head):
+        return _eagle3_batch_loss(head, batch, cfg, totals)
     feats = batch.features[:, :-1]
     if noise is not None:
         feats = feats + noise
@@ -196,6 +202,26 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
     return loss, metrics
 
 
+def _eagle3_batch_loss(head: Eagle3Head, batch: Batch, cfg: TrainConfig, totals: Optional[Dict[str, int]] = None):
+    """An EAGLE-3 head's loss (:mod:`.eagle3`): the token loss alone at every unrolled step
+    (weight ``cfg.ttt_decay ** s``), through its own LM head (trained), against the examples'
+    cached labels; no input noise (the unrolled steps feed it its own errors)."""
+    if batch.probs is None:
+        raise ValueError("an EAGLE-3 head learns from the target's distributions: attach them to the examples first "
+                         "(jakiro_ext.training.features.attach_target_probs, with its LM head still the target's rows)")
+    totals = totals or scored_rows(batch, cfg, False)
+    lm_head = head.lm_head.weight
+    device = batch.features.device.type
+    if torch.is_autocast_enabled(device):
+        lm_head = lm_head.to(torch.get_autocast_dtype(device))
+    loss, metrics = batch.features.new_zeros(()), {}
+    for s, step in unroll(head, batch, 1 + cfg.ttt_steps):
+        part, metrics[f"hits_acc{s + 1}"], _ = _branch_loss(head, scored_step(batch, step, s, 1, batch.probs), 0.0, 1.0,
+                                                             max(totals[f"acc{s + 1}"], 1), lm_head)
+        loss = loss + cfg.ttt_decay ** s * part
+    return loss, metrics
+
+
 def batch_noise(cfg: TrainConfig, step: int, rows: int, length: int, hidden: int,
                 device="cpu") -> Optional[torch.Tensor]:
     """Step ``step``'s uniform noise on the input features of a batch of ``rows`` sequences
@@ -230,7 +256,7 @@ def evaluate(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig, bat
 
     mine = list(examples)[ranks.rank::ranks.world]
     device = head.fc.weight.device
-    mlp_heads = head.config.num_mlp_heads
+    mlp_heads = getattr(head.config, "num_mlp_heads", 0)  # (an EAGLE-3 head's config has none)
     for i in range(0, len(mine), batch_sequences):
         b = collate(mine[i: i + batch_sequences], cfg.max_seq_len).to(device)
         unrolled = []

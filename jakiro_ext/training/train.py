@@ -16,7 +16,6 @@ from jakiro_ext import atomic
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.eagle3 import Eagle3Head
 from jakiro_ext.profiling import scope
-from jakiro_ext.training import eagle3
 from jakiro_ext.training.distributed import Ranks
 from jakiro_ext.training.examples import Batch, Example, batch_length, collate
 from jakiro_ext.training.loss import batch_loss, batch_noise, evaluate, scored_rows
@@ -53,22 +52,7 @@ class _HeadLoss(torch.nn.Module):
         self.head = head
 
     def forward(self, batch: Batch, cfg: TrainConfig, noise: Optional[torch.Tensor], totals: Dict[str, int]):
-        if isinstance(self.head, Eagle3Head):
-            return eagle3.batch_loss(self.head, batch, cfg, totals)
         return batch_loss(self.head, batch, cfg, noise, totals)
-
-
-def _scored_rows(head, batch: Batch, cfg: TrainConfig) -> Dict[str, int]:
-    """How many rows each of the head's loss terms scores in ``batch``."""
-    if isinstance(head, Eagle3Head):
-        return eagle3.scored_rows(batch, 1 + cfg.ttt_steps)
-    return scored_rows(batch, cfg, head.config.num_experts > 0, head.config.num_mlp_heads)
-
-
-def _evaluate(head, examples: Sequence[Example], cfg: TrainConfig, ranks: Ranks) -> Dict[str, float]:
-    if isinstance(head, Eagle3Head):
-        return eagle3.evaluate(head, examples, cfg, ranks=ranks)
-    return evaluate(head, examples, cfg, ranks=ranks)
 
 
 def doubling(first: int, tokens: int) -> int:
@@ -238,7 +222,8 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
                 # (An EAGLE-3 head's input gets no noise: the training-time test feeds it its own errors.)
                 noise = None if isinstance(head, Eagle3Head) else batch_noise(cfg, step, len(chosen), length,
                                                                               batch.features.shape[-1], device)
-            rows = {k: 0 if idle else n for k, n in _scored_rows(head, batch, cfg).items()}
+            rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
+                                                                getattr(head.config, "num_mlp_heads", 0)).items()}
             names = sorted(rows)
             totals = dict(zip(names, (int(n) for n in ranks.sum([rows[k] for k in names]))))
             with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -263,7 +248,7 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
             if eval_examples and ((cfg.eval_every and step % cfg.eval_every == 0) or last
                                   or doubling(cfg.eval_doublings, seen) > doubling(cfg.eval_doublings, seen_before)):
                 t_eval = time.perf_counter()
-                record.update({"eval_" + k: v for k, v in _evaluate(head, eval_examples, cfg, ranks).items()})
+                record.update({"eval_" + k: v for k, v in evaluate(head, eval_examples, cfg, ranks=ranks).items()})
                 if cfg.minutes and window is not None:
                     window = (window[0], window[1], window[2] + time.perf_counter() - t_eval)
             if on_step and ranks.rank == 0:

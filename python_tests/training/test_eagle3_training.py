@@ -10,6 +10,8 @@ from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.llama import as_target
 from jakiro_ext.training import eagle3
 from jakiro_ext.training.examples import Example, collate
+from jakiro_ext.training.features import attach_target_probs
+from jakiro_ext.training.loss import batch_loss, evaluate, scored_rows, unroll
 from jakiro_ext.training.settings import TrainConfig
 
 
@@ -50,13 +52,17 @@ def test_the_training_forward_is_eagle3s_layer_at_every_unrolled_step(setup):
 
 
 def examples_of(target, head, seqs):
-    """Examples with the labels from the final hidden states, then the three layers as features."""
+    """Examples with the labels from the final hidden states (the target's distribution over the
+    head's draft vocabulary: a head whose LM head is still the target's rows gives them, as in
+    ``train``), then the three layers as features."""
     out = []
     for ids in seqs:
         _, final = target(ids.unsqueeze(0), target.new_cache(1, ids.numel()), last_logits_only=True)
         out.append(Example(ids, final[0], torch.ones_like(ids, dtype=torch.bool)))
-    rows = target.lm_head.weight.detach()[head.draft_to_target]
-    eagle3.attach_labels(out, rows, k=8)
+    labeller = eagle3.init_weights(type(head)(head.config)).bind(target)
+    labeller.draft_to_target.copy_(head.draft_to_target)
+    eagle3.init_lm_head(labeller, target.lm_head.weight.detach()[head.draft_to_target])
+    attach_target_probs(out, labeller, 8, progress=False)
     for ex, ids in zip(out, seqs):
         ex.features = layers_of(target, head, ids)
     return out
@@ -71,22 +77,20 @@ def test_the_loss_is_the_cross_entropy_against_the_targets_distribution(setup):
     batch = collate(examples, 64)
     cfg = TrainConfig(ttt_steps=1, ttt_decay=0.5)
     with torch.no_grad():
-        loss, metrics = eagle3.batch_loss(head, batch, cfg)
+        loss, metrics = batch_loss(head, batch, cfg)
     # By hand: each step's rows with a next token, -sum p log q over the kept top tokens.
-    want, steps = 0.0, list(eagle3.unroll(head, batch, 2))
+    want, steps = 0.0, list(unroll(head, batch, 2))
     for s, step in steps:
         for b, ex in enumerate(examples):
             L = ex.tokens.numel()
             for i in range(L - s - 2):
                 q = torch.log_softmax(step.for_lm_head[b, i] @ head.lm_head.weight.T, -1)
                 p = ex.top_probs.probs[i + s + 1].float()
-                want += 0.5 ** s * -(p * q[ex.top_probs.ids[i + s + 1]]).sum() / eagle3.scored_rows(batch, 2)[f"acc{s + 1}"]
+                want += 0.5 ** s * -(p * q[ex.top_probs.ids[i + s + 1].long()]).sum() / scored_rows(batch, cfg, False)[f"acc{s + 1}"]
     torch.testing.assert_close(loss, torch.as_tensor(want, dtype=loss.dtype), atol=1e-4, rtol=1e-4)
     assert set(metrics) == {"hits_acc1", "hits_acc2"}
     with pytest.raises(ValueError, match="attach them to the examples first"):
-        eagle3.batch_loss(head, collate([Example(e.tokens, e.features, e.loss_mask) for e in examples], 64), cfg)
-    with pytest.raises(ValueError, match=r"labels come from the final hidden states \[n, 64\]"):
-        eagle3.attach_labels(examples[:1], target.lm_head.weight.detach()[head.draft_to_target], k=8)
+        batch_loss(head, collate([Example(e.tokens, e.features, e.loss_mask) for e in examples], 64), cfg)
 
 
 def test_a_short_run_learns_the_targets_next_tokens(tmp_path):
@@ -107,17 +111,17 @@ def test_a_short_run_learns_the_targets_next_tokens(tmp_path):
     head = eagle3.init_weights(type(like)(like.config), seed=1).bind(target)
     eagle3.init_lm_head(head, target.lm_head.weight.detach())
     cfg = TrainConfig(ttt_steps=1)
-    before = eagle3.evaluate(head, examples, cfg, steps=2)
+    before = evaluate(head, examples, cfg, steps=2)
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
     batch = collate(examples, 64)
     losses = []
     for _ in range(40):
-        loss, _ = eagle3.batch_loss(head, batch, cfg)
+        loss, _ = batch_loss(head, batch, cfg)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    after = eagle3.evaluate(head, examples, cfg, steps=2)
+    after = evaluate(head, examples, cfg, steps=2)
     assert losses[-1] < 0.7 * losses[0], losses[::10]  # (its floor: the labels' own entropy)
     assert after["acc1"] > before["acc1"] + 0.2 and after["acc2"] > before["acc2"], (before, after)
     with pytest.raises(ValueError, match=r"must be \[211, 64\]"):

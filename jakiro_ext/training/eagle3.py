@@ -13,7 +13,6 @@ the other heads' (:mod:`jakiro_ext.training.loss`): this module is the head's di
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

@@ -53,6 +53,13 @@ VARIANTS = {
     "jakiro_2x576": ("jakiro", [(1.0, ["--experts", "2", "--intermediate-size", "576"], False)]),
     "jakiro_4x576": ("jakiro", [(1.0, ["--experts", "4", "--intermediate-size", "576"], False)]),
     "jakiro_contrastive_1": ("jakiro", [(1.0, ["--w-feature2", "1", "--w-token2", "0.1"], False)]),
+    # EAGLE-3: the target's layers 2, L / 2 and L - 3 fused, the training-time test (2 steps), the
+    # token loss alone, its own LM head; and the same head reading the top feature alone
+    "eagle3": ("eagle3", [(1.0, [], False)]),
+    "eagle3_top": ("eagle3", [(1.0, ["--feature-layers", "30", "30", "30"], False)]),
+    # EAGLE-2's and Jakiro's (paper-shape) layers on the same fused features, trained as EAGLE-3 is
+    "eagle2_fused": ("eagle2", [(1.0, ["--fused"], False)]),
+    "jakiro_2x576_fused": ("jakiro", [(1.0, ["--fused", "--experts", "2", "--intermediate-size", "576"], False)]),
 }
 
 
@@ -64,13 +71,14 @@ def expected_rates(names, out_dir):
     from jakiro_ext.cli.common import load_target
     from jakiro_ext.models.heads.draft_head import DraftHead
     from jakiro_ext.engine.tree_cost import choose_tree, load_costs
+    from jakiro_ext.methods import method_for_head
 
     torch.set_num_threads(2)
     target, _, _ = load_target("float32", "cpu", None)
     rates = {}
     for name in names:
         head = DraftHead.load(os.path.join(out_dir, name), target)
-        method = head.config.kind
+        method = method_for_head(head.config.kind).name
         costs = load_costs(target, head, method)
         tree, rows = choose_tree(costs, head.acceptance, method)
         plain = 1.0 / costs["verify"]["1"]

@@ -114,9 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=8, help="Jakiro: number of experts N (8 of the MLP width / 8 beat 4 of / 4 at equal CPU time: docs/training.md)")
     p.add_argument("--intermediate-size", type=int, help="expert width (Jakiro; default: the target's MLP width / N) "
                                                          "or MLP width (EAGLE-2, EAGLE-3; default: the target's)")
-    p.add_argument("--feature-layers", type=int, nargs=3, help="EAGLE-3: the target's layers whose input it reads "
-                                                              "(default 2, L / 2, L - 3; L: the stream after the last "
-                                                              "layer, this package's own: L L L reads the top alone)")
+    p.add_argument("--fused", action="store_true", help="jakiro, eagle2: the head reads the target's layers "
+                   "--feature-layers fused (EAGLE-3's features) and trains as EAGLE-3 trains (the token loss alone "
+                   "over --ttt-steps unrolled steps, the contrastive branch at --w-token2 / --w-token of it), saved "
+                   "in this package's format")
+    p.add_argument("--feature-layers", type=int, nargs=3, help="eagle3, --fused: the target's layers whose input it "
+                                                              "reads (default 2, L / 2, L - 3; L: the stream after the "
+                                                              "last layer, this package's own: L L L reads the top alone)")
     p.add_argument("--layers", type=int, help="Gumiho: serial decoder layers (default 2, as released)")
     p.add_argument("--mlp-heads", type=int, default=2, help="Gumiho: parallel MLP heads (each drafts one tree layer)")
     p.add_argument("--mlp-blocks", type=int, default=5, help="Gumiho: residual blocks of each MLP head")
@@ -146,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "MoE head) and fc passing the feature through, instead of random weights")
     p.add_argument("--shards", type=int, help="with a token corpus: train on its first N shards (default: all)")
     p.add_argument("--ttt-steps", type=int, help="training-time test: also train the head on its own features this "
-                                                 "many steps deeper (default 2 for eagle3, else 0: off)")
+                                                 "many steps deeper (default 2 for eagle3 and --fused, else 0: off)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between held-out evaluations")
     p.add_argument("--eval-doublings", type=int, default=0, help="also evaluate when the tokens seen reach N, 2N, "
                                                                  "4N, ... (a scaling curve; 0: off)")

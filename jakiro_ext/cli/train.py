@@ -13,7 +13,7 @@ import torch
 from jakiro_ext import atomic
 from jakiro_ext.cli import common
 from jakiro_ext.cli.common import activity, set_threads
-from jakiro_ext.models.heads.config import TRAINING_FILE
+from jakiro_ext.models.heads.config import TRAINING_FILE, default_feature_layers
 from jakiro_ext.training.acceptance import acceptance_profile
 from jakiro_ext.training.distributed import init_distributed
 from jakiro_ext.training.features import attach_target_probs
@@ -27,10 +27,15 @@ def train_config(args) -> TrainConfig:
     return TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
                        batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
                        w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
-                       ttt_steps=args.ttt_steps if args.ttt_steps is not None else 2 if args.kind == "eagle3" else 0,
+                       ttt_steps=args.ttt_steps if args.ttt_steps is not None else 2 if reads_layers(args) else 0,
                        minutes=args.minutes, max_epochs=args.max_epochs, mlp_input=args.mlp_input,
                        compute_dtype=args.compute_dtype, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, eval_doublings=args.eval_doublings)
+
+
+def reads_layers(args) -> bool:
+    """Whether the head to train reads the target's layers fused (eagle3, or --fused)."""
+    return args.kind == "eagle3" or args.fused
 
 
 def held_out_summary(final_eval: dict, sequences: int) -> str:
@@ -84,6 +89,12 @@ def cmd_train(args) -> int:
         + (f"; {ranks.world} processes, each {args.batch // ranks.world}+ sequences of every batch" if ranks.world > 1 else ""))
 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if args.fused and args.kind not in ("eagle2", "jakiro"):
+        raise ValueError(f"--fused makes an eagle2 or jakiro head read the target's layers, got --kind {args.kind}"
+                         + (" (an eagle3 head always reads them)" if args.kind == "eagle3" else ""))
+    if args.feature_layers and not reads_layers(args):
+        raise ValueError(f"--feature-layers {args.feature_layers}: the layers an eagle3 or --fused head reads; "
+                         f"a {args.kind} head reads the final hidden state (add --fused)")
     if args.kind == "eagle3":
         if args.init_from or args.init_from_target:
             raise ValueError("--init-from and --init-from-target start EAGLE-1/2, Jakiro and Gumiho heads, not eagle3")
@@ -92,7 +103,8 @@ def cmd_train(args) -> int:
     else:
         head, coverage = new_head(target, name, args.kind, train, eos, args.experts, args.intermediate_size, args.layers,
                                   args.mlp_heads, args.mlp_blocks, args.draft_vocab, args.seed, args.init_from_target,
-                                  args.init_from)
+                                  args.init_from, (args.feature_layers or default_feature_layers(target.config.num_layers))
+                                  if args.fused else ())
     if args.draft_vocab:
         say(f"draft vocabulary: {args.draft_vocab} tokens cover {coverage:.2%} of the learned tokens")
     if main:  # room for the checkpoints (fp32 weights and two Adam moments, the previous one kept) and the head
@@ -100,12 +112,12 @@ def cmd_train(args) -> int:
         checkpoint_bytes = 3 * 4 * params if args.checkpoint_every else 0
         atomic.check_output_dir(out, 3 * checkpoint_bytes + 2 * 4 * params, "the checkpoints and the head")
     cfg = train_config(args)
-    if cfg.w_token or cfg.w_token2 or args.kind == "eagle3":  # the token loss's labels, computed once (cached for a corpus)
+    if cfg.w_token or cfg.w_token2 or reads_layers(args):  # the token loss's labels, computed once (cached for a corpus)
         activity.now = "computing the target's distributions the token loss learns from"
         # (An EAGLE-3 head's LM head is still the target's rows here: the labels are the target's.)
         attach_target_probs(data.examples, head, cfg.token_loss_top, data.feature_dir, progress=main, ranks=ranks)
-    if args.kind == "eagle3":
-        activity.now = "reading or computing the target layers' features an EAGLE-3 head reads"
+    if reads_layers(args):
+        activity.now = "reading or computing the target layers' features the head reads"
         use_layer_features(data, target, head.feature_layers, ranks)
     if cfg.minutes:
         say(f"training for {cfg.minutes:g} minutes (the steps are set from the first steps' speed)")

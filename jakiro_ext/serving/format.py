@@ -35,6 +35,9 @@ EXPERTS = ("router", "w_gate", "w_up", "w_down")
 def serving_files(head) -> Tuple[dict, Dict[str, torch.Tensor]]:
     """config.json and the tensors of a one-layer head (a DraftHead) in the serving format."""
     c = head.config
+    if c.feature_layers:
+        raise ValueError(f"the serving format holds heads reading the target's final hidden state; this one reads target "
+                         f"layers {c.feature_layers} fused: it is saved in this package's format (format='jakiro_ext')")
     if c.num_mlp_heads or c.num_layers > 1:
         raise ValueError(f"the serving format holds one-layer heads without MLP heads: this {c.kind} head has "
                          f"{c.num_layers} layers and {c.num_mlp_heads} MLP heads")

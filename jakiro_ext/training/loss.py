@@ -158,8 +158,8 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
     s's loss weighted by ``cfg.ttt_decay ** s`` (EAGLE-3's 0.8). ``noise`` [B, L - 1, H] is added
     to the input features; ``totals``: each term's rows in the whole batch when several processes
     split it (default: this batch's, :func:`scored_rows`)."""
-    if isinstance(head, Eagle3Head):
-        return _eagle3_batch_loss(head, batch, cfg, totals)
+    if reads_layers(head):
+        return _token_only_batch_loss(head, batch, cfg, totals)
     feats = batch.features[:, :-1]
     if noise is not None:
         feats = feats + noise
@@ -202,23 +202,37 @@ def batch_loss(head: DraftHead, batch: Batch, cfg: TrainConfig, noise: Optional[
     return loss, metrics
 
 
-def _eagle3_batch_loss(head: Eagle3Head, batch: Batch, cfg: TrainConfig, totals: Optional[Dict[str, int]] = None):
-    """An EAGLE-3 head's loss (:mod:`.eagle3`): the token loss alone at every unrolled step
-    (weight ``cfg.ttt_decay ** s``), through its own LM head (trained), against the examples'
-    cached labels; no input noise (the unrolled steps feed it its own errors)."""
+def reads_layers(head) -> bool:
+    """Whether the head reads the target's layers fused (an EAGLE-3 head, or a fused EAGLE-2 /
+    Jakiro head): it trains as EAGLE-3 trains (:func:`_token_only_batch_loss`), its examples'
+    features are those layers, not the final hidden states its loss would regress to."""
+    return isinstance(head, Eagle3Head) or bool(head.feature_layers)
+
+
+def _token_only_batch_loss(head, batch: Batch, cfg: TrainConfig, totals: Optional[Dict[str, int]] = None):
+    """The loss of a head on EAGLE-3's features (:func:`reads_layers`): the token loss alone at
+    every unrolled step (weight ``cfg.ttt_decay ** s``), against the examples' cached labels; a
+    Jakiro head's contrastive branch beside it at ``cfg.w_token2 / cfg.w_token`` of that (its
+    labels two tokens ahead); no input noise (the unrolled steps feed it its own errors). An
+    EAGLE-3 head's LM head is its own (trained), the others' the target's rows (frozen)."""
     if batch.probs is None:
-        raise ValueError("an EAGLE-3 head learns from the target's distributions: attach them to the examples first "
-                         "(jakiro_ext.training.features.attach_target_probs, with its LM head still the target's rows)")
-    totals = totals or scored_rows(batch, cfg, False)
-    lm_head = head.lm_head.weight
+        raise ValueError("a head on the target's layers learns from the target's distributions: attach them to the "
+                         "examples first (jakiro_ext.training.features.attach_target_probs, from the final hidden "
+                         "states, with an EAGLE-3 head's LM head still the target's rows)")
+    moe = bool(getattr(head.config, "num_experts", 0)) and bool(cfg.w_token2)
+    totals = totals or scored_rows(batch, cfg, moe)
+    lm_head = head.lm_head.weight if isinstance(head, Eagle3Head) else head.lm_head_weight
     device = batch.features.device.type
     if torch.is_autocast_enabled(device):
         lm_head = lm_head.to(torch.get_autocast_dtype(device))
     loss, metrics = batch.features.new_zeros(()), {}
+    branches = ((1, "", 1.0),) + (((2, "_contrastive", cfg.w_token2 / (cfg.w_token or 1.0)),) if moe else ())
     for s, step in unroll(head, batch, 1 + cfg.ttt_steps):
-        part, metrics[f"hits_acc{s + 1}"], _ = _branch_loss(head, scored_step(batch, step, s, 1, batch.probs), 0.0, 1.0,
-                                                             max(totals[f"acc{s + 1}"], 1), lm_head)
-        loss = loss + cfg.ttt_decay ** s * part
+        for ahead, suffix, weight in branches:
+            name = f"acc{s + ahead}{suffix}"
+            part, metrics[f"hits_{name}"], _ = _branch_loss(head, scored_step(batch, step, s, ahead, batch.probs), 0.0,
+                                                            1.0, max(totals[name], 1), lm_head)
+            loss = loss + cfg.ttt_decay ** s * weight * part
     return loss, metrics
 
 

@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from jakiro_ext import atomic
-from jakiro_ext.models.heads.config import MOE_KINDS, DraftConfig
+from jakiro_ext.models.heads.config import MOE_KINDS, DraftConfig, default_feature_layers
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.eagle3 import Eagle3Config, Eagle3Head
 from jakiro_ext.models.llama import LlamaModel
@@ -87,17 +87,18 @@ def read_training_data(data: Optional[str], target: LlamaModel, tokenizer, targe
 def new_head(target: LlamaModel, target_name: str, kind: str, train: Sequence[Example], eos: Sequence[int] = (),
              experts: int = 8, intermediate_size: int = 0, layers: int = 1, mlp_heads: int = 0, mlp_blocks: int = 0,
              draft_vocab: int = 0, seed: int = 0, init_from_target: bool = False,
-             init_from: Optional[str] = None) -> Tuple[DraftHead, float]:
+             init_from: Optional[str] = None, feature_layers: Sequence[int] = ()) -> Tuple[DraftHead, float]:
     """(the head to train, bound to ``target``; the share of the learned tokens its draft
     vocabulary covers). Default widths: a dense MLP as wide as the target's, N experts that
     together hold the same parameters (each target_intermediate / N wide), so both heads are the
     same size. A reduced draft vocabulary is the ``draft_vocab`` tokens most learned in ``train``
     (and ``eos``). ``init_from``: continue from a trained head of the same config, keeping its draft
-    vocabulary (the data may be other than the one it was trained on)."""
+    vocabulary (the data may be other than the one it was trained on). ``feature_layers``: a fused
+    head, reading those target layers (:class:`DraftHead`)."""
     width = intermediate_size or (target.config.intermediate_size // (experts if kind in MOE_KINDS else 1))
     config = DraftConfig.for_target(target.config, kind, num_experts=experts, intermediate_size=width,
                                     target_name=target_name, num_layers=layers, num_mlp_heads=mlp_heads,
-                                    mlp_blocks=mlp_blocks)
+                                    mlp_blocks=mlp_blocks, feature_layers=feature_layers)
     config.draft_vocab_size = draft_vocab
     head = DraftHead(config, init=False).init_weights(seed=seed)
     coverage = 1.0
@@ -136,7 +137,7 @@ def new_eagle3_head(target: LlamaModel, target_name: str, train: Sequence[Exampl
                           num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
                           intermediate_size=intermediate_size or c.intermediate_size, rope_theta=c.rope_theta,
                           rms_norm_eps=c.rms_norm_eps, max_position_embeddings=c.max_position_embeddings or 2048,
-                          feature_layers=list(layers or (2, c.num_layers // 2, c.num_layers - 3)), target=target_name)
+                          feature_layers=list(layers or default_feature_layers(c.num_layers)), target=target_name)
     head = eagle3.init_weights(Eagle3Head(config), seed)
     ids, coverage = select_draft_vocab(train, draft_vocab, list(eos)) if draft_vocab else (torch.arange(c.vocab_size), 1.0)
     head.draft_to_target.copy_(ids)

@@ -14,11 +14,10 @@ import torch
 
 from jakiro_ext import atomic
 from jakiro_ext.models.heads.draft_head import DraftHead
-from jakiro_ext.models.heads.eagle3 import Eagle3Head
 from jakiro_ext.profiling import scope
 from jakiro_ext.training.distributed import Ranks
 from jakiro_ext.training.examples import Batch, Example, batch_length, collate
-from jakiro_ext.training.loss import batch_loss, batch_noise, evaluate, scored_rows
+from jakiro_ext.training.loss import batch_loss, batch_noise, evaluate, reads_layers, scored_rows
 from jakiro_ext.training.settings import TrainConfig, compute_dtype
 
 # With a budget in minutes, the steps are set from the time of the first BUDGET_PROBE_STEPS (less
@@ -219,9 +218,9 @@ def train_head(head: DraftHead, examples: Sequence[Example], cfg: TrainConfig,
             share = share or [0]
             with scope("data"):
                 batch = collate([chosen[i] for i in share], cfg.max_seq_len, length).to(device)
-                # (An EAGLE-3 head's input gets no noise: the training-time test feeds it its own errors.)
-                noise = None if isinstance(head, Eagle3Head) else batch_noise(cfg, step, len(chosen), length,
-                                                                              batch.features.shape[-1], device)
+                # (A head on EAGLE-3's features gets no noise: the training-time test feeds it its own errors.)
+                noise = None if reads_layers(head) else batch_noise(cfg, step, len(chosen), length,
+                                                                    batch.features.shape[-1], device)
             rows = {k: 0 if idle else n for k, n in scored_rows(batch, cfg, head.config.num_experts > 0,
                                                                 getattr(head.config, "num_mlp_heads", 0)).items()}
             names = sorted(rows)

@@ -261,6 +261,20 @@ def test_corpus_train_calibrate_commands(tmp_path):
     assert speculative_generate(target, head3, ids, 12).token_ids == speculative_generate(target, None, ids, 12).token_ids
     assert main(["train", "--kind", "eagle3", "--out", str(tmp_path / "no"), "--data", str(corpus), "--steps", "1",
                  "--init-from", str(e3)]) == 2
+    # Jakiro's layer on the same features (--fused): their cache read, not made again; the token
+    # loss with its contrastive branch, unrolled; this package's format; lossless.
+    fused = tmp_path / "fused"
+    assert main(["train", "--kind", "jakiro", "--fused", "--experts", "2", "--intermediate-size", "64", "--out",
+                 str(fused), "--data", str(corpus), "--steps", "3", "--warmup-steps", "1", "--batch", "2",
+                 "--draft-vocab", "256", "--eval-every-nth", "2", "--checkpoint-every", "0"]) == 0
+    trained = json.loads((fused / "training.json").read_text())
+    assert trained["train"]["ttt_steps"] == 2 and "eval_acc2_contrastive" in trained["final_eval"]
+    head4 = DraftHead.load(fused, target)
+    assert head4.config.kind == "jakiro" and head4.feature_layers == (2, 15, 27)
+    assert speculative_generate(target, head4, ids, 12, method="jakiro").token_ids == \
+        speculative_generate(target, None, ids, 12).token_ids
+    for bad in (["--kind", "gumiho", "--fused"], ["--kind", "jakiro", "--feature-layers", "2", "3", "4"]):
+        assert main(["train", *bad, "--out", str(tmp_path / "no"), "--data", str(corpus), "--steps", "1"]) == 2
 
 
 def test_continuing_a_head_on_other_data_keeps_its_draft_vocabulary(tmp_path, default):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,11 @@ KINDS = ("eagle2", "jakiro", "gumiho", "jakiro_gumiho")  # jakiro_gumiho: Jakiro
 MOE_KINDS = ("jakiro", "jakiro_gumiho")  # the kinds with Jakiro's MoE layer
 MLP_HEAD_KINDS = ("gumiho", "jakiro_gumiho")  # the kinds with Gumiho's parallel MLP heads
 CONFIG_FILE = "config.json"
+
+
+def default_feature_layers(num_layers: int) -> tuple:
+    """The target layers whose input an EAGLE-3-style head reads by default: 2, L / 2 and L - 3 (vLLM's)."""
+    return 2, num_layers // 2, num_layers - 3
 
 
 WEIGHTS_FILE = "model.safetensors"
@@ -71,6 +76,9 @@ class DraftConfig:
     num_layers: int = 1  # serial decoder layers (more than one: dense feed-forward blocks only)
     num_mlp_heads: int = 0  # Gumiho's parallel MLP heads (0: none)
     mlp_blocks: int = 5  # residual blocks of each MLP head
+    # Empty: the head reads the target's final hidden state. Three layer ids: at a committed token
+    # it reads the streams entering those target layers, fused (``fuse``: 3H -> H, EAGLE-3's fc).
+    feature_layers: List[int] = field(default_factory=list)
 
     @property
     def kind(self) -> str:
@@ -81,14 +89,15 @@ class DraftConfig:
     @classmethod
     def for_target(cls, target, kind: str = "jakiro", num_experts: int = 8,
                    intermediate_size: Optional[int] = None, target_name: str = "", num_layers: Optional[int] = None,
-                   num_mlp_heads: int = 2, mlp_blocks: int = 5) -> "DraftConfig":
+                   num_mlp_heads: int = 2, mlp_blocks: int = 5, feature_layers: Sequence[int] = ()) -> "DraftConfig":
         """A head shaped for ``target``: its attention geometry; experts as wide as the hidden
         size (the released Jakiro recipe) or the target's MLP width for the dense head. A
         ``gumiho`` head has ``num_layers`` serial layers (default 2, as released) and
         ``num_mlp_heads`` MLP heads of ``mlp_blocks`` residual blocks; ``jakiro_gumiho`` the
         same MLP heads after one Jakiro MoE layer. ``target``: the engine's ``LlamaConfig`` or
         ``LlamaModel``, a transformers model or its config (``target_name`` then defaults to the
-        model's name)."""
+        model's name). ``feature_layers``: the three target layers a fused head reads (EAGLE-3's
+        features; a one-layer eagle2 or jakiro head)."""
         target = target_config(target)
         target_name = target_name or target.name
         if kind not in KINDS:
@@ -104,7 +113,7 @@ class DraftConfig:
                    num_experts=num_experts if moe else 0, rope_theta=target.rope_theta,
                    rms_norm_eps=target.rms_norm_eps, target=target_name,
                    num_layers=num_layers or (2 if kind == "gumiho" else 1), num_mlp_heads=num_mlp_heads if gumiho else 0,
-                   mlp_blocks=mlp_blocks)
+                   mlp_blocks=mlp_blocks, feature_layers=list(feature_layers))
 
     @classmethod
     def from_json(cls, file: Path) -> "DraftConfig":
@@ -119,16 +128,20 @@ class DraftConfig:
         unknown = set(raw) - set(known)
         if unknown:
             raise ValueError(f"{file}: unknown keys {sorted(unknown)} (expected a subset of {sorted(known)})")
-        missing = [name for name, f in known.items() if f.default is MISSING and name not in raw]
+        missing = [name for name, f in known.items()
+                   if f.default is MISSING and f.default_factory is MISSING and name not in raw]
         if missing:
             raise ValueError(f"{file}: missing keys {missing}")
         for name, value in raw.items():
             kind = known[name].type  # a string: the module uses postponed annotations
             ok = {"int": isinstance(value, int) and not isinstance(value, bool),
                   "float": isinstance(value, (int, float)) and not isinstance(value, bool),
-                  "bool": isinstance(value, bool), "str": isinstance(value, str)}[kind]
+                  "bool": isinstance(value, bool), "str": isinstance(value, str),
+                  "List[int]": isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                                               for v in value)}[kind]
             if not ok:
-                raise ValueError(f"{file}: {name} must be a JSON {kind}, got {value!r}")
+                raise ValueError(f"{file}: {name} must be a JSON {'list of ints' if kind == 'List[int]' else kind}, "
+                                 f"got {value!r}")
         config = cls(**raw)
         sizes = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
         problems = [f"{name} must be >= 1, got {getattr(config, name)}" for name in sizes if getattr(config, name) < 1]
@@ -139,6 +152,11 @@ class DraftConfig:
                             f"{config.num_layers} with num_experts {config.num_experts}")
         if config.num_mlp_heads < 0 or config.mlp_blocks < 0:
             problems.append(f"num_mlp_heads and mlp_blocks must be >= 0, got {config.num_mlp_heads}, {config.mlp_blocks}")
+        if config.feature_layers and (len(config.feature_layers) != 3 or min(config.feature_layers) < 0
+                                      or config.num_layers > 1 or config.num_mlp_heads):
+            problems.append(f"feature_layers must be empty or three target layer ids >= 0 of a one-layer head without "
+                            f"MLP heads, got {config.feature_layers} ({config.num_layers} layers, "
+                            f"{config.num_mlp_heads} MLP heads)")
         if not 0 <= config.draft_vocab_size <= config.vocab_size:
             problems.append(f"draft_vocab_size must be in [0, vocab_size {config.vocab_size}], got {config.draft_vocab_size}")
         if config.num_kv_heads >= 1 and config.num_heads % config.num_kv_heads:

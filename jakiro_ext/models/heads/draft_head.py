@@ -13,6 +13,12 @@ outputs of a draft leaf's parent and of the leaf itself, to the feature j + 1 to
 leaf, ``SiLU(W_in x + b)`` then ``mlp_blocks`` residual blocks ``h + SiLU(W h + b)``. All heads read
 the same input: one pass drafts every later layer of the tree.
 
+A fused head (``feature_layers``, three target layer ids) reads at a committed token, in place of
+f_t, ``fuse(cat(h_low, h_mid, h_high))`` (EAGLE-3's ``fc``: [H, 3H], no bias), the streams
+entering those target layers; a drafted token's feature is still the head's own output. Trained
+as EAGLE-3 trains (the token loss alone, unrolled), it is EAGLE-2's or Jakiro's layer on EAGLE-3's
+features; it is saved in this package's format only.
+
 Layout as in the released EAGLE/Jakiro/Gumiho code: no norm before layer 0's attention, an
 RMSNorm before every later layer's, RMSNorm after each attention, no final norm; ``fc`` has a
 bias; the embedding comes first in the concat. Layer 0's weights are the head's own attributes
@@ -38,7 +44,7 @@ from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.heads.drafting import Products
 from jakiro_ext.models.heads.head import Head, check_target_of, check_target_shapes, load_checked_state, new_head_cache
-from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target
+from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project
 from jakiro_ext.ops import quantized
 
 
@@ -73,6 +79,10 @@ class DraftHead(nn.Module):
         c = self.config = config
         H = c.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=True)
+        if c.feature_layers:
+            self.fuse = nn.Linear(3 * H, H, bias=False)
+        # What the engine asks the target for (None: its final hidden states).
+        self.feature_layers = tuple(c.feature_layers) or None
         _add_layer_weights(self, c, dense=not c.num_experts)
         if c.num_experts:
             N, inner = c.num_experts, c.intermediate_size
@@ -181,8 +191,13 @@ class DraftHead(nn.Module):
 
     def check_target(self, target: LlamaModel) -> None:
         """A head made for another target is an error, or a warning when only its name differs
-        (:func:`jakiro_ext.models.heads.head.check_target_shapes`)."""
+        (:func:`jakiro_ext.models.heads.head.check_target_shapes`), and so is a fused head whose
+        layers the target does not have."""
         check_target_shapes(self.config, target)
+        layers = as_target(target).config.num_layers
+        if any(i > layers for i in self.config.feature_layers):  # (L: the stream after the last layer)
+            raise ValueError(f"the draft head reads the streams entering target layers {self.config.feature_layers}, "
+                             f"but the target has {layers} layers (ids 0..{layers}, {layers}: after the last)")
 
     def bind(self, target: LlamaModel) -> "DraftHead":
         """Share the target's embedding and LM head (its draft-vocabulary rows); a head made for
@@ -288,7 +303,8 @@ class DraftHead(nn.Module):
         Parameters
         ----------
         tokens : [B, T] int64, token_{t+1} of each row.
-        features : [B, T, H], f_t of each row (the target's, or a draft-predicted one).
+        features : [B, T, H], f_t of each row (the target's, or a draft-predicted one); a fused
+            head's committed rows: the target's three layers [B, T, 3H].
         positions : [B, T] int64 RoPE positions.
         cache : the draft's KV cache. The rows' keys/values are written at
             [lengths, lengths + T) (the cache grows when it must; not committed: the caller
@@ -334,8 +350,12 @@ class DraftHead(nn.Module):
     def project_input(self, tokens: torch.Tensor, features: torch.Tensor, train: bool = False,
                       products: Optional[Products] = None) -> torch.Tensor:
         """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input (with
-        ``train``, in plain PyTorch: the fused linear has no backward; else reading :meth:`products`)."""
-        x = torch.cat([quantized.embedding(self.embed_weight, tokens), features.to(self.fc.weight.dtype)], -1)
+        ``train``, in plain PyTorch: the fused linear has no backward; else reading :meth:`products`).
+        A fused head's features may be the target's three layers [..., 3H], fused first."""
+        features = features.to(self.fc.weight.dtype)
+        if self.feature_layers and features.shape[-1] == 3 * self.config.hidden_size:
+            features = self.fuse(features) if train else project(self.fuse, features)
+        x = torch.cat([quantized.embedding(self.embed_weight, tokens), features], -1)
         if train:
             return self.fc(x)
         return ops.linear(x, (products or self.products()).fc, self.fc.bias)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext.kv_cache import KVCache
-from jakiro_ext.models.heads.config import ACCEPTANCE_FILE, DraftConfig, write_head_files
+from jakiro_ext.models.heads.config import ACCEPTANCE_FILE, DraftConfig, default_feature_layers, write_head_files
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.head import check_target_shapes, load_checked_state, new_head_cache
 from jakiro_ext.models.heads.formats import (ATTENTION, MLP, HeadFormat, check_layer_config, read_weights, register,
@@ -104,7 +104,7 @@ class Eagle3Head(nn.Module):
     def check_target(self, target: LlamaModel) -> None:
         check_target_shapes(self.config, target)
         layers = target.config.num_layers
-        wanted = self.config.feature_layers or [2, layers // 2, layers - 3]
+        wanted = self.config.feature_layers or list(default_feature_layers(layers))
         if len(wanted) != 3 or not all(0 <= i <= layers for i in wanted):  # (L: after the last layer, this package's)
             raise ValueError(f"an EAGLE-3 head reads the streams entering three of the target's {layers} layers "
                              f"(0..{layers}, {layers}: after the last), got feature layers {wanted}")
@@ -114,7 +114,7 @@ class Eagle3Head(nn.Module):
         target = as_target(target)
         self.check_target(target)
         layers = target.config.num_layers
-        self.feature_layers = tuple(self.config.feature_layers or (2, layers // 2, layers - 3))
+        self.feature_layers = tuple(self.config.feature_layers or default_feature_layers(layers))
         self.embed_weight = target.embed_tokens.weight.detach()
         self.to(dtype=target.activation_dtype, device=target.lm_head.weight.device)
         self.lm_head_weight = self.lm_head.weight.detach()

@@ -226,6 +226,9 @@ def eagle_files(head) -> Tuple[dict, Dict[str, torch.Tensor]]:
     architecture it knows, ``EagleLlamaForCausalLM`` vLLM, ``LlamaForCausalLMEagle`` SGLang). No
     ``bias`` key: vLLM would build attention biases that nothing loads."""
     c = head.config
+    if c.feature_layers:
+        raise ValueError(f"this head reads target layers {c.feature_layers} fused, which the eagle format cannot say: "
+                         "it is saved in this package's format (format='jakiro_ext')")
     if c.num_experts:
         raise ValueError("the eagle format holds dense heads: save a Jakiro (MoE) head with format='serving', which "
                          "this package's vLLM and SGLang plugins load (jakiro_ext.serving)")
@@ -321,7 +324,14 @@ def _write_eagle(head, full_vocabulary: bool):
     return eagle_files(head)
 
 
-register(HeadFormat("jakiro_ext", _read_own, lambda head, full_vocabulary: (asdict(head.config), head.state_dict())))
+def _write_own(head, full_vocabulary: bool):
+    config = asdict(head.config)
+    if not config["feature_layers"]:  # (a head reading the final hidden state: its config as before fused heads)
+        del config["feature_layers"]
+    return config, head.state_dict()
+
+
+register(HeadFormat("jakiro_ext", _read_own, _write_own))
 register(HeadFormat("eagle", _released_reader("eagle"), _write_eagle))
 register(HeadFormat("jakiro", _released_reader("jakiro")))
 register(HeadFormat("gumiho", _released_reader("gumiho")))

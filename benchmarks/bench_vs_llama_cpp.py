@@ -20,18 +20,27 @@ that drift hits both alike:
   prompt by prompt): tokens/s of the generation loop, against llama.cpp's tg128 above, over our
   plain decoding of the same prompts, and chained (that ratio times our tg128 over llama.cpp's:
   two ratios of things measured together);
+* EAGLE-3 speculation on both sides with one EAGLE-3 head (``--eagle3-head``: this package's,
+  trained by ``train --kind eagle3``, or a released one): llama.cpp's own
+  (``llama-speculative-simple --spec-type draft-eagle3``, the head converted by llama.cpp's
+  ``convert_hf_to_gguf.py``, greedy, its chain of ``--spec-draft-n-max`` drafts) against this
+  engine drafting with the same head (the tree chosen live), on the same packaged prompts (the
+  same chat-template text, taking turns); the acceptance of llama.cpp's drafts is in the CSV;
 * the machine's read bandwidth (a 512 MiB sum), with the weights' bytes over it as the decoding
   floor.
 
 llama.cpp's binaries come from ``scripts/build_llama_cpp.sh`` (the source in PyPI's
 ``llama-cpp-python``): ``--llama-bench`` names its ``llama-bench`` or the folder holding it and
-``llama-quantize``. Writes ``results/vs_llama_cpp.csv``."""
+``llama-quantize`` (and ``llama-speculative-simple``). Writes ``results/vs_llama_cpp.csv``."""
 import argparse
+import hashlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -82,6 +91,53 @@ def llama_bench(bench: Path, gguf: Path, threads: int, prompt_lengths, decode_to
     return out
 
 
+def eagle3_gguf(head_dir: Path, source: Path, folder: Path) -> Path:
+    """The EAGLE-3 head in ``head_dir`` converted by llama.cpp's own ``convert_hf_to_gguf.py`` (from
+    its ``source``, ``--target-model-dir`` the cached default model, offline), its weights in bf16,
+    made once per head (named by its weights' hash; written whole, then renamed)."""
+    from jakiro_ext.models.default import default_model_dir
+
+    digest = hashlib.sha256((head_dir / "model.safetensors").read_bytes()).hexdigest()[:10]
+    out = folder / f"eagle3-{head_dir.name}-{digest}.bf16.gguf"
+    if not out.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = out.with_suffix(".partial")
+        run = subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(head_dir), "--target-model-dir",
+                              str(default_model_dir()), "--outfile", str(partial), "--outtype", "bf16"],
+                             capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONPATH=str(source / "gguf-py"), HF_HUB_OFFLINE="1"))
+        if run.returncode:
+            sys.exit(f"llama.cpp's converter could not convert {head_dir}: {run.stderr[-2000:]}")
+        os.replace(partial, out)
+    return out
+
+
+def llama_eagle3(binary: Path, gguf: Path, draft: Path, text: str, new_tokens: int, threads: int, n_max: int) -> dict:
+    """llama.cpp's EAGLE-3 speculation of one prompt (greedy): {"tokens", "seconds" (decoding,
+    the prompt's encoding excluded, as llama.cpp reports them), "drafted", "accepted", "repack"},
+    with its default weight repacking, or without it where that run fails (its repacked path
+    crashed at more than one row on a Xeon)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(text)
+        f.flush()
+        for repack in (True, False):
+            run = subprocess.run([str(binary), "-m", str(gguf), "-md", str(draft), "--spec-type", "draft-eagle3",
+                                  "--spec-draft-n-max", str(n_max), "-f", f.name, "-n", str(new_tokens), "--temp", "0",
+                                  "-t", str(threads), "-c", "4096", *([] if repack else ["--no-repack"])],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                break
+    if run.returncode:
+        sys.exit(f"llama-speculative-simple failed (exit {run.returncode}): {run.stderr[-2000:]}")
+    log = run.stdout + run.stderr
+    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log)
+    drafted, accepted = (re.search(rf"{k}\s*=\s*(\d+)", log) for k in ("n_drafted", "n_accept"))
+    if not (decoded and drafted and accepted):
+        sys.exit(f"llama-speculative-simple's report not understood: {log[-2000:]}")
+    return dict(tokens=int(decoded.group(1)), seconds=float(decoded.group(2)), drafted=int(drafted.group(1)),
+                accepted=int(accepted.group(1)), repack=int(repack))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--llama-bench", required=True, help="llama.cpp's llama-bench, or the folder holding it")
@@ -95,6 +151,9 @@ def main():
     ap.add_argument("--methods", default="jakiro,eagle2", help="speculative methods with the shipped heads ('' none)")
     ap.add_argument("--prompts", type=int, default=8, help="packaged prompts for the speculative runs")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--eagle3-head", help="an EAGLE-3 head: llama.cpp's EAGLE-3 speculation with it against this "
+                                          "engine's with it, on the same prompts")
+    ap.add_argument("--spec-draft-n-max", default="3", help="llama.cpp's EAGLE-3 chain lengths to run (its default 3)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "vs_llama_cpp.csv"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -103,10 +162,16 @@ def main():
     from jakiro_ext.engine.generate import speculative_generate
     from jakiro_ext.engine.policy import default_tree
     from jakiro_ext.methods import METHODS
+    from jakiro_ext.models.heads.draft_head import DraftHead
     from jakiro_ext.models.default import DEFAULT_MODEL, gguf_path, load_default_target
     from jakiro_ext.paths import cache_root
 
     bench, quantize = binaries(args.llama_bench)
+    speculative_binary = bench.parent / "llama-speculative-simple"
+    source = bench.parent.parent / "src"  # (scripts/build_llama_cpp.sh: OUT/bin beside OUT/src)
+    if args.eagle3_head and not (os.access(speculative_binary, os.X_OK) and (source / "convert_hf_to_gguf.py").is_file()):
+        sys.exit(f"--eagle3-head: no executable {speculative_binary} or no llama.cpp source in {source} (build them "
+                 "with scripts/build_llama_cpp.sh)")
     quantized = args.dtype in ("Q4_1", "Q8_0")
     gguf_type = {"float32": "F32", "bfloat16": "BF16"}.get(args.dtype, args.dtype)
     gguf = gguf_path() if args.dtype == "Q4_1" else requantized(quantize, gguf_path(), gguf_type, cache_root() / "llama.cpp")
@@ -163,15 +228,33 @@ def main():
         head = load_head(METHODS[m].shipped_head, None, target, DEFAULT_MODEL)
         fixed = default_tree(target, head, m)
         arms += [(m, f"{fixed.total_tokens}/{fixed.depth}/{fixed.top_k}", head, fixed), (m, "live", head, None)]
-    totals = {(m, label): [0, 0.0] for m, label, _, _ in arms}  # new tokens, seconds
+    n_max = [int(n) for n in args.spec_draft_n_max.split(",") if n] if args.eagle3_head else []
+    if args.eagle3_head and prompts:  # (an EAGLE-3 head drafts as a dense head does: method eagle2)
+        head = DraftHead.load(args.eagle3_head, target)
+        arms += [("eagle3 head", "live", head, None)]
+        draft_gguf = eagle3_gguf(Path(args.eagle3_head), source, cache_root() / "llama.cpp")
+        arms += [("llama.cpp eagle3", f"chain {n}", None, n) for n in n_max]
+    totals = {(m, label): [0, 0.0, 0, 0, 1] for m, label, _, _ in arms}  # new tokens, seconds, drafted, accepted, repack
     for i, p in enumerate(prompts):
         ids = chat_ids(tokenizer, p["prompt"], True)
         for m, label, head, tree in arms[i % len(arms):] + arms[:i % len(arms)]:
-            out = speculative_generate(target, head, ids, args.max_new_tokens, method=m, tree=tree,
+            total = totals[m, label]
+            if m == "llama.cpp eagle3":  # the same tokens as text (special tokens parsed back by llama.cpp)
+                run = llama_eagle3(speculative_binary, gguf, draft_gguf, tokenizer.decode(ids), args.max_new_tokens,
+                                   args.threads, tree)
+                total[0] += run["tokens"]
+                total[1] += run["seconds"]
+                total[2] += run["drafted"]
+                total[3] += run["accepted"]
+                total[4] = min(total[4], run["repack"])
+                continue
+            out = speculative_generate(target, head, ids, args.max_new_tokens,
+                                       method="eagle2" if m == "eagle3 head" else m, tree=tree,
                                        eos_token_id=tokenizer.eos_token_id)
-            totals[m, label][0] += out.stats.new_tokens - 1
-            totals[m, label][1] += out.stats.wall_time_s - out.stats.prefill_s
-    speculative = {arm: tokens / seconds for arm, (tokens, seconds) in totals.items()}  # (method, tree label) -> tokens/s
+            total[0] += out.stats.new_tokens - 1
+            total[1] += out.stats.wall_time_s - out.stats.prefill_s
+    speculative = {arm: t[0] / t[1] for arm, t in totals.items() if not arm[0].startswith("llama.cpp")}
+    theirs_eagle3 = {arm[1]: t for arm, t in totals.items() if arm[0].startswith("llama.cpp")}
     for (m, tree), value in speculative.items():
         print(f"{m} {tree}: {value:.1f} tokens/s on {len(prompts)} packaged prompts", flush=True)
 
@@ -195,6 +278,15 @@ def main():
                          ours_tokens_per_s=round(value, 1), llama_cpp_tokens_per_s=round(statistics.median(theirs[tg]), 1),
                          ratio=round(value / statistics.median(theirs[tg]), 3), over_our_plain=round(over_plain, 3),
                          chained_ratio=round(over_plain * plain_tg, 3)))
+    for label, (tokens, seconds, drafted, accepted, repack) in theirs_eagle3.items():
+        value = tokens / seconds
+        ours_e3 = speculative["eagle3 head", "live"]
+        rows.append(dict(test=f"eagle3 head, {len(prompts)} packaged prompts", tree=f"ours live, llama.cpp {label}",
+                         dtype=args.dtype, llama_cpp_repack=repack, ours_tokens_per_s=round(ours_e3, 1),
+                         llama_cpp_tokens_per_s=round(value, 1), ratio=round(ours_e3 / value, 3),
+                         over_our_plain=round(ours_e3 / speculative["ar", ""], 3),
+                         llama_cpp_over_its_tg=round(value / statistics.median(theirs[tg]), 3),
+                         llama_cpp_accept=round(accepted / max(drafted, 1), 3)))
     floor = bw * 1e9 / weight_bytes
     for row in rows:
         row.update(machine=machine(), threads=args.threads, read_gbs=round(bw, 1), decode_floor_tokens_per_s=round(floor, 1))
@@ -206,7 +298,9 @@ def main():
         print(f"  {row['test'] + (' ' + row['tree'] if row.get('tree') else ''):40s} ours {row['ours_tokens_per_s']:8.1f}  llama.cpp {row['llama_cpp_tokens_per_s']:8.1f}"
               f"  ratio {row['ratio']:.2f}x{ttft}" +
               (f"  ({row['over_our_plain']:.2f}x our plain decoding; chained {row['chained_ratio']:.2f}x)"
-               if "chained_ratio" in row else ""))
+               if "chained_ratio" in row else "") +
+              (f"  (llama.cpp's EAGLE-3 {row['llama_cpp_over_its_tg']:.2f}x its tg, {row['llama_cpp_accept']:.0%} of its "
+               f"drafts accepted)" if "llama_cpp_accept" in row else ""))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models import LlamaModel
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
-from jakiro_ext.training.examples import make_example
+from jakiro_ext.training.examples import collate, make_example
+from jakiro_ext.training.loss import batch_loss, evaluate
 
 TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
          "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}
@@ -322,3 +323,19 @@ def eagle3_reference(state, embed, tokens, aux, eps=1e-6, theta=10000.0, heads=4
     gate, up = n @ state["midlayer.mlp.gate_proj.weight"].T, n @ state["midlayer.mlp.up_proj.weight"].T
     out = u + (torch.nn.functional.silu(gate) * up) @ state["midlayer.mlp.down_proj.weight"].T
     return out, rms(out, state["norm.weight"]) @ state["lm_head.weight"].T
+
+
+def train_briefly(head, examples, cfg, steps=40, lr=3e-3):
+    """(held-out-style evaluation before, the losses, the evaluation after) of ``steps`` AdamW
+    steps on the examples as one batch: a short run that shows whether a head learns."""
+    before = evaluate(head, examples, cfg, steps=2)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr)
+    batch = collate(examples, 64)
+    losses = []
+    for _ in range(steps):
+        loss, _ = batch_loss(head, batch, cfg)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return before, losses, evaluate(head, examples, cfg, steps=2)

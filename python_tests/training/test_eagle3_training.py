@@ -4,14 +4,14 @@ it), the token-only loss with the target's distributions as labels, and a short 
 import pytest
 import torch
 
-from helpers import eagle3_reference, prompt, six_layer_target, write_eagle3
+from helpers import train_briefly, eagle3_reference, prompt, six_layer_target, write_eagle3
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.llama import as_target
 from jakiro_ext.training import eagle3
 from jakiro_ext.training.examples import Example, collate
 from jakiro_ext.training.features import attach_target_probs
-from jakiro_ext.training.loss import batch_loss, evaluate, scored_rows, unroll
+from jakiro_ext.training.loss import batch_loss, scored_rows, unroll
 from jakiro_ext.training.settings import TrainConfig
 
 
@@ -111,17 +111,7 @@ def test_a_short_run_learns_the_targets_next_tokens(tmp_path):
     head = eagle3.init_weights(type(like)(like.config), seed=1).bind(target)
     eagle3.init_lm_head(head, target.lm_head.weight.detach())
     cfg = TrainConfig(ttt_steps=1)
-    before = evaluate(head, examples, cfg, steps=2)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    batch = collate(examples, 64)
-    losses = []
-    for _ in range(40):
-        loss, _ = batch_loss(head, batch, cfg)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    after = evaluate(head, examples, cfg, steps=2)
+    before, losses, after = train_briefly(head, examples, cfg)
     assert losses[-1] < 0.7 * losses[0], losses[::10]  # (its floor: the labels' own entropy)
     assert after["acc1"] > before["acc1"] + 0.2 and after["acc2"] > before["acc2"], (before, after)
     with pytest.raises(ValueError, match=r"must be \[211, 64\]"):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from helpers import prompt, six_layer_target
+from helpers import train_briefly, prompt, six_layer_target
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.models.heads.config import DraftConfig
@@ -17,7 +17,7 @@ from jakiro_ext.models.llama import as_target
 from jakiro_ext.training.examples import Example, collate
 from jakiro_ext.training.features import attach_target_probs
 from jakiro_ext.training.head_forward import train_forward
-from jakiro_ext.training.loss import batch_loss, evaluate, reads_layers, scored_rows, unroll
+from jakiro_ext.training.loss import batch_loss, reads_layers, scored_rows, unroll
 from jakiro_ext.training.settings import TrainConfig
 
 LAYERS = [2, 3, 5]
@@ -132,17 +132,7 @@ def test_a_short_run_learns_the_targets_next_tokens(target):
         masks.append(torch.arange(seqs[-1].numel()) >= ids.numel())
     examples = examples_of(target, head, seqs, masks)
     cfg = TrainConfig(ttt_steps=1)
-    before = evaluate(head, examples, cfg, steps=2)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=3e-3)
-    batch = collate(examples, 64)
-    losses = []
-    for _ in range(40):
-        loss, _ = batch_loss(head, batch, cfg)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    after = evaluate(head, examples, cfg, steps=2)
+    before, losses, after = train_briefly(head, examples, cfg)
     assert losses[-1] < 0.7 * losses[0], losses[::10]
     assert after["acc1"] > before["acc1"] + 0.2 and after["acc2"] > before["acc2"], (before, after)
     assert after["acc2_contrastive"] > before["acc2_contrastive"], (before, after)

@@ -7,7 +7,11 @@ features, as the engine drafts) every ``--eval-every`` steps: the slope, not onl
 Each head is then judged by what it buys, not by acc1 alone: the tree cost model
 (:mod:`jakiro_ext.engine.tree_cost`, this machine's measured costs of a round at 2 threads, and the
 head's acceptance profile measured on the held-out answers) gives the best dynamic tree's
-expected tokens/s and its ratio to plain decoding. Results: ``results/head_recipes.csv`` (one
+expected tokens/s and its ratio to plain decoding; with ``--measure-prompts N``, also what it
+measures end to end: greedy decoding of the first N packaged prompts (float32, batch 1, the tree
+chosen live, the engine's default) beside plain decoding, the arms taking turns prompt by prompt
+(the order rotated), tokens/s over plain decoding's and tau (every head's tokens checked
+against plain decoding's). Results: ``results/head_recipes.csv`` (one
 row per variant) and ``results/head_recipes_curves.csv`` (held-out accuracy against tokens seen).
 The heads stay in ``--out`` (one directory per variant).
 """
@@ -87,6 +91,41 @@ def expected_rates(names, out_dir):
     return rates
 
 
+def measured_rates(names, out_dir, prompts: int, max_new_tokens: int):
+    """Per variant: its head's greedy tokens/s over plain decoding's on the first ``prompts``
+    packaged prompts (float32, batch 1, 2 threads, the live tree), and its tau; the arms (plain
+    decoding and every head) take turns prompt by prompt, the order rotated, so that the
+    machine's drift hits them alike, and every head's tokens are checked against plain decoding's."""
+    import torch
+
+    from jakiro_ext.cli.common import HEADS_DIR, chat_ids, load_target
+    from jakiro_ext.engine.generate import speculative_generate
+    from jakiro_ext.methods import method_for_head
+    from jakiro_ext.models.heads.draft_head import DraftHead
+
+    torch.set_num_threads(2)
+    target, tokenizer, _ = load_target("float32", "cpu", None)
+    texts = [json.loads(line)["prompt"] for line in open(os.path.join(HEADS_DIR, "..", "data", "prompts.jsonl"))
+             if line.strip()][:prompts]
+    arms = [("plain", None)] + [(name, DraftHead.load(os.path.join(out_dir, name), target)) for name in names]
+    totals = {name: [0, 0.0, 0, 0] for name, _ in arms}  # tokens after the first, their seconds, new tokens, forwards
+    for i, text in enumerate(texts):
+        ids = chat_ids(tokenizer, text, True)
+        want = speculative_generate(target, None, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id).token_ids
+        for name, head in arms[i % len(arms):] + arms[:i % len(arms)]:
+            out = speculative_generate(target, head, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id,
+                                       method=method_for_head(head.config.kind).name if head else "ar")
+            if out.token_ids != want:
+                sys.exit(f"{name}: its tokens differ from plain decoding's on packaged prompt {i}")
+            totals[name][0] += out.stats.new_tokens - 1
+            totals[name][1] += out.stats.wall_time_s - out.stats.prefill_s
+            totals[name][2] += out.stats.new_tokens
+            totals[name][3] += out.stats.target_forwards
+    base = totals["plain"][0] / totals["plain"][1]
+    return {name: dict(measured_speedup=round(t[0] / t[1] / base, 3), measured_tau=round(t[2] / t[3], 3))
+            for name, t in totals.items() if name != "plain"}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", required=True, help="the token corpus")
@@ -105,6 +144,9 @@ def main():
                                                                   "(a scaling curve)")
     ap.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (a rerun of the same "
                                                                     "command resumes; 0: none)")
+    ap.add_argument("--measure-prompts", type=int, default=0, help="also measure each head end to end on the first N "
+                                                                  "packaged prompts (0: the cost model's expectation only)")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="with --measure-prompts: tokens of each answer")
     ap.add_argument("--tag", default="", help="appended to the CSV names")
     ap.add_argument("--report-only", action="store_true", help="only collect the finished variants' results")
     ap.add_argument("--no-report", action="store_true", help="only train (collect later with --report-only)")
@@ -148,6 +190,9 @@ def main():
         return
     names = [n for n in args.variants if os.path.exists(os.path.join(args.out, n, "training.json"))]
     rates = expected_rates(names, args.out)
+    if args.measure_prompts:
+        for name, measured in measured_rates(names, args.out, args.measure_prompts, args.max_new_tokens).items():
+            rates[name].update(measured)
     rows, curves = [], []
     for name in names:
         summary = json.loads(open(os.path.join(args.out, name, "training.json")).read())

@@ -7,6 +7,11 @@
 
 namespace jakiro {
 
+// The version of the schemas below, as the library reports it (jakiro_ext.ops.schema_version()),
+// for the projects that call the ops: raised whenever a schema changes (an argument, its type, its
+// default, a result), which python_tests/ops/test_schema_version.py enforces.
+inline constexpr int kSchemaVersion = 1;
+
 inline void define_ops(torch::Library& m) {
   // Tree attention over a KV cache, split-KV (FlashDecoding-style): partial results per split,
   // then the merge. Returns out [B, T, Hq, D] (q's dtype) and lse [B, T, Hq] (float32).

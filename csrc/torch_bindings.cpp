@@ -48,6 +48,7 @@ extern "C" PyObject* PyInit__C(void) {
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   PyModule_AddStringConstant(module, "torch_version", TORCH_BUILD_VERSION);
+  PyModule_AddIntConstant(module, "schema_version", jakiro::kSchemaVersion);
 #ifdef JAKIRO_WITH_CUDA
   PyModule_AddIntConstant(module, "with_cuda", 1);
 #else

@@ -21,7 +21,7 @@ from jakiro_ext.ops.backends import BACKENDS, backend, to_device, use_backend
 from jakiro_ext.ops.drafting import contrastive_topk, mlp_heads, moe_top2
 from jakiro_ext.ops.layers import decoder_layer, decoder_layers, linear, rms_norm, rope_kv_write, silu_mul
 from jakiro_ext.ops.library import (LOAD_ERROR, USE_REFERENCE, compiled_available, cpu_avx512, cpu_bf16_dot,
-                                    cpu_onednn, cpu_weight_stream, registered_ops)
+                                    cpu_onednn, cpu_weight_stream, registered_ops, schema_version)
 from jakiro_ext.ops.library import compiled as _C  # noqa: F401  (the library module; None without it)
 from jakiro_ext.ops.masks import build_tree_mask, check_parents, pack_bits
 from jakiro_ext.ops.verification import DEVICE_ERRORS, compact_kv, device_errors, raise_device_errors, verify_tree
@@ -32,5 +32,5 @@ __all__ = ["BACKENDS", "DEVICE_ERRORS", "LOAD_ERROR", "OP_NAMES", "USE_REFERENCE
            "check_parents", "compact_kv", "compiled_available", "contrastive_topk", "cpu_avx512", "cpu_bf16_dot",
            "cpu_onednn", "cpu_weight_stream", "decoder_layer", "decoder_layers", "device_errors", "emulator", "linear",
            "merge_attention_states", "mlp_heads", "moe_top2", "pack_bits", "raise_device_errors", "reference",
-           "registered_ops", "rms_norm", "rope_kv_write", "silu_mul", "to_device", "tree_attention",
+           "registered_ops", "rms_norm", "rope_kv_write", "schema_version", "silu_mul", "to_device", "tree_attention",
            "tree_attention_partial", "use_backend", "verify_tree"]

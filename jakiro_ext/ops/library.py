@@ -84,6 +84,14 @@ def registered_ops() -> Tuple[str, ...]:
     return tuple(sorted(n.split("::")[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("jakiro::")))
 
 
+def schema_version() -> int:
+    """The version of the ops' schemas the loaded library registered (``kSchemaVersion`` in
+    ``csrc/op_schemas.h``, raised whenever a schema changes): what a project calling the ops checks."""
+    if LOAD_ERROR is not None:
+        raise RuntimeError(f"no jakiro op library is loaded: {LOAD_ERROR}")
+    return int(compiled.schema_version)
+
+
 def compiled_available() -> bool:
     return LOAD_ERROR is None
 

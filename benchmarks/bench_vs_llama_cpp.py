@@ -97,7 +97,10 @@ def eagle3_gguf(head_dir: Path, source: Path, folder: Path) -> Path:
     made once per head (named by its weights' hash; written whole, then renamed)."""
     from jakiro_ext.models.default import default_model_dir
 
-    digest = hashlib.sha256((head_dir / "model.safetensors").read_bytes()).hexdigest()[:10]
+    weights = [head_dir / n for n in ("model.safetensors", "pytorch_model.bin") if (head_dir / n).is_file()]
+    if not weights:
+        sys.exit(f"--eagle3-head {head_dir}: no model.safetensors or pytorch_model.bin there")
+    digest = hashlib.sha256(weights[0].read_bytes() + (head_dir / "config.json").read_bytes()).hexdigest()[:10]
     out = folder / f"eagle3-{head_dir.name}-{digest}.bf16.gguf"
     if not out.exists():
         folder.mkdir(parents=True, exist_ok=True)
@@ -163,6 +166,7 @@ def main():
     from jakiro_ext.engine.policy import default_tree
     from jakiro_ext.methods import METHODS
     from jakiro_ext.models.heads.draft_head import DraftHead
+    from jakiro_ext.models.heads.eagle3 import Eagle3Head
     from jakiro_ext.models.default import DEFAULT_MODEL, gguf_path, load_default_target
     from jakiro_ext.paths import cache_root
 
@@ -231,6 +235,8 @@ def main():
     n_max = [int(n) for n in args.spec_draft_n_max.split(",") if n] if args.eagle3_head else []
     if args.eagle3_head and prompts:  # (an EAGLE-3 head drafts as a dense head does: method eagle2)
         head = DraftHead.load(args.eagle3_head, target)
+        if not isinstance(head, Eagle3Head):
+            sys.exit(f"--eagle3-head {args.eagle3_head}: a {head.config.kind} head, not an EAGLE-3 one")
         arms += [("eagle3 head", "live", head, None)]
         draft_gguf = eagle3_gguf(Path(args.eagle3_head), source, cache_root() / "llama.cpp")
         arms += [("llama.cpp eagle3", f"chain {n}", None, n) for n in n_max]

@@ -25,12 +25,12 @@ from jakiro_ext.training.loss import evaluate
 from jakiro_ext.training.settings import TrainConfig
 
 
-def held_out_examples(target, corpus: str, every_nth: int):
+def held_out_examples(target, corpus: str, every_nth: int, feature_layers=None):
     sequences = []
     for shard in read_corpus_meta(corpus)["shards"]:
         sequences += [q for q in read_shard(os.path.join(corpus, shard["name"]), shard.get("sha256"))
                       if q.conversation % every_nth == 0]
-    features = prefill_features(target, [q.tokens for q in sequences])
+    features = prefill_features(target, [q.tokens for q in sequences], feature_layers=feature_layers)
     return [Example(q.tokens, f.to(torch.bfloat16), torch.arange(q.tokens.numel()) >= q.prompt_length, q.conversation)
             for q, f in zip(sequences, features)]
 
@@ -54,8 +54,10 @@ def main() -> None:
     for spec in args.heads:
         name, path = spec.split("=", 1)
         head = DraftHead.load(path, target)
-        accs = evaluate(head, examples, TrainConfig())
-        profile = acceptance_profile(head, examples, depth=4, ranks=4)
+        layers = getattr(head, "feature_layers", None)  # (a head on EAGLE-3's features reads those layers)
+        mine = held_out_examples(target, args.data, args.eval_every_nth, layers) if layers else examples
+        accs = evaluate(head, mine, TrainConfig())
+        profile = acceptance_profile(head, mine, depth=4, ranks=4)
         row = dict(head=name, path=path, kind=head.config.kind, sequences=len(examples), learned_tokens=learned,
                    **{k: round(v, 4) for k, v in accs.items()},
                    **{f"p_d{d + 1}_r{r}": round(p, 4) for d, ranks in enumerate(profile["depth_rank"])

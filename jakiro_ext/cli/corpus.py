@@ -60,7 +60,7 @@ def cmd_calibrate(args) -> int:
     args.data = common.corpus_option(args.data)
     target, _, _ = common.load_target("float32")
     head = DraftHead.load(args.head, target)
-    examples, _ = corpus_examples(args.data, target)
+    examples, _ = corpus_examples(args.data, target, feature_layers=getattr(head, "feature_layers", None) or ())
     held_out = [ex for ex in examples if ex.conversation % args.eval_every_nth == 0]
     profile = dict(acceptance_profile(head, held_out),
                    data=f"{len(held_out)} held-out sequences of {Path(args.data).name}")

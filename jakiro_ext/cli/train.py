@@ -24,16 +24,25 @@ from jakiro_ext.training.train import train_head
 
 
 def train_config(args) -> TrainConfig:
+    """The run's settings, as the loss uses them: a head on the target's layers learns from the
+    token loss alone (weight 1, its contrastive branch at --w-token2 / --w-token of it), without
+    feature losses or input noise (training.json records that, not the options' defaults)."""
+    losses = dict(w_feature=args.w_feature, w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2,
+                  noise=args.noise)
+    if layered(args):
+        if args.w_token <= 0:
+            raise ValueError(f"--w-token {args.w_token}: a head on the target's layers learns from the token loss alone "
+                             "(its weight must be > 0)")
+        losses = dict(w_feature=0.0, w_token=1.0, w_feature2=0.0, w_token2=args.w_token2 / args.w_token, noise=0.0)
     return TrainConfig(epochs=args.epochs, steps=args.steps, lr=args.lr, warmup_steps=args.warmup_steps,
-                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, w_feature=args.w_feature,
-                       w_token=args.w_token, w_feature2=args.w_feature2, w_token2=args.w_token2, noise=args.noise,
-                       ttt_steps=args.ttt_steps if args.ttt_steps is not None else 2 if reads_layers(args) else 0,
+                       batch_sequences=args.batch, max_seq_len=args.max_seq_len, **losses,
+                       ttt_steps=args.ttt_steps if args.ttt_steps is not None else 2 if layered(args) else 0,
                        minutes=args.minutes, max_epochs=args.max_epochs, mlp_input=args.mlp_input,
                        compute_dtype=args.compute_dtype, seed=args.seed, eval_every=args.eval_every,
                        checkpoint_every=args.checkpoint_every, eval_doublings=args.eval_doublings)
 
 
-def reads_layers(args) -> bool:
+def layered(args) -> bool:
     """Whether the head to train reads the target's layers fused (eagle3, or --fused)."""
     return args.kind == "eagle3" or args.fused
 
@@ -58,6 +67,16 @@ def cmd_train(args) -> int:
     from tqdm import tqdm
 
     set_threads(args.threads)
+    if args.fused and args.kind not in ("eagle2", "jakiro"):
+        raise ValueError(f"--fused makes an eagle2 or jakiro head read the target's layers, got --kind {args.kind}"
+                         + (" (an eagle3 head always reads them)" if args.kind == "eagle3" else ""))
+    if args.feature_layers and not layered(args):
+        raise ValueError(f"--feature-layers {args.feature_layers}: the layers an eagle3 or --fused head reads; "
+                         f"a {args.kind} head reads the final hidden state (add --fused)")
+    if args.fused and args.init_from_target:
+        raise ValueError("--init-from-target starts a head as the target's last layer on its final hidden state; "
+                         "a --fused head reads other features (start it from random weights)")
+    train_config(args)  # (its checks, before anything is loaded)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
     out = Path(args.out)
@@ -89,12 +108,6 @@ def cmd_train(args) -> int:
         + (f"; {ranks.world} processes, each {args.batch // ranks.world}+ sequences of every batch" if ranks.world > 1 else ""))
 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    if args.fused and args.kind not in ("eagle2", "jakiro"):
-        raise ValueError(f"--fused makes an eagle2 or jakiro head read the target's layers, got --kind {args.kind}"
-                         + (" (an eagle3 head always reads them)" if args.kind == "eagle3" else ""))
-    if args.feature_layers and not reads_layers(args):
-        raise ValueError(f"--feature-layers {args.feature_layers}: the layers an eagle3 or --fused head reads; "
-                         f"a {args.kind} head reads the final hidden state (add --fused)")
     if args.kind == "eagle3":
         if args.init_from or args.init_from_target:
             raise ValueError("--init-from and --init-from-target start EAGLE-1/2, Jakiro and Gumiho heads, not eagle3")
@@ -112,11 +125,11 @@ def cmd_train(args) -> int:
         checkpoint_bytes = 3 * 4 * params if args.checkpoint_every else 0
         atomic.check_output_dir(out, 3 * checkpoint_bytes + 2 * 4 * params, "the checkpoints and the head")
     cfg = train_config(args)
-    if cfg.w_token or cfg.w_token2 or reads_layers(args):  # the token loss's labels, computed once (cached for a corpus)
+    if cfg.w_token or cfg.w_token2 or layered(args):  # the token loss's labels, computed once (cached for a corpus)
         activity.now = "computing the target's distributions the token loss learns from"
         # (An EAGLE-3 head's LM head is still the target's rows here: the labels are the target's.)
         attach_target_probs(data.examples, head, cfg.token_loss_top, data.feature_dir, progress=main, ranks=ranks)
-    if reads_layers(args):
+    if layered(args):
         activity.now = "reading or computing the target layers' features the head reads"
         use_layer_features(data, target, head.feature_layers, ranks)
     if cfg.minutes:

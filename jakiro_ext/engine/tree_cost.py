@@ -136,7 +136,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
         starts it, in caches with the drafting scratch of the largest tree measured (every
         measured tree fits in it), and the target's hidden states of those tokens."""
         one = target.new_cache(1, context)
-        _, hidden = target(prompt[:context].unsqueeze(0), one, last_logits_only=True)
+        _, hidden = target(prompt[:context].unsqueeze(0), one, last_logits_only=True,
+                           feature_layers=getattr(head, "feature_layers", None))
         one.commit(context)
         state = BatchState(target, widest, B, context + max(SIZES))
         started = Started(one, *widest.prefill(prompt[1:context + 1], hidden[0]))
@@ -195,6 +196,8 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
              f"e{h.num_experts}x{h.intermediate_size}-dv{h.draft_vocab_size}")
     if getattr(h, "num_mlp_heads", 0):
         shape += f"-l{h.num_layers}-m{h.num_mlp_heads}x{h.mlp_blocks}"
+    if getattr(head, "feature_layers", None):  # (a head on the target's layers: its input fused, wider)
+        shape += "-f" + "_".join(str(i) for i in head.feature_layers)
     dtype = weight_format(target)
     if target.streamed_weights() is not None:  # a bf16 checkpoint in float32: its steps read half the bytes
         dtype += "-bf16_weights"

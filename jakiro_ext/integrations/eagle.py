@@ -206,9 +206,10 @@ def _model_forward(self, input_ids=None, attention_mask=None, position_ids=None,
 @contextlib.contextmanager
 def use_jakiro_ops(attention: bool = True, verify: bool = True, compact: bool = True, model: bool = False,
                    generator: torch.Generator = None):
-    """EAGLE's loop with this package's ops in the places chosen, restored on exit (``generator``:
-    the draws of ``verify_tree``'s uniforms when sampling). ``model`` runs the whole target
-    forward as ``decoder_layers`` (its attention then is ``tree_attention`` too)."""
+    """EAGLE's loop with this package's ops in the places chosen, restored on exit, an exception's
+    too (``generator``: a CPU generator for ``verify_tree``'s uniforms when sampling; default the
+    global one). ``model`` runs the whole target forward as ``decoder_layers`` (its attention
+    then is ``tree_attention`` too)."""
     if _ORIGINAL:
         raise RuntimeError("use_jakiro_ops is already active (it patches EAGLE's modules: one at a time)")
     eagle_compat.apply()

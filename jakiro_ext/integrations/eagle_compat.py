@@ -13,7 +13,6 @@ config and falls back to the hub for a missing head file).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -79,8 +78,8 @@ def load_eagle_model(base_dir, head_dir, dtype: torch.dtype = torch.float32) -> 
     state = torch.load(head_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
     model.ea_layer.load_state_dict(state, strict=True)
     rebuild_rotary(model.ea_layer)
-    config = json.loads((head_dir / "config.json").read_text())
-    if rope_theta(base.config) != float(config.get("rope_theta", rope_theta(base.config))):
-        raise ValueError(f"{head_dir}: the head's rope_theta {config['rope_theta']} is not the base model's "
-                         f"{rope_theta(base.config)}")
+    bases = {float(m.rotary_emb.base) for m in model.ea_layer.modules() if hasattr(m, "rotary_emb")}
+    if bases != {rope_theta(base.config)}:
+        raise ValueError(f"{head_dir / 'config.json'}: the head's RoPE base {sorted(bases)} is not the base model's "
+                         f"{rope_theta(base.config)} (its config.json needs the model's rope_theta)")
     return model.eval()

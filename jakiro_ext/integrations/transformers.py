@@ -10,13 +10,15 @@ KV commit of a transformers cache after ``verify_tree``::
 A tree step passes its mask as transformers passes a custom one: 4D ``[B, 1, T, P + T]``, bool
 (True: attends) or additive float (0: attends, very negative: masked), which reaches the attention
 function as given; or packed (``jakiro_tree_mask=[B, T, ceil(T / 64)]`` int64, bit j of row i: node
-i sees node j, as :func:`jakiro_ext.ops.build_tree_mask` makes it) as an extra keyword argument.
-Without a mask (a prompt, one token) the rows are causal.
+i sees node j, as :func:`jakiro_ext.ops.build_tree_mask` makes it) as an extra keyword argument
+(the model's own mask, if any, must then leave the prefix wholly visible). Without a mask (a
+prompt, one token) the rows are causal. The new tokens are the cache's last (a ``DynamicCache``).
 
 Where our op cannot compute what the model asks (fp16, training dropout, a prefix not wholly
-visible such as left padding, an additive bias other than 0 / masked such as ALiBi, a cache not
-laid out as rows of keys), the call runs transformers' own SDPA instead and warns once per reason:
-never silently.
+visible such as left padding, an additive bias other than 0 / masked such as ALiBi, new tokens
+that are not the cache's last such as a static cache's, a cache not laid out as rows of keys), the call runs
+transformers' own SDPA instead and warns once per reason: never silently. A model whose attention
+soft-caps its logits or has sinks (which SDPA has not either) is an error.
 """
 from __future__ import annotations
 
@@ -48,6 +50,8 @@ def packed_from_4d(mask: torch.Tensor, tree_tokens: int):
     prefix = sees.shape[-1] - tree_tokens
     if not bool(sees[..., :prefix].all()):
         return None, "a prefix not wholly visible to every row (padding, or a hole in the cache)"
+    if not bool(sees[..., prefix:].diagonal(dim1=-2, dim2=-1).all()):
+        return None, "new tokens that are not the cache's last (a static cache's slots)"
     return pack_bits(sees[..., prefix:]), None
 
 
@@ -60,26 +64,28 @@ def _fallback(why: str, module, query, key, value, attention_mask, dropout, scal
 
 def jakiro_tree_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention call: query [B, Hq, T, D], key and value [B, Hkv, S, D] (the whole
-    cache, these T tokens last; ``jakiro_prefix_lens`` [B] int64 says where they start otherwise),
-    returns ([B, T, Hq, D], None)."""
+    cache, these T tokens last), returns ([B, T, Hq, D], None)."""
     B, _, T, _ = query.shape
     packed = kwargs.pop("jakiro_tree_mask", None)
-    prefix_lens = kwargs.pop("jakiro_prefix_lens", None)
     args = (module, query, key, value, attention_mask, dropout, scaling)
+    for name in ("softcap", "s_aux"):  # (sdpa has neither: no fallback)
+        if kwargs.get(name) is not None:
+            raise ValueError(f"attn_implementation '{NAME}': this model's attention uses {name}, which tree_attention "
+                             "does not compute: load it with attn_implementation='eager'")
     if query.dtype not in (torch.float32, torch.bfloat16):
         return _fallback(f"{query.dtype} (tree_attention takes float32 and bfloat16)", *args, **kwargs)
     if dropout and module.training:
         return _fallback("attention dropout while training", *args, **kwargs)
     if key.stride(-1) != 1 or key.stride(-2) != key.shape[-1] or value.stride(-2) != value.shape[-1]:
         return _fallback("a cache whose keys are not contiguous rows", *args, **kwargs)
-    if packed is None and attention_mask is not None:
-        packed, why = packed_from_4d(attention_mask, T)
-        if packed is None:
+    if attention_mask is not None:
+        from_model, why = packed_from_4d(attention_mask, T)
+        if from_model is None:
             return _fallback(why, *args, **kwargs)
+        packed = from_model if packed is None else packed  # (the keyword, where given, decides the tree's part)
     if packed is None:
         packed = causal_tree_mask(B, T, query.device)
-    if prefix_lens is None:
-        prefix_lens = torch.full((B,), key.shape[2] - T, dtype=torch.int64, device=query.device)
+    prefix_lens = torch.full((B,), key.shape[2] - T, dtype=torch.int64, device=query.device)
     out, _ = ops.tree_attention(query.transpose(1, 2), key, value, prefix_lens, packed, scaling)
     return out, None
 

@@ -89,7 +89,11 @@ def schema_version() -> int:
     ``csrc/op_schemas.h``, raised whenever a schema changes): what a project calling the ops checks."""
     if LOAD_ERROR is not None:
         raise RuntimeError(f"no jakiro op library is loaded: {LOAD_ERROR}")
-    return int(compiled.schema_version)
+    version = getattr(compiled, "schema_version", None)
+    if version is None:
+        raise RuntimeError("the loaded jakiro_ext._C predates schema versions: rebuild it (pip install "
+                           "--no-build-isolation .)")
+    return int(version)
 
 
 def compiled_available() -> bool:

@@ -67,6 +67,11 @@ def unroll(head: DraftHead, batch: Batch, steps: int, features: Optional[torch.T
     ``features``: step 0's input features (default: the batch's, f_0..f_{L-2})."""
     tokens = batch.tokens
     feats = batch.features[:, :-1] if features is None else features
+    layered = reads_layers(head)
+    want = (3 if layered else 1) * head.config.hidden_size
+    if feats.shape[-1] != want:  # (a head on the target's layers given final hidden states would skip its fuse)
+        reads = f"target layers {list(head.feature_layers)}" if layered else "the target's final hidden states"
+        raise ValueError(f"the head reads {reads}: step 0's features must be [..., {want}], got [..., {feats.shape[-1]}]")
     unrolled: list = []
     step = None
     forward = eagle3.train_forward if isinstance(head, Eagle3Head) else train_forward
@@ -213,20 +218,20 @@ def _token_only_batch_loss(head, batch: Batch, cfg: TrainConfig, totals: Optiona
     """The loss of a head on EAGLE-3's features (:func:`reads_layers`): the token loss alone at
     every unrolled step (weight ``cfg.ttt_decay ** s``), against the examples' cached labels; a
     Jakiro head's contrastive branch beside it at ``cfg.w_token2 / cfg.w_token`` of that (its
-    labels two tokens ahead); no input noise (the unrolled steps feed it its own errors). An
+    labels two tokens ahead; ``train`` sets ``w_token`` 1 for these heads); no input noise (the unrolled steps feed it its own errors). An
     EAGLE-3 head's LM head is its own (trained), the others' the target's rows (frozen)."""
     if batch.probs is None:
         raise ValueError("a head on the target's layers learns from the target's distributions: attach them to the "
                          "examples first (jakiro_ext.training.features.attach_target_probs, from the final hidden "
                          "states, with an EAGLE-3 head's LM head still the target's rows)")
-    moe = bool(getattr(head.config, "num_experts", 0)) and bool(cfg.w_token2)
+    moe = bool(getattr(head.config, "num_experts", 0)) and bool(cfg.w_feature2 or cfg.w_token2)  # (as scored_rows)
     totals = totals or scored_rows(batch, cfg, moe)
     lm_head = head.lm_head.weight if isinstance(head, Eagle3Head) else head.lm_head_weight
     device = batch.features.device.type
     if torch.is_autocast_enabled(device):
         lm_head = lm_head.to(torch.get_autocast_dtype(device))
     loss, metrics = batch.features.new_zeros(()), {}
-    branches = ((1, "", 1.0),) + (((2, "_contrastive", cfg.w_token2 / (cfg.w_token or 1.0)),) if moe else ())
+    branches = ((1, "", 1.0),) + (((2, "_contrastive", cfg.w_token2 / cfg.w_token),) if moe else ())
     for s, step in unroll(head, batch, 1 + cfg.ttt_steps):
         for ahead, suffix, weight in branches:
             name = f"acc{s + ahead}{suffix}"

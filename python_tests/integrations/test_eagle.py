@@ -99,6 +99,14 @@ def test_the_sampling_path_at_a_temperature_that_leaves_one_choice_is_greedy(tin
 
 def test_switches_are_one_at_a_time_and_bad_files_are_named(tiny, tmp_path):
     _, model, root = tiny
+    originals = [kv.LlamaModel._prepare_decoder_attention_mask, kv.LlamaAttention.forward, kv.LlamaModel.forward,
+                 ea.initialize_tree, ea.tree_decoding, ea.evaluate_posterior, ea.update_inference_inputs]
+    with pytest.raises(KeyError):
+        with eagle.use_jakiro_ops(model=True):
+            assert ea.evaluate_posterior is eagle._evaluate_posterior
+            raise KeyError("an error inside")
+    assert [kv.LlamaModel._prepare_decoder_attention_mask, kv.LlamaAttention.forward, kv.LlamaModel.forward,
+            ea.initialize_tree, ea.tree_decoding, ea.evaluate_posterior, ea.update_inference_inputs] == originals
     with eagle.use_jakiro_ops():
         with pytest.raises(RuntimeError, match="already active"):
             with eagle.use_jakiro_ops():

@@ -125,6 +125,12 @@ def test_what_our_op_cannot_compute_runs_sdpa_and_says_so(model):
     bias = torch.zeros(1, 1, 4, 4)
     bias[..., 0] = -1.5
     assert jt.packed_from_4d(bias, 4)[1].startswith("an additive bias")
+    static = torch.ones(1, 1, 2, 6, dtype=torch.bool)  # new tokens at slots 2, 3 of a 6-slot cache: 4, 5 unfilled
+    static[..., 4:] = False
+    assert jt.packed_from_4d(static, 2)[1].startswith("new tokens that are not the cache's last")
+    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 6, 16)
+    with pytest.raises(ValueError, match="uses softcap, which tree_attention does not compute"):
+        jt.jakiro_tree_attention(model.model.layers[0].self_attn, q, k, k, None, scaling=0.25, softcap=30.0)
     half = model.to(torch.float16)
     try:
         with pytest.warns(UserWarning, match="torch.float16 .* ran transformers' sdpa instead"):

@@ -269,11 +269,14 @@ def test_corpus_train_calibrate_commands(tmp_path):
                  "--draft-vocab", "256", "--eval-every-nth", "2", "--checkpoint-every", "0"]) == 0
     trained = json.loads((fused / "training.json").read_text())
     assert trained["train"]["ttt_steps"] == 2 and "eval_acc2_contrastive" in trained["final_eval"]
+    assert {k: trained["train"][k] for k in ("w_feature", "w_token", "w_feature2", "w_token2", "noise")} == dict(
+        w_feature=0.0, w_token=1.0, w_feature2=0.0, w_token2=0.5, noise=0.0)  # (what the loss used)
     head4 = DraftHead.load(fused, target)
     assert head4.config.kind == "jakiro" and head4.feature_layers == (2, 15, 27)
     assert speculative_generate(target, head4, ids, 12, method="jakiro").token_ids == \
         speculative_generate(target, None, ids, 12).token_ids
-    for bad in (["--kind", "gumiho", "--fused"], ["--kind", "jakiro", "--feature-layers", "2", "3", "4"]):
+    for bad in (["--kind", "gumiho", "--fused"], ["--kind", "jakiro", "--feature-layers", "2", "3", "4"],
+                ["--kind", "jakiro", "--fused", "--init-from-target"], ["--kind", "eagle3", "--w-token", "0"]):
         assert main(["train", *bad, "--out", str(tmp_path / "no"), "--data", str(corpus), "--steps", "1"]) == 2
 
 

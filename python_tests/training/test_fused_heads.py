@@ -17,7 +17,7 @@ from jakiro_ext.models.llama import as_target
 from jakiro_ext.training.examples import Example, collate
 from jakiro_ext.training.features import attach_target_probs
 from jakiro_ext.training.head_forward import train_forward
-from jakiro_ext.training.loss import batch_loss, reads_layers, scored_rows, unroll
+from jakiro_ext.training.loss import batch_loss, evaluate, reads_layers, scored_rows, unroll
 from jakiro_ext.training.settings import TrainConfig
 
 LAYERS = [2, 3, 5]
@@ -160,6 +160,17 @@ def test_saved_and_loaded_in_this_packages_format_only(target, tmp_path):
 def test_bad_feature_layers_are_refused(target, tmp_path):
     with pytest.raises(ValueError, match=r"0..6, 6: after the last"):
         fused_head(target, "jakiro", layers=[2, 3, 7])
+    for layers, kind in (([2, 3], "jakiro"), ([2, -1, 3], "eagle2"), ([2, 3, 4], "gumiho")):
+        with pytest.raises(ValueError, match="three target layer ids >= 0 of a one-layer head without MLP heads"):
+            DraftConfig.for_target(target.config, kind, feature_layers=layers)
+    assert DraftConfig.for_target(target.config, feature_layers=(2, 3, 4)).feature_layers == [2, 3, 4]
+    with pytest.raises(ValueError, match="init_from_target starts a head as the target's last layer"):
+        fused_head(target, "eagle2").init_from_target(target)
+    # Given final hidden states, a fused head's training and evaluation refuse them (its fuse skipped).
+    ids = prompt(9, seed=1)
+    _, final = target(ids.unsqueeze(0), target.new_cache(1, 9), last_logits_only=True)
+    with pytest.raises(ValueError, match=r"reads target layers \[2, 3, 5\]: step 0's features must be \[..., 192\]"):
+        evaluate(fused_head(target, "jakiro"), [Example(ids, final[0], torch.ones(9, dtype=torch.bool))], TrainConfig())
     fused_head(target, "jakiro", layers=[2, 6, 6])  # (layer L: the stream after the last)
     head = fused_head(target, "jakiro")
     head.save(tmp_path / "h")

@@ -80,6 +80,14 @@ class DraftConfig:
     # it reads the streams entering those target layers, fused (``fuse``: 3H -> H, EAGLE-3's fc).
     feature_layers: List[int] = field(default_factory=list)
 
+    def __post_init__(self):
+        self.feature_layers = list(self.feature_layers)  # (a tuple given compares unequal to the list read back)
+        layers = self.feature_layers
+        if layers and (len(layers) != 3 or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+                       or self.num_layers > 1 or self.num_mlp_heads):
+            raise ValueError(f"feature_layers must be empty or three target layer ids >= 0 of a one-layer head without "
+                             f"MLP heads, got {layers} ({self.num_layers} layers, {self.num_mlp_heads} MLP heads)")
+
     @property
     def kind(self) -> str:
         if self.num_mlp_heads:
@@ -142,7 +150,10 @@ class DraftConfig:
             if not ok:
                 raise ValueError(f"{file}: {name} must be a JSON {'list of ints' if kind == 'List[int]' else kind}, "
                                  f"got {value!r}")
-        config = cls(**raw)
+        try:
+            config = cls(**raw)
+        except ValueError as exc:
+            raise ValueError(f"{file}: {exc}") from None
         sizes = ("hidden_size", "vocab_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size")
         problems = [f"{name} must be >= 1, got {getattr(config, name)}" for name in sizes if getattr(config, name) < 1]
         if config.num_experts == 1 or config.num_experts < 0:
@@ -152,11 +163,6 @@ class DraftConfig:
                             f"{config.num_layers} with num_experts {config.num_experts}")
         if config.num_mlp_heads < 0 or config.mlp_blocks < 0:
             problems.append(f"num_mlp_heads and mlp_blocks must be >= 0, got {config.num_mlp_heads}, {config.mlp_blocks}")
-        if config.feature_layers and (len(config.feature_layers) != 3 or min(config.feature_layers) < 0
-                                      or config.num_layers > 1 or config.num_mlp_heads):
-            problems.append(f"feature_layers must be empty or three target layer ids >= 0 of a one-layer head without "
-                            f"MLP heads, got {config.feature_layers} ({config.num_layers} layers, "
-                            f"{config.num_mlp_heads} MLP heads)")
         if not 0 <= config.draft_vocab_size <= config.vocab_size:
             problems.append(f"draft_vocab_size must be in [0, vocab_size {config.vocab_size}], got {config.draft_vocab_size}")
         if config.num_kv_heads >= 1 and config.num_heads % config.num_kv_heads:

@@ -135,6 +135,9 @@ class DraftHead(nn.Module):
         The router and the MLP heads keep their (random) weights."""
         target = as_target(target)
         c, t = self.config, target.config
+        if c.feature_layers:
+            raise ValueError(f"init_from_target starts a head as the target's last layer on f_t; this head reads target "
+                             f"layers {c.feature_layers} fused (start it from random weights)")
         if c.hidden_size != t.hidden_size or c.num_heads != t.num_heads or c.num_kv_heads != t.num_kv_heads \
                 or c.head_dim != t.head_dim:
             raise ValueError("init_from_target: the head's attention geometry differs from the target's")

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext.kv_cache import KVCache

@@ -64,23 +64,27 @@ def test_a_fused_head_drafts_from_the_targets_layers_and_decodes_what_plain_deco
 
 
 def test_the_training_forward_is_the_heads_layer_on_the_fused_features(target):
-    """Step 0 of the fused head is the same head's layer fed ``fuse(layers)`` in place of the final
-    hidden state; a later unrolled step reads its own [H] features, as drafting feeds it."""
+    """Step 0 of the fused head is the same head's layer fed ``hidden_norm(fuse(layers))`` in place
+    of the final hidden state; a later unrolled step reads ``hidden_norm`` of its own [H] features,
+    as drafting feeds it."""
     head = fused_head(target, "jakiro")
     plain = DraftHead(DraftConfig.for_target(target.config, "jakiro", num_experts=2, intermediate_size=64)).bind(target)
-    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("fuse.")})
+    with torch.no_grad():
+        head.hidden_norm.weight.uniform_(0.5, 1.5)  # (not the identity: its place is checked)
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith(("fuse.", "hidden_norm."))})
     ids = prompt(12, seed=9)
     _, layers = target(ids.unsqueeze(0), target.new_cache(1, ids.numel()), feature_layers=head.feature_layers)
     assert layers.shape == (1, 12, 3 * 64)
     with torch.no_grad():
         unrolled, again = [], []
         first = train_forward(head, ids[1:].unsqueeze(0), layers[:, :-1], unrolled)
-        want = train_forward(plain, ids[1:].unsqueeze(0), head.fuse(layers[:, :-1]), again)
+        want = train_forward(plain, ids[1:].unsqueeze(0), head.hidden_norm(head.fuse(layers[:, :-1])), again)
         torch.testing.assert_close(first.feature, want.feature, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(first.contrastive_feature(), want.contrastive_feature(), atol=1e-5, rtol=1e-5)
         second = train_forward(head, torch.cat([ids[2:], ids[:1]]).unsqueeze(0), first.feature, unrolled)
         torch.testing.assert_close(second.feature, train_forward(plain, torch.cat([ids[2:], ids[:1]]).unsqueeze(0),
-                                                                 want.feature, again).feature, atol=1e-5, rtol=1e-5)
+                                                                 head.hidden_norm(want.feature), again).feature,
+                                   atol=1e-5, rtol=1e-5)
 
 
 def examples_of(target, head, seqs, masks=None):

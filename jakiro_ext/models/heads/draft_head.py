@@ -15,7 +15,8 @@ the same input: one pass drafts every later layer of the tree.
 
 A fused head (``feature_layers``, three target layer ids) reads at a committed token, in place of
 f_t, ``fuse(cat(h_low, h_mid, h_high))`` (EAGLE-3's ``fc``: [H, 3H], no bias), the streams
-entering those target layers; a drafted token's feature is still the head's own output. Trained
+entering those target layers; a drafted token's feature is still the head's own output; either
+goes through ``hidden_norm`` (EAGLE-3's) before ``fc``. Trained
 as EAGLE-3 trains (the token loss alone, unrolled), it is EAGLE-2's or Jakiro's layer on EAGLE-3's
 features; it is saved in this package's format only.
 
@@ -79,8 +80,9 @@ class DraftHead(nn.Module):
         c = self.config = config
         H = c.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=True)
-        if c.feature_layers:
+        if c.feature_layers:  # EAGLE-3's fc and hidden_norm
             self.fuse = nn.Linear(3 * H, H, bias=False)
+            self.hidden_norm = RMSNorm(H, c.rms_norm_eps)
         # What the engine asks the target for (None: its final hidden states).
         self.feature_layers = tuple(c.feature_layers) or None
         _add_layer_weights(self, c, dense=not c.num_experts)
@@ -119,7 +121,7 @@ class DraftHead(nn.Module):
             for name, p in self.named_parameters():
                 if name.endswith("bias") or name == "mlp_block_weight":
                     p.zero_()
-                elif "layernorm" in name:
+                elif name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * std)
@@ -354,10 +356,14 @@ class DraftHead(nn.Module):
                       products: Optional[Products] = None) -> torch.Tensor:
         """``fc(cat(embed(tokens), features))``: rows [..., H] of the serial layers' input (with
         ``train``, in plain PyTorch: the fused linear has no backward; else reading :meth:`products`).
-        A fused head's features may be the target's three layers [..., 3H], fused first."""
+        A fused head's features may be the target's three layers [..., 3H], fused first; its feature
+        (fused, or its own output at a drafted token) is normalised (EAGLE-3's hidden_norm: the
+        layers' raw residual streams, and the outputs fed back, are far from the final state's scale)."""
         features = features.to(self.fc.weight.dtype)
-        if self.feature_layers and features.shape[-1] == 3 * self.config.hidden_size:
-            features = self.fuse(features) if train else project(self.fuse, features)
+        if self.feature_layers:
+            if features.shape[-1] == 3 * self.config.hidden_size:
+                features = self.fuse(features) if train else project(self.fuse, features)
+            features = self.hidden_norm(features)
         x = torch.cat([quantized.embedding(self.embed_weight, tokens), features], -1)
         if train:
             return self.fc(x)

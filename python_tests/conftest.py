@@ -11,7 +11,7 @@ from jakiro_ext.ops import emulator
 from jakiro_ext import ops
 
 TESTS = Path(__file__).resolve().parent
-AREAS = ("ops", "gpu", "models", "engine", "training", "cli", "robustness")
+AREAS = ("ops", "gpu", "models", "engine", "training", "cli", "integrations", "robustness")
 # Test modules share cases across areas (the GPU tests reuse the op tests' shapes, everything the
 # helpers): the tests' folder and each area's are importable by module name, here and in the
 # subprocesses some tests start (their PYTHONPATH gets TEST_PATH).

@@ -30,11 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
@@ -42,6 +40,7 @@ import eagle.model.ea_model as ea
 import eagle.model.modeling_llama_kv as kv
 from jakiro_ext import atomic, ops
 from jakiro_ext.integrations import eagle_compat
+from jakiro_ext.models.heads import formats as head_formats
 from jakiro_ext.ops.masks import causal_tree_mask, pack_bits
 
 load_eagle_model = eagle_compat.load_eagle_model
@@ -244,10 +243,8 @@ def save_for_eagle(head, embed_tokens: torch.Tensor, out) -> None:
     (with ``bias``) and ``pytorch_model.bin`` holding the target's embedding beside the head's
     tensors (EAGLE loads strictly); a head over a draft vocabulary drafts over the whole one there
     (the target's LM head rows: EAGLE has no draft vocabulary)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        head.save(tmp, dtype=torch.float32, format="eagle", full_vocabulary=True)
-        config = json.loads((Path(tmp) / "config.json").read_text())
-        state = load_file(str(Path(tmp) / "model.safetensors"))
+    config, state = head_formats.HEAD_FORMATS["eagle"].write(head, True)  # (the eagle format's own writer)
+    state = {k: v.detach().float().contiguous() for k, v in state.items()}
     state["embed_tokens.weight"] = embed_tokens.detach().float().contiguous().clone()
     config["bias"] = True  # (fc's: EAGLE's loader reads it)
 

@@ -1,13 +1,15 @@
 """This package's ops inside EAGLE's own decoding loop (eagle-llm 1.2.1's ``eagenerate``, run as it
 is): its greedy tokens with our tree attention, verification, KV commit (and the whole target
 forward as ``decoder_layers``) equal its tokens without them and plain greedy decoding's, on a
-tiny Llama and on SmolLM2 with this package's EAGLE-2 head; its sampling path at a temperature
-that leaves one choice gives the greedy tokens; the patches are undone on exit."""
+tiny Llama and on SmolLM2 with this package's EAGLE-2 head; its sampling path samples the
+target's distribution (tested statistically, with a control that fails) and at a temperature that
+leaves one choice gives the greedy tokens; the patches are undone on exit."""
 import json
 
 import pytest
 import torch
 import transformers
+from scipy.stats import kstest
 
 pytest.importorskip("eagle.model.ea_model", reason="EAGLE's reference code (pip install --no-deps eagle-llm==1.2.1; "
                                                     "scripts/test.sh installs it)")
@@ -21,6 +23,7 @@ from jakiro_ext.models.default import default_model_dir, load_default_target  # 
 from jakiro_ext.models.heads.config import DraftConfig  # noqa: E402
 from jakiro_ext.models.heads.draft_head import DraftHead  # noqa: E402
 from jakiro_ext.models.llama import as_target  # noqa: E402
+from jakiro_ext.ops import reference  # noqa: E402
 
 ALL = [dict(), dict(attention=True, verify=False, compact=False), dict(attention=False, verify=True, compact=False),
        dict(attention=False, verify=False, compact=True), dict(model=True)]
@@ -42,11 +45,10 @@ def accept_lengths(model, ids, new_tokens, **kw):
     return out[0, ids.shape[1]:].tolist(), steps
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny GQA Llama (rope_theta 1e5, tied embeddings) saved with SmolLM2's tokenizer, and an
-    EAGLE-2 head of this package for it that echoes its input token (so drafts are accepted)."""
-    root = tmp_path_factory.mktemp("eagle")
+def tiny_eagle(root, sharpness: float = 1.0):
+    """A tiny GQA Llama (rope_theta 1e5, tied embeddings; its final norm scaled by ``sharpness``,
+    which sharpens its distributions) saved with SmolLM2's tokenizer, and an EAGLE-2 head of this
+    package for it that echoes its input token (so drafts are accepted): (hf model, EaModel)."""
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -54,6 +56,7 @@ def tiny(tmp_path_factory):
     hf = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         hf.model.embed_tokens.weight.normal_(0, 0.02)
+        hf.model.norm.weight.mul_(sharpness)
     hf.save_pretrained(root / "base")
     transformers.AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(root / "base")
     target = as_target(hf)
@@ -64,7 +67,13 @@ def tiny(tmp_path_factory):
         head.o_proj.weight.zero_()
         head.down_proj.weight.zero_()
     eagle.save_for_eagle(head, target.embed_tokens.weight, root / "head")
-    return hf, eagle.load_eagle_model(root / "base", root / "head"), root
+    return hf, eagle.load_eagle_model(root / "base", root / "head")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    return (*tiny_eagle(root), root)
 
 
 def test_eagles_greedy_loop_with_our_ops_gives_its_tokens_and_plain_greedy_decodings(tiny):
@@ -95,6 +104,41 @@ def test_the_sampling_path_at_a_temperature_that_leaves_one_choice_is_greedy(tin
     with pytest.raises(NotImplementedError, match="top-p .* before top-k"):
         eagle.sampling_settings(ea.prepare_logits_processor(temperature=0.7, top_p=0.9, top_k=5))
     assert sampled == greedy[:len(sampled)] and sum(steps) > 0
+
+
+def integral_transform(hf, ids, runs, temperature: float, top_k: int) -> torch.Tensor:
+    """The randomised probability integral transform of every token of ``runs`` (lists of tokens
+    after ``ids``) under the target's distribution given its prefix (temperature, top-k), in token
+    order: F(x) - V p(x), V uniform. Uniform on [0, 1) exactly when every token has the target's
+    distribution given what came before it (the tokens' values are then independent too)."""
+    values, draws = [], torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for tokens in runs:
+            logits = hf(torch.cat([ids[0], torch.tensor(tokens)])[None]).logits[0, ids.shape[1] - 1:-1]
+            p = torch.stack([reference.filtered_distribution(row, temperature, 1.0, top_k) for row in logits])
+            x = torch.tensor(tokens)[:, None]
+            px = p.gather(1, x)[:, 0]
+            values.append(p.cumsum(-1).gather(1, x)[:, 0] - px * torch.rand(len(tokens), generator=draws, dtype=p.dtype))
+    return torch.cat(values)
+
+
+@pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (1.5, 8)])
+def test_the_sampling_path_samples_the_targets_distribution(tmp_path, temperature, top_k):
+    """EAGLE's loop sampling with ``verify_tree`` (and its first token from EAGLE's own processor):
+    150 runs of 30 tokens from a target sharp enough that drafts (its input token echoed) are
+    accepted about half the time. Every token's integral transform under the target's filtered
+    distribution given its prefix is uniform (Kolmogorov-Smirnov); the same tokens against the
+    target at 1.3x the temperature are not (the control: the test can fail)."""
+    hf, model = tiny_eagle(tmp_path, sharpness=6.0)
+    ids = torch.randint(1, 211, (1, 6), generator=torch.Generator().manual_seed(5))
+    torch.manual_seed(1)  # (EAGLE's own draws: its first token, its bonus tokens' multinomial)
+    with eagle.use_jakiro_ops(generator=torch.Generator().manual_seed(0)):
+        runs = [accept_lengths(model, ids, 30, temperature=temperature, top_k=top_k) for _ in range(150)]
+    steps = [n for _, accepted in runs for n in accepted]
+    assert 0.3 < sum(steps) / len(steps) < 3 and steps.count(0) > len(steps) / 10  # drafts accepted and rejected
+    tokens = [t for t, _ in runs]
+    assert kstest(integral_transform(hf, ids, tokens, temperature, top_k).numpy(), "uniform").pvalue > 1e-3
+    assert kstest(integral_transform(hf, ids, tokens, 1.3 * temperature, top_k).numpy(), "uniform").pvalue < 1e-6
 
 
 def test_switches_are_one_at_a_time_and_bad_files_are_named(tiny, tmp_path):

@@ -1,7 +1,8 @@
 """Helpers the engine, model and training tests share: tiny random targets, heads that get
 drafts accepted, the trees and method pairs every engine test runs, and the sampling statistics
 (exact distributions by enumeration, chi-square with pooling, power against a shift, a lossy
-verifier for negative controls), and EAGLE-3 checkpoints with their layer in plain PyTorch."""
+verifier for negative controls, the integral transform of sampled runs), EAGLE-3 checkpoints with
+their layer in plain PyTorch, and a tiny Llama saved for the peers' own loops."""
 
 import functools
 import json
@@ -18,6 +19,7 @@ from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.candidate import Candidate
 from jakiro_ext.engine.generate import speculative_generate
 from jakiro_ext.models import LlamaModel
+from jakiro_ext.models.default import default_model_dir
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.training.examples import collate, make_example
@@ -216,6 +218,39 @@ SAMPLES = 4000
 # ----------------------------------------------------------------------------- shared cases
 # Prompts of several lengths (1 to 20 tokens) that the batch tests decode together.
 PROMPTS = [prompt(n, seed=s) for n, s in [(13, 2), (5, 3), (20, 4), (1, 5), (9, 6)]]
+
+
+def integral_transform(hf, ids, runs, temperature: float, top_k: int = 0) -> torch.Tensor:
+    """The randomised probability integral transform of every token of ``runs`` (lists of tokens
+    after ``ids`` [1, P]) under ``hf``'s distribution given its prefix (temperature, top-k), in
+    token order: F(x) - V p(x), V uniform. Uniform on [0, 1) exactly when every token has the
+    target's distribution given what came before it (the values are then independent too)."""
+    values, draws = [], torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for tokens in runs:
+            logits = hf(torch.cat([ids[0], torch.tensor(tokens)])[None]).logits[0, ids.shape[1] - 1:-1]
+            p = torch.stack([reference.filtered_distribution(row, temperature, 1.0, top_k) for row in logits])
+            x = torch.tensor(tokens)[:, None]
+            px = p.gather(1, x)[:, 0]
+            values.append(p.cumsum(-1).gather(1, x)[:, 0] - px * torch.rand(len(tokens), generator=draws, dtype=p.dtype))
+    return torch.cat(values)
+
+
+def tiny_llama_dir(path, sharpness: float = 1.0) -> transformers.LlamaForCausalLM:
+    """A tiny GQA transformers Llama (vocabulary 211, rope_theta 1e5, tied embeddings, its final
+    norm scaled by ``sharpness``, which sharpens its distributions; its argmax mostly repeats the
+    input token) saved in ``path`` with SmolLM2's tokenizer; returned in eval mode."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      tie_word_embeddings=True, rope_theta=100000.0, eos_token_id=0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.normal_(0, 0.02)
+        hf.model.norm.weight.mul_(sharpness)
+    hf.save_pretrained(path)
+    transformers.AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(path)
+    return hf
 
 
 def same(a, b) -> bool:

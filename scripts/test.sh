@@ -14,9 +14,9 @@
 #      (scripts/serving/vllm_check.sh; .venv-vllm, ~2 GB). JAKIRO_TEST_VLLM=0 leaves it out.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh" pytest scipy sentencepiece  # (sentencepiece: llama.cpp's converter, in a test)
-# EAGLE's reference code, whose loop the integration tests run with this package's ops (its pins
-# are stale and none of them is needed for its loop: --no-deps).
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps eagle-llm==1.2.1
+# EAGLE's and Medusa's reference code, whose loops the integration tests run with this package's
+# ops (their pins are stale and none of them is needed for their loops: --no-deps).
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps eagle-llm==1.2.1 medusa-llm==0.1
 cd "$ROOT"
 
 echo "== python tests (CPU build)"

@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-import transformers
 from scipy.stats import kstest
 
 pytest.importorskip("eagle.model.ea_model", reason="EAGLE's reference code (pip install --no-deps eagle-llm==1.2.1; "
@@ -19,11 +18,11 @@ import eagle.model.modeling_llama_kv as kv  # noqa: E402
 from jakiro_ext.cli.common import HEADS_DIR  # noqa: E402
 from jakiro_ext.engine.generate import speculative_generate  # noqa: E402
 from jakiro_ext.integrations import eagle  # noqa: E402
+from helpers import integral_transform, tiny_llama_dir  # noqa: E402
 from jakiro_ext.models.default import default_model_dir, load_default_target  # noqa: E402
 from jakiro_ext.models.heads.config import DraftConfig  # noqa: E402
 from jakiro_ext.models.heads.draft_head import DraftHead  # noqa: E402
 from jakiro_ext.models.llama import as_target  # noqa: E402
-from jakiro_ext.ops import reference  # noqa: E402
 
 ALL = [dict(), dict(attention=True, verify=False, compact=False), dict(attention=False, verify=True, compact=False),
        dict(attention=False, verify=False, compact=True), dict(model=True)]
@@ -46,19 +45,9 @@ def accept_lengths(model, ids, new_tokens, **kw):
 
 
 def tiny_eagle(root, sharpness: float = 1.0):
-    """A tiny GQA Llama (rope_theta 1e5, tied embeddings; its final norm scaled by ``sharpness``,
-    which sharpens its distributions) saved with SmolLM2's tokenizer, and an EAGLE-2 head of this
-    package for it that echoes its input token (so drafts are accepted): (hf model, EaModel)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      tie_word_embeddings=True, rope_theta=100000.0, eos_token_id=0)
-    hf = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        hf.model.embed_tokens.weight.normal_(0, 0.02)
-        hf.model.norm.weight.mul_(sharpness)
-    hf.save_pretrained(root / "base")
-    transformers.AutoTokenizer.from_pretrained(default_model_dir()).save_pretrained(root / "base")
+    """:func:`helpers.tiny_llama_dir` and an EAGLE-2 head of this package for it that echoes its
+    input token (so drafts are accepted): (hf model, EaModel)."""
+    hf = tiny_llama_dir(root / "base", sharpness)
     target = as_target(hf)
     head = DraftHead(DraftConfig.for_target(target.config, "eagle2", intermediate_size=128)).init_weights(1).bind(target)
     with torch.no_grad():
@@ -104,22 +93,6 @@ def test_the_sampling_path_at_a_temperature_that_leaves_one_choice_is_greedy(tin
     with pytest.raises(NotImplementedError, match="top-p .* before top-k"):
         eagle.sampling_settings(ea.prepare_logits_processor(temperature=0.7, top_p=0.9, top_k=5))
     assert sampled == greedy[:len(sampled)] and sum(steps) > 0
-
-
-def integral_transform(hf, ids, runs, temperature: float, top_k: int) -> torch.Tensor:
-    """The randomised probability integral transform of every token of ``runs`` (lists of tokens
-    after ``ids``) under the target's distribution given its prefix (temperature, top-k), in token
-    order: F(x) - V p(x), V uniform. Uniform on [0, 1) exactly when every token has the target's
-    distribution given what came before it (the tokens' values are then independent too)."""
-    values, draws = [], torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for tokens in runs:
-            logits = hf(torch.cat([ids[0], torch.tensor(tokens)])[None]).logits[0, ids.shape[1] - 1:-1]
-            p = torch.stack([reference.filtered_distribution(row, temperature, 1.0, top_k) for row in logits])
-            x = torch.tensor(tokens)[:, None]
-            px = p.gather(1, x)[:, 0]
-            values.append(p.cumsum(-1).gather(1, x)[:, 0] - px * torch.rand(len(tokens), generator=draws, dtype=p.dtype))
-    return torch.cat(values)
 
 
 @pytest.mark.parametrize("temperature, top_k", [(1.0, 0), (1.5, 8)])

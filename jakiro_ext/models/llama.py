@@ -278,21 +278,24 @@ class LlamaModel(nn.Module):
             depths = torch.arange(T, device=device).expand(B, T)
         cos, sin = self._rope(cache.lengths.unsqueeze(1) + depths, cache.capacity)
         residual, delta = None, self.embed_tokens(tokens)
+        lists = weights.lists if streamed is None else weights.streamed_lists
         if feature_layers is None:  # every layer in one call
-            lists = weights.lists if streamed is None else weights.streamed_lists
             residual, delta = ops.decoder_layers(delta, None, *lists, cos, sin, cache.kv,
                                                  cache.lengths, tree_mask, self.config.rms_norm_eps)
             normed, _ = self.norm.add_and_norm(delta, residual)
             return normed, normed
-        streams = []
-        for i, (layer, layer_kv) in enumerate(zip(self.layers, cache.kv.unbind(0))):
-            if i in feature_layers:
-                streams.append((i, delta if residual is None else residual + delta))
-            residual, delta = layer.run(residual, delta, cos, sin, layer_kv, cache.lengths, tree_mask,
-                                        None if streamed is None else streamed[i])
-        normed, top = self.norm.add_and_norm(delta, residual)
-        found = dict(streams + [(len(self.layers), top)])  # (L: the stream after the last layer, before the norm)
-        return normed, torch.cat([found[i] for i in feature_layers], -1)
+        # One call per run of layers between the collected ones (each stream is the one entering
+        # its layer): the same arithmetic as one call, layer for layer.
+        L, streams, start = len(self.layers), {}, 0
+        for stop in sorted({i for i in feature_layers if 0 < i < L}) + [L]:
+            if start in feature_layers:
+                streams[start] = delta if residual is None else residual + delta
+            residual, delta = ops.decoder_layers(delta, residual, *(part[start:stop] for part in lists), cos, sin,
+                                                 cache.kv[start:stop], cache.lengths, tree_mask,
+                                                 self.config.rms_norm_eps)
+            start = stop
+        normed, streams[L] = self.norm.add_and_norm(delta, residual)  # (L: the stream after the last layer, before the norm)
+        return normed, torch.cat([streams[i] for i in feature_layers], -1)
 
     def _layer_weights(self, streamed: Optional[list] = None) -> tuple:
         """``jakiro::decoder_layers``' lists of the layers' weights (input_norms, qkv_weights,

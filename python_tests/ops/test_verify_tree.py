@@ -173,3 +173,72 @@ def test_verify_tree_bad_input_errors():
     for args, kwargs, message in cases:
         with pytest.raises(RuntimeError, match=message):
             ops.verify_tree(*args, **kwargs)
+
+
+ARGMAX_CHECK = """
+import math
+import torch
+from jakiro_ext import ops
+inf, nan = math.inf, math.nan
+
+
+def greedy_token(row):
+    '''The CPU op's greedy bonus token of a one-node tree (-1: the row gives no distribution).'''
+    try:
+        return int(ops.verify_tree(torch.tensor([[-1]]), torch.tensor([[0]]), row.reshape(1, 1, -1))[2][0])
+    except RuntimeError as error:
+        assert "give no distribution" in str(error), error
+        return -1
+
+
+def expected(row):
+    '''Ties: the lowest id; NaN or +inf anywhere, or every value -inf: no distribution.'''
+    if torch.isnan(row).any() or (row == inf).any() or (row == -inf).all():
+        return -1
+    return int(torch.nonzero(row == row.max())[0, 0])
+
+
+cases = 0
+for V in (1, 15, 16, 17, 31, 32, 33, 1000, 49152, 49153):
+    g = torch.Generator().manual_seed(V)
+    for kind in ("random", "tie_body_tail", "max_in_tail", "zeros_signed", "all_neg_inf", "neg_inf_and_one",
+                 "nan_body", "nan_tail", "inf_body", "inf_tail", "ties_everywhere"):
+        row = torch.randn(V, generator=g)
+        last = V - 1
+        if kind == "tie_body_tail":
+            row[last] = row[V // 2] = row.max() + 1.0
+        elif kind == "max_in_tail":
+            row[last] = row.max() + 1.0
+        elif kind == "zeros_signed":
+            row = torch.full((V,), -1.0)
+            row[V // 3] = -0.0
+            row[last] = 0.0
+        elif kind == "all_neg_inf":
+            row = torch.full((V,), -inf)
+        elif kind == "neg_inf_and_one":
+            row = torch.full((V,), -inf)
+            row[last] = -3.0
+        elif kind in ("nan_body", "inf_body"):
+            row[V // 2] = nan if kind == "nan_body" else inf
+        elif kind in ("nan_tail", "inf_tail"):
+            row[last] = nan if kind == "nan_tail" else inf
+        elif kind == "ties_everywhere":
+            row = (row * 2).round()
+        got, want = greedy_token(row.contiguous()), expected(row)
+        assert got == want, (V, kind, got, want)
+        cases += 1
+print(cases)
+"""
+
+
+@pytest.mark.parametrize("setting", ["detected", "JAKIRO_CPU_AVX512=0"])
+@pytest.mark.covers("verify_tree", "adversarial_shapes")
+def test_verify_tree_greedy_argmax_on_adversarial_rows_on_both_cpu_paths(setting, tmp_path):
+    """The greedy scan (512-bit vectors where the CPU has them, else scalar): ties to the lowest
+    id in the vectors and in the tail, +0 / -0, NaN or +inf in either part, all -inf, lengths
+    around the vector width and the default model's vocabulary."""
+    from test_linear import run_kernel_check
+
+    out = run_kernel_check(ARGMAX_CHECK, tmp_path, **({} if setting == "detected" else dict([setting.split("=")])))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "110"

@@ -133,9 +133,9 @@ inline void mask_scores(const int64_t* mask_row, int64_t prefix, int64_t first, 
 template <typename scalar_t>
 void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                       int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
-                      int64_t t0, int64_t t1, SplitScratch& s) {
+                      int64_t t0, int64_t t1, int64_t g0, int64_t g1, SplitScratch& s) {
   const auto& sh = a.shape;
-  const int64_t T = sh.tree_len, D = sh.head_dim, G = sh.group(), tile = t1 - t0, rows = G * tile;
+  const int64_t T = sh.tree_len, D = sh.head_dim, G = sh.group(), tile = t1 - t0, rows = (g1 - g0) * tile;
   const int64_t prefix = a.prefix_lens[b], kv_len = prefix + T;
   const int64_t chunk = a.split_len > 0 ? a.split_len : (kv_len + a.num_splits - 1) / a.num_splits;
   const int64_t start = std::min(kv_len, split * chunk);
@@ -149,10 +149,10 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     return ((b * T + t0 + t) * sh.q_heads + h) * a.num_splits + split;
   };
 
-  // Gather the query rows r = g * tile + t (head kvh * G + g, tree token t0 + t), pre-scaled.
-  for (int64_t g = 0; g < G; ++g) {
+  // Gather the query rows r = (g - g0) * tile + t (head kvh * G + g, tree token t0 + t), pre-scaled.
+  for (int64_t g = g0; g < g1; ++g) {
     for (int64_t t = 0; t < tile; ++t) {
-      float* dst = s.q.data() + (g * tile + t) * D;
+      float* dst = s.q.data() + ((g - g0) * tile + t) * D;
       to_float(q + ((b * T + t0 + t) * sh.q_heads + kvh * G + g) * D, dst, D);
       scale_in_place(dst, D, a.scale);
     }
@@ -216,9 +216,9 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     }
   }
 
-  for (int64_t g = 0; g < G; ++g) {
+  for (int64_t g = g0; g < g1; ++g) {
     for (int64_t t = 0; t < tile; ++t) {
-      const int64_t r = g * tile + t, o = out_row(g, t);
+      const int64_t r = (g - g0) * tile + t, o = out_row(g, t);
       const OnlineSoftmax& st = s.state[r];
       float* dst = a.out_partial + o * D;
       from_float(s.acc.data() + r * D, dst, D);
@@ -229,10 +229,10 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
 }
 
 template void attend_one_split<float>(const PartialArgs&, const float*, const float*, const float*, int64_t, int64_t,
-                                      int64_t, int64_t, int64_t, int64_t, int64_t, SplitScratch&);
+                                      int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, SplitScratch&);
 template void attend_one_split<c10::BFloat16>(const PartialArgs&, const c10::BFloat16*, const c10::BFloat16*,
                                               const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                              int64_t, int64_t, SplitScratch&);
+                                              int64_t, int64_t, int64_t, int64_t, SplitScratch&);
 
 namespace {
 
@@ -277,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
         const int64_t split = rest % num_splits, kvh = (rest / num_splits) % sh.kv_heads;
         const int64_t b = rest / (num_splits * sh.kv_heads);
         attend_one_split(args, qp, kp, vp, k_cache.stride(0), k_cache.stride(1), b, kvh, split, t0,
-                         std::min(sh.tree_len, t0 + tile), scratch);
+                         std::min(sh.tree_len, t0 + tile), 0, sh.group(), scratch);
       }
     });
   });

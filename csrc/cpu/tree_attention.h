@@ -63,13 +63,21 @@ struct PartialArgs {
   float* lse_partial;  // [B, T, Hq, splits]
 };
 
-// One task: sequence b, KV head kvh, split `split` of its keys, for the G query heads sharing the
-// KV head and the tree tokens [t0, t1) (all T of them, or a prompt chunk's tile: then only the keys
-// up to the last one the tile's mask rows set are read); writes their rows of a.out_partial and
-// a.lse_partial.
+// One task: sequence b, KV head kvh, split `split` of its keys, for the query heads [g0, g1) of
+// the G sharing the KV head and the tree tokens [t0, t1) (all T of them, or a prompt chunk's tile:
+// then only the keys up to the last one the tile's mask rows set are read); writes their rows of
+// a.out_partial and a.lse_partial. A row's result is the same bits whatever rows share its task.
 template <typename scalar_t>
 void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
                       int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
-                      int64_t t0, int64_t t1, SplitScratch& s);
+                      int64_t t0, int64_t t1, int64_t g0, int64_t g1, SplitScratch& s);
+
+// Into how many parts a decoding step's or a tree's attention tasks split their G query heads so
+// that `roles` workers share them evenly: `tasks` (sequences x KV heads x splits) that divide
+// among the workers, or are many, stay whole; else each head is a task of its own (the default
+// model's 3 KV heads on 2 workers: 9 tasks, 5 and 4, instead of 2 and 1).
+inline int64_t query_head_parts(int64_t tasks, int64_t G, int64_t roles) {
+  return tasks % roles == 0 || tasks >= 4 * roles ? 1 : G;
+}
 
 }  // namespace jakiro::cpu

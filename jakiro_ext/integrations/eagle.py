@@ -144,12 +144,7 @@ def use_jakiro_ops(attention: bool = True, verify: bool = True, compact: bool = 
     global one). ``model`` runs the whole target forward as ``decoder_layers`` (its attention
     then is ``tree_attention`` too). A context manager."""
     kv_llama.fix_classes(kv, cnets)
-    replacements = []
-    if attention or model:
-        replacements += [(kv.LlamaModel, "_prepare_decoder_attention_mask", _packed_mask),
-                         (kv.LlamaAttention, "forward", _attention)]
-    if model:
-        replacements.append((kv.LlamaModel, "forward", kv_llama.model_forward))
+    replacements = kv_llama.target_patches(kv, _packed_mask, _attention, attention, model)
     if verify:  # (eagenerate reads these from ea_model's globals: ``from .utils import *``)
         replacements += [(ea, "initialize_tree", _initialize_tree), (ea, "tree_decoding", _tree_decoding),
                          (ea, "evaluate_posterior", _evaluate_posterior)]

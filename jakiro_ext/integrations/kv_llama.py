@@ -195,6 +195,20 @@ def commit(buffer: torch.Tensor, prefix: int, path: torch.Tensor) -> None:
 
 
 # ----------------------------------------------------------------------------- the switch
+def target_patches(module, mask, attention_forward, attention: bool, model: bool) -> list:
+    """The target-side replacements in a peer's KV Llama ``module`` (see :func:`patched`): its mask
+    by ``mask`` and its attention by ``attention_forward`` (:func:`packed_mask`,
+    :func:`tree_attention_forward`) with ``attention`` or ``model``, and its whole forward by
+    :func:`model_forward` with ``model``."""
+    out = []
+    if attention or model:
+        out += [(module.LlamaModel, "_prepare_decoder_attention_mask", mask),
+                (module.LlamaAttention, "forward", attention_forward)]
+    if model:
+        out.append((module.LlamaModel, "forward", model_forward))
+    return out
+
+
 @contextlib.contextmanager
 def patched(replacements: list, generator: torch.Generator = None):
     """Set ``(owner, attribute, value)`` for each replacement, restored on exit (an exception's

@@ -165,12 +165,7 @@ def use_jakiro_ops(attention: bool = True, verify: bool = True, compact: bool = 
     global one). ``model`` runs the whole target forward as ``decoder_layers`` (its attention
     then is ``tree_attention`` too). A context manager."""
     _fix()
-    replacements = []
-    if attention or model:
-        replacements += [(kv.LlamaModel, "_prepare_decoder_attention_mask", _packed_mask),
-                         (kv.LlamaAttention, "forward", _attention)]
-    if model:
-        replacements.append((kv.LlamaModel, "forward", kv_llama.model_forward))
+    replacements = kv_llama.target_patches(kv, _packed_mask, _attention, attention, model)
     if verify:  # (medusa_generate reads these from its module's globals: ``from .utils import *``)
         replacements += [(mm, "initialize_medusa", _initialize_medusa), (mm, "generate_candidates", _generate_candidates),
                          (mm, "tree_decoding", _tree_decoding), (mm, "evaluate_posterior", _evaluate_posterior)]

@@ -284,8 +284,7 @@ class LlamaModel(nn.Module):
                                                  cache.lengths, tree_mask, self.config.rms_norm_eps)
             normed, _ = self.norm.add_and_norm(delta, residual)
             return normed, normed
-        # One call per run of layers between the collected ones (each stream is the one entering
-        # its layer): the same arithmetic as one call, layer for layer.
+        # One call per run of layers between the collected ones (the stream entering each): one call's arithmetic.
         L, streams, start = len(self.layers), {}, 0
         for stop in sorted({i for i in feature_layers if 0 < i < L}) + [L]:
             if start in feature_layers:

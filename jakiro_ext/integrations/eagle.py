@@ -42,7 +42,7 @@ from jakiro_ext.integrations import kv_llama
 from jakiro_ext.integrations.kv_llama import parents_of  # noqa: F401  (EAGLE's tree in our terms)
 from jakiro_ext.models.heads import formats as head_formats
 
-_STATE = kv_llama._STATE
+STATE = kv_llama.STATE  # (what one patched function hands the next within a step)
 _attention = kv_llama.tree_attention_forward(kv.apply_rotary_pos_emb)
 _packed_mask = kv_llama.packed_mask("tree_mask")
 
@@ -74,14 +74,14 @@ def load_eagle_model(base_dir, head_dir, dtype: torch.dtype = torch.float32) -> 
 
 # ----------------------------------------------------------------------------- verification
 def _initialize_tree(input_ids, model, tree_attn_mask, past_key_values, logits_processor):
-    _STATE["parents"] = parents_of(tree_attn_mask).to(input_ids.device)
+    STATE["parents"] = parents_of(tree_attn_mask).to(input_ids.device)
     return _ORIGINAL_INITIALIZE_TREE(input_ids, model, tree_attn_mask, past_key_values, logits_processor)
 
 
 def _tree_decoding(model, tree_candidates, past_key_values, tree_position_ids, input_ids, retrieve_indices):
     outputs, tree_logits, hidden_state = model(tree_candidates, output_orig=True, past_key_values=past_key_values,
                                                position_ids=tree_position_ids + input_ids.shape[1], init=False)
-    _STATE["node_logits"], _STATE["retrieve_indices"] = tree_logits, retrieve_indices  # [1, T, V]: every node's
+    STATE["node_logits"], STATE["retrieve_indices"] = tree_logits, retrieve_indices  # [1, T, V]: every node's
     return tree_logits[0, retrieve_indices], hidden_state, outputs
 
 
@@ -108,8 +108,8 @@ def sampling_settings(logits_processor) -> tuple:
 
 def _evaluate_posterior(logits, candidates, logits_processor, cart_candidates_prob=None, op=None, p_indices=None,
                         tree_candidates=None, b_indices=None):
-    node_logits = _STATE["node_logits"]
-    best, n, bonus = kv_llama.verify(node_logits, tree_candidates, _STATE["retrieve_indices"],
+    node_logits = STATE["node_logits"]
+    best, n, bonus = kv_llama.verify(node_logits, tree_candidates, STATE["retrieve_indices"],
                                      None if logits_processor is None else sampling_settings(logits_processor))
     chosen = torch.zeros(node_logits.shape[-1], device=node_logits.device)
     chosen[bonus] = 1.0  # (EAGLE's argmax or multinomial of it is the bonus token)

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from jakiro_ext import ops
 from jakiro_ext.ops.masks import causal_tree_mask, pack_bits
 
-_STATE: dict = {}  # what one patched function hands the next within a step (both peers decode one sequence)
+STATE: dict = {}  # what one patched function hands the next within a step (both peers decode one sequence)
 
 
 # ----------------------------------------------------------------------------- transformers 5
@@ -91,10 +91,10 @@ def packed_mask(tree_attribute: str):
         tree = getattr(self, tree_attribute, None)
         if tree is None or tree.shape[-1] != T:
             return causal_tree_mask(B, T, inputs_embeds.device)
-        if _STATE.get("mask_of") != (id(tree), tree._version, B):  # (the peer's tree is one tensor: packed once)
-            _STATE["mask"] = pack_bits(tree.reshape(1, T, T) > 0.5).to(inputs_embeds.device).expand(B, -1, -1).contiguous()
-            _STATE["mask_of"] = (id(tree), tree._version, B)
-        return _STATE["mask"]
+        if STATE.get("mask_of") != (id(tree), tree._version, B):  # (the peer's tree is one tensor: packed once)
+            STATE["mask"] = pack_bits(tree.reshape(1, T, T) > 0.5).to(inputs_embeds.device).expand(B, -1, -1).contiguous()
+            STATE["mask_of"] = (id(tree), tree._version, B)
+        return STATE["mask"]
     return prepare
 
 
@@ -166,7 +166,7 @@ def model_forward(self, input_ids=None, attention_mask=None, position_ids=None, 
 # ----------------------------------------------------------------------------- verification and commit
 def sample_uniforms(tree_size: int, device) -> torch.Tensor:
     """``verify_tree``'s uniforms for a tree of ``tree_size`` nodes, from the switch's generator."""
-    return torch.rand((1, tree_size + 1), dtype=torch.float64, generator=_STATE.get("generator")).to(device)
+    return torch.rand((1, tree_size + 1), dtype=torch.float64, generator=STATE.get("generator")).to(device)
 
 
 def verify(node_logits: torch.Tensor, tree_tokens: torch.Tensor, retrieve_indices: torch.Tensor,
@@ -174,7 +174,7 @@ def verify(node_logits: torch.Tensor, tree_tokens: torch.Tensor, retrieve_indice
     """``verify_tree`` over every node's logits [1, T, V] (``sampling``: None for greedy, or
     (temperature, top_p, top_k)): (the row of ``retrieve_indices`` holding the accepted path,
     the number of drafts accepted, the bonus token)."""
-    parents = _STATE["parents"]
+    parents = STATE["parents"]
     if sampling is None:
         path, accepted, bonus = ops.verify_tree(parents, tree_tokens, node_logits.float())
     else:
@@ -213,10 +213,10 @@ def target_patches(module, mask, attention_forward, attention: bool, model: bool
 def patched(replacements: list, generator: torch.Generator = None):
     """Set ``(owner, attribute, value)`` for each replacement, restored on exit (an exception's
     too); one switch at a time (the patches are module-wide)."""
-    if "active" in _STATE:
+    if "active" in STATE:
         raise RuntimeError("use_jakiro_ops is already active (it patches the peer's modules: one at a time)")
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replacements]
-    _STATE.update(active=True, generator=generator)
+    STATE.update(active=True, generator=generator)
     try:
         for owner, name, value in replacements:
             setattr(owner, name, value)
@@ -224,4 +224,4 @@ def patched(replacements: list, generator: torch.Generator = None):
     finally:
         for owner, name, value in reversed(originals):
             setattr(owner, name, value)
-        _STATE.clear()
+        STATE.clear()

@@ -35,7 +35,7 @@ from jakiro_ext import ops
 from jakiro_ext.integrations import kv_llama
 from jakiro_ext.integrations.kv_llama import parents_of
 
-_STATE = kv_llama._STATE
+STATE = kv_llama.STATE  # (what one patched function hands the next within a step)
 _attention = kv_llama.tree_attention_forward(kv.apply_rotary_pos_emb)
 _packed_mask = kv_llama.packed_mask("medusa_mask")
 
@@ -110,15 +110,15 @@ def generate(model: "mm.MedusaModel", input_ids: torch.Tensor, max_steps: int = 
 
 # ----------------------------------------------------------------------------- verification
 def _initialize_medusa(input_ids, model, medusa_attn_mask, past_key_values):
-    _STATE["parents"] = parents_of(medusa_attn_mask).to(input_ids.device)
-    _STATE.pop("bonus", None)  # (a new call: its first root comes from its prompt, not the last call's bonus)
+    STATE["parents"] = parents_of(medusa_attn_mask).to(input_ids.device)
+    STATE.pop("bonus", None)  # (a new call: its first root comes from its prompt, not the last call's bonus)
     return _ORIGINAL["initialize_medusa"](input_ids, model, medusa_attn_mask, past_key_values)
 
 
 def _generate_candidates(medusa_logits, logits, medusa_topk, tree_indices, temperature):
     candidates, tree_candidates = _ORIGINAL["generate_candidates"](medusa_logits, logits, medusa_topk, tree_indices,
                                                                    temperature)
-    root = _STATE.pop("bonus", None)
+    root = STATE.pop("bonus", None)
     if root is None and temperature > 0:  # the first tree: its root drawn from the prompt's last logits
         one_node = torch.zeros((1, 1), dtype=torch.int64, device=logits.device)
         _, _, bonus = ops.verify_tree(torch.full_like(one_node, -1), one_node, logits[:, -1:].float(),
@@ -133,12 +133,12 @@ def _generate_candidates(medusa_logits, logits, medusa_topk, tree_indices, tempe
 def _tree_decoding(model, tree_candidates, past_key_values, medusa_position_ids, input_ids, retrieve_indices):
     tree_medusa_logits, outputs, tree_logits = model(tree_candidates, output_orig=True, past_key_values=past_key_values,
                                                      position_ids=medusa_position_ids + input_ids.shape[1])
-    _STATE.update(node_logits=tree_logits, tree_tokens=tree_candidates, retrieve_indices=retrieve_indices)
+    STATE.update(node_logits=tree_logits, tree_tokens=tree_candidates, retrieve_indices=retrieve_indices)
     return tree_medusa_logits[:, 0, retrieve_indices], tree_logits[0, retrieve_indices], outputs
 
 
 def _evaluate_posterior(logits, candidates, temperature, posterior_threshold, posterior_alpha):
-    best, n, _STATE["bonus"] = kv_llama.verify(_STATE["node_logits"], _STATE["tree_tokens"], _STATE["retrieve_indices"],
+    best, n, STATE["bonus"] = kv_llama.verify(STATE["node_logits"], STATE["tree_tokens"], STATE["retrieve_indices"],
                                                None if temperature == 0 else (float(temperature), 1.0, 0))
     return torch.tensor(best), torch.tensor(n)
 

@@ -56,6 +56,19 @@ inline void check_weight_dtype(const char* op, const char* name, const at::Tenso
   check_same_dtype(op, name, w, ref_name, ref);
 }
 
+// A KV cache: the dtype of its activations ref, or, where the kernels take it (`bf16_cache`: the
+// CPU's), bfloat16 beside float32 activations (a quantized target's cache: half the bytes every
+// row's attention reads; keys and values rounded to bf16 as they are written, widened exactly as
+// they are read, the arithmetic float32).
+inline void check_cache_dtype(const char* op, const char* name, const at::Tensor& cache, const char* ref_name,
+                              const at::Tensor& ref, bool bf16_cache) {
+  const bool mixed = cache.scalar_type() == at::kBFloat16 && ref.scalar_type() == at::kFloat;
+  if (mixed && bf16_cache) return;
+  TORCH_CHECK(!mixed, op, ": ", name, " in bfloat16 beside float32 ", ref_name, " is read by the CPU kernels only; here ",
+              name, " must have the dtype of ", ref_name, " (Float)");
+  check_same_dtype(op, name, cache, ref_name, ref);
+}
+
 inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t expected,
                        const char* what) {
   TORCH_CHECK(t.size(dim) == expected, op, ": ", name, ".shape[", dim, "] (", what, ") must be ", expected,

@@ -3,8 +3,9 @@
 // so the layer is one call from Python whatever runs it, and its parts are the tested ops.
 // Ops has: rms_norm(x, weight, eps, residual) -> (out, sum); linear(x, weight, bias);
 // rope_kv_write(qkv, cos, sin, kv_cache, lengths) -> q; tree_attention(q, k, v, lengths, mask)
-// -> out; silu_mul(gate_up); and kBf16Weights: whether its linear takes bf16 weights beside
-// float32 rows (check_weight_dtype).
+// -> out; silu_mul(gate_up); kBf16Weights: whether its linear takes bf16 weights beside float32
+// rows (check_weight_dtype); kBf16Cache: whether its rope_kv_write and tree_attention take a bf16
+// cache beside them (check_cache_dtype).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -25,7 +26,7 @@ std::tuple<at::Tensor, at::Tensor> compose_decoder_layer(
     double eps) {
   const auto s = check_decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm,
                                      gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps,
-                                     Ops::kBf16Weights);
+                                     Ops::kBf16Weights, Ops::kBf16Cache);
   auto [h, stream] = ops.rms_norm(delta, input_norm, eps, residual);
   const auto qkv = ops.linear(h, qkv_weight, qkv_bias).view({s.batch, s.tokens, s.q_heads + 2 * s.kv_heads, s.head_dim});
   const auto q = ops.rope_kv_write(qkv, cos, sin, kv_cache, lengths);

@@ -18,9 +18,11 @@ struct TreeAttentionShape {
 
 // q [B, T, Hq, D]; k_cache, v_cache [B, Hkv, S, D]; prefix_lens [B] int64;
 // tree_mask [B, T, ceil(T/64)] int64. Also checks prefix_lens[b] + T <= S (reads prefix_lens).
+// The caches have q's dtype, or with `bf16_cache` (the CPU kernels) bfloat16 beside a float32 q
+// (check_cache_dtype).
 TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                         const at::Tensor& v_cache, const at::Tensor& prefix_lens,
-                                        const at::Tensor& tree_mask);
+                                        const at::Tensor& tree_mask, bool bf16_cache = false);
 
 // The softmax scale as float: `scale` (finite, also as float32) or 1 / sqrt(head_dim).
 float attention_scale(const char* op, std::optional<double> scale, int64_t head_dim);
@@ -62,9 +64,10 @@ struct RopeKvShape {
 };
 // qkv [B, T, Hq + 2 Hkv, D] (Hq >= 1, D even); cos, sin [B, T, D]; kv_cache [2, B, Hkv, S, D]
 // with contiguous [S, D] rows; lengths [B] int64 with lengths[b] + T <= S (read on the host);
-// one dtype (float32 or bfloat16) but lengths, one device.
+// one dtype (float32 or bfloat16) but lengths, one device; `bf16_cache` (the CPU kernel): a
+// float32 qkv also writes a bfloat16 cache (check_cache_dtype).
 RopeKvShape check_rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                const at::Tensor& kv_cache, const at::Tensor& lengths);
+                                const at::Tensor& kv_cache, const at::Tensor& lengths, bool bf16_cache = false);
 
 struct DecoderLayerShape {
   int64_t batch, tokens, hidden, q_heads, kv_heads, head_dim, intermediate;
@@ -75,15 +78,17 @@ struct DecoderLayerShape {
 // cos, sin [B, T, D]; lengths [B] int64; tree_mask [B, T, ceil(T / 64)] int64; eps finite and
 // >= 0; one dtype (float32 or bfloat16) but the index tensors, one device; `bf16_weights` (the
 // CPU kernel): float32 rows also take the four projection weights in bfloat16 (check_weight_dtype)
-// or packed quantized (jakiro/quant.h; the shapes above are then their matrices').
-// The cache positions and the mask are checked by the parts (rope_kv_write, tree_attention).
+// or packed quantized (jakiro/quant.h; the shapes above are then their matrices'), and the same
+// kernel a bfloat16 kv_cache (check_cache_dtype). The cache positions and the mask are checked by
+// the parts (rope_kv_write, tree_attention).
 DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::optional<at::Tensor>& residual,
                                       const at::Tensor& input_norm, const at::Tensor& qkv_weight,
                                       const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o_weight,
                                       const at::Tensor& post_norm, const at::Tensor& gate_up_weight,
                                       const at::Tensor& down_weight, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& kv_cache, const at::Tensor& lengths,
-                                      const at::Tensor& tree_mask, double eps, bool bf16_weights = false);
+                                      const at::Tensor& tree_mask, double eps, bool bf16_weights = false,
+                                      bool bf16_cache = false);
 
 // jakiro::decoder_layers: L >= 1 layers, every list L tensors long (qkv_biases L, or empty: no
 // bias), kv_cache [L, 2, B, Hkv, S, D]; layer l checked by check_decoder_layer with kv_cache[l]
@@ -95,7 +100,7 @@ DecoderLayerShape check_decoder_layers(const at::Tensor& delta, const std::optio
                                        at::TensorList gate_up_weights, at::TensorList down_weights,
                                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
                                        const at::Tensor& lengths, const at::Tensor& tree_mask, double eps,
-                                       bool bf16_weights = false);
+                                       bool bf16_weights = false, bool bf16_cache = false);
 
 // gate_up [..., 2 I] with I >= 1, float32 or bfloat16.
 void check_silu_mul(const at::Tensor& gate_up);

@@ -31,13 +31,13 @@ void check_lengths(const char* op, const char* name, const at::Tensor& t, int64_
 
 TreeAttentionShape check_tree_attention(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                         const at::Tensor& v_cache, const at::Tensor& prefix_lens,
-                                        const at::Tensor& tree_mask) {
+                                        const at::Tensor& tree_mask, bool bf16_cache) {
   check_dim(op, "q", q, 4, "[B, T, Hq, D]");
   check_dim(op, "k_cache", k_cache, 4, "[B, Hkv, S, D]");
   check_dim(op, "v_cache", v_cache, 4, "[B, Hkv, S, D]");
   check_dtype(op, "q", q, {at::kFloat, at::kBFloat16});
-  check_same_dtype(op, "k_cache", k_cache, "q", q);
-  check_same_dtype(op, "v_cache", v_cache, "q", q);
+  check_cache_dtype(op, "k_cache", k_cache, "q", q, bf16_cache);
+  check_same_dtype(op, "v_cache", v_cache, "k_cache", k_cache);
   for (auto* t : {&k_cache, &v_cache, &prefix_lens, &tree_mask}) check_same_device(op, "every tensor", *t, q);
 
   TreeAttentionShape s{q.size(0), q.size(1), q.size(2), k_cache.size(1), q.size(3), k_cache.size(2)};
@@ -163,13 +163,17 @@ void check_rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, c
 }
 
 RopeKvShape check_rope_kv_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                                const at::Tensor& kv_cache, const at::Tensor& lengths) {
+                                const at::Tensor& kv_cache, const at::Tensor& lengths, bool bf16_cache) {
   const char* op = "jakiro::rope_kv_write";
   check_dim(op, "qkv", qkv, 4, "[B, T, Hq + 2 Hkv, D]");
   check_dim(op, "kv_cache", kv_cache, 5, "[2, B, Hkv, S, D]");
   check_dtype(op, "qkv", qkv, {at::kFloat, at::kBFloat16});
   for (auto [name, t] : {std::pair{"cos", &cos}, std::pair{"sin", &sin}, std::pair{"kv_cache", &kv_cache}}) {
-    check_same_dtype(op, name, *t, "qkv", qkv);
+    if (t == &kv_cache) {
+      check_cache_dtype(op, name, *t, "qkv", qkv, bf16_cache);
+    } else {
+      check_same_dtype(op, name, *t, "qkv", qkv);
+    }
     check_same_device(op, name, *t, qkv);
   }
   check_same_device(op, "lengths", lengths, qkv);
@@ -207,7 +211,8 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
                                       const at::Tensor& post_norm, const at::Tensor& gate_up_weight,
                                       const at::Tensor& down_weight, const at::Tensor& cos, const at::Tensor& sin,
                                       const at::Tensor& kv_cache, const at::Tensor& lengths,
-                                      const at::Tensor& tree_mask, double eps, bool bf16_weights) {
+                                      const at::Tensor& tree_mask, double eps, bool bf16_weights,
+                                      bool bf16_cache) {
   const char* op = "jakiro::decoder_layer";
   check_dim(op, "delta", delta, 3, "[B, T, H]");
   check_dtype(op, "delta", delta, {at::kFloat, at::kBFloat16});
@@ -254,11 +259,13 @@ DecoderLayerShape check_decoder_layer(const at::Tensor& delta, const std::option
                 at::IntArrayRef(table), ", got ", t->sizes());
   }
   const std::pair<const char*, const at::Tensor*> floats[] = {
-      {"input_norm", &input_norm}, {"post_norm", &post_norm}, {"cos", &cos}, {"sin", &sin}, {"kv_cache", &kv_cache}};
+      {"input_norm", &input_norm}, {"post_norm", &post_norm}, {"cos", &cos}, {"sin", &sin}};
   for (const auto& [name, t] : floats) {
     check_same_dtype(op, name, *t, "delta", delta);
     check_same_device(op, name, *t, delta);
   }
+  check_cache_dtype(op, "kv_cache", kv_cache, "delta", delta, bf16_cache);
+  check_same_device(op, "kv_cache", kv_cache, delta);
   const std::pair<const char*, const at::Tensor*> weights[] = {
       {"qkv_weight", &qkv_weight}, {"o_weight", &o_weight}, {"gate_up_weight", &gate_up_weight},
       {"down_weight", &down_weight}};
@@ -289,7 +296,7 @@ DecoderLayerShape check_decoder_layers(const at::Tensor& delta, const std::optio
                                        at::TensorList gate_up_weights, at::TensorList down_weights,
                                        const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& kv_cache,
                                        const at::Tensor& lengths, const at::Tensor& tree_mask, double eps,
-                                       bool bf16_weights) {
+                                       bool bf16_weights, bool bf16_cache) {
   const char* op = "jakiro::decoder_layers";
   const int64_t L = static_cast<int64_t>(input_norms.size());
   TORCH_CHECK(L >= 1, op, ": input_norms must hold at least one layer's weight, got none");
@@ -311,7 +318,7 @@ DecoderLayerShape check_decoder_layers(const at::Tensor& delta, const std::optio
       s = check_decoder_layer(delta, residual, input_norms[l], qkv_weights[l],
                               qkv_biases.empty() ? std::nullopt : std::optional<at::Tensor>(qkv_biases[l]),
                               o_weights[l], post_norms[l], gate_up_weights[l], down_weights[l], cos, sin,
-                              kv_cache.select(0, l), lengths, tree_mask, eps, bf16_weights);
+                              kv_cache.select(0, l), lengths, tree_mask, eps, bf16_weights, bf16_cache);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, op, ": layer ", l, ": ", e.msg());
     }

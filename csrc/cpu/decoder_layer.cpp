@@ -41,7 +41,7 @@ namespace {
 constexpr int64_t kSiluRowsPerTask = 8;
 
 struct CpuOps {
-  static constexpr bool kBf16Weights = true;
+  static constexpr bool kBf16Weights = true, kBf16Cache = true;
   std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
                                               const std::optional<at::Tensor>& residual) const {
     return rms_norm_cpu(x, w, eps, residual);
@@ -145,21 +145,22 @@ struct LayerTensors {
 
 // What the stages read of one layer: its weights' pointers (contiguous copies kept alive in
 // `kept`) and its cache's.
-template <typename scalar_t, typename weight_t>
+template <typename scalar_t, typename weight_t, typename cache_t>
 struct LayerPointers {
   const weight_t *qkv, *o, *gate_up, *down;
   QuantFormat qkv_format, o_format, gate_up_format, down_format;  // packed quantized weights' (uint8 weight_t)
   const scalar_t *input_norm, *post_norm, *qkv_bias;
-  scalar_t *keys, *values;
+  cache_t *keys, *values;
   int64_t batch_stride, head_stride;
   std::vector<at::Tensor> kept;
 };
 
 // weight_t: the projections' weights, scalar_t, or beside float32 activations bf16 (check_weight_dtype)
 // or uint8: packed quantized (jakiro/quant.h, cpu/quantized.h; their rows quantized per stage by
-// each role for itself, as the norms are).
+// each role for itself, as the norms are). cache_t: the KV cache's, scalar_t or beside float32
+// activations bf16 (check_cache_dtype).
 // The layers one after the other, every stage of every layer in one parallel region.
-template <typename scalar_t, typename weight_t = scalar_t>
+template <typename scalar_t, typename weight_t = scalar_t, typename cache_t = scalar_t>
 std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape& s, const at::Tensor& delta,
                                                         const std::optional<at::Tensor>& residual,
                                                         const std::vector<LayerTensors>& layers, const at::Tensor& cos,
@@ -181,15 +182,16 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
   scalar_t* qkv = shared.as<scalar_t>();
   scalar_t *q = qkv + n_qkv, *attn = q + n_q, *o = attn + n_q, *stream = o + M * H, *act = stream + M * H;
   // Each layer's cache positions and the mask, checked as rope_kv_write and tree_attention check them.
-  std::vector<LayerPointers<scalar_t, weight_t>> ptrs(L);
+  std::vector<LayerPointers<scalar_t, weight_t, cache_t>> ptrs(L);
   TreeAttentionShape attention_shape{};
   for (int64_t l = 0; l < L; ++l) {
     const LayerTensors& t = layers[l];
     auto& p = ptrs[l];
-    check_rope_kv_write(at::from_blob(qkv, {B, T, Hq + 2 * Hkv, D}, options), c, sn, t.kv_cache, lens);
+    check_rope_kv_write(at::from_blob(qkv, {B, T, Hq + 2 * Hkv, D}, options), c, sn, t.kv_cache, lens,
+                        CpuOps::kBf16Cache);
     const auto k_cache = t.kv_cache.select(0, 0), v_cache = t.kv_cache.select(0, 1);
     attention_shape = check_tree_attention("jakiro::tree_attention", at::from_blob(q, {B, T, Hq, D}, options), k_cache,
-                                           v_cache, lens, mask);
+                                           v_cache, lens, mask, CpuOps::kBf16Cache);
     std::vector<at::Tensor> kept = {t.qkv_weight.contiguous(), t.o_weight.contiguous(), t.gate_up_weight.contiguous(),
                                     t.down_weight.contiguous(), t.input_norm.contiguous(), t.post_norm.contiguous()};
     if (t.qkv_bias.has_value()) kept.push_back(t.qkv_bias->contiguous());
@@ -203,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
     p.input_norm = kept[4].data_ptr<scalar_t>(), p.post_norm = kept[5].data_ptr<scalar_t>();
     p.qkv_bias = t.qkv_bias.has_value() ? kept[6].data_ptr<scalar_t>() : nullptr;
     p.kept = std::move(kept);
-    p.keys = k_cache.data_ptr<scalar_t>(), p.values = v_cache.data_ptr<scalar_t>();
+    p.keys = k_cache.data_ptr<cache_t>(), p.values = v_cache.data_ptr<cache_t>();
     p.batch_stride = t.kv_cache.stride(1), p.head_stride = t.kv_cache.stride(2);
   }
   // The attention's partial results: splits of kMinSplitLen keys over the longest sequence's keys.
@@ -237,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
     rs.product.resize(is_float ? 0 : M * std::max({QKV, H, I}));
     rs.silu.resize(3 * I);
     rs.merge.resize(D);
-    rs.attention.resize(attention_shape.group() * T, D, !is_float);
+    rs.attention.resize(attention_shape.group() * T, D, !std::is_same_v<cache_t, float>);
   }
 
   const scalar_t *px = x.data_ptr<scalar_t>(), *pres = res.defined() ? res.data_ptr<scalar_t>() : nullptr;
@@ -302,8 +304,8 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
       },
       [&](int64_t l, int64_t role) {  // RoPE of q and k and the cache write, by (row, head)
         const auto& p = ptrs[l];
-        const RopeKvWrite<scalar_t> rope{qkv, pcos, psin, len, q, p.keys, p.values, T, Hq, Hkv, D,
-                                         p.batch_stride, p.head_stride};
+        const RopeKvWrite<scalar_t, cache_t> rope{qkv, pcos, psin, len, q, p.keys, p.values, T, Hq, Hkv, D,
+                                                  p.batch_stride, p.head_stride};
         const int64_t per_row = rope.units_per_row();
         const auto [u0, u1] = share(M * per_row, role, roles);
         for (int64_t u = u0; u < u1; ++u) rope.unit(u / per_row, u % per_row);
@@ -376,16 +378,33 @@ bool fused(const DecoderLayerShape& s) {
   return fused_layer_enabled() && rows > 0 && rows <= kLinearStreamRows && s.tokens <= kFixedSplitTreeLen;
 }
 
+// fused_decoder_layers for float32 rows, weights of weight_t, in the cache's dtype.
+template <typename weight_t>
+std::tuple<at::Tensor, at::Tensor> run_fused_float(const DecoderLayerShape& s, const at::Tensor& delta,
+                                                   const std::optional<at::Tensor>& residual,
+                                                   const std::vector<LayerTensors>& layers, const at::Tensor& cos,
+                                                   const at::Tensor& sin, const at::Tensor& lengths,
+                                                   const at::Tensor& tree_mask, double eps) {
+  if (layers[0].kv_cache.scalar_type() == at::kBFloat16)  // a bf16 cache (check_cache_dtype)
+    return fused_decoder_layers<float, weight_t, c10::BFloat16>(s, delta, residual, layers, cos, sin, lengths,
+                                                                tree_mask, eps);
+  return fused_decoder_layers<float, weight_t, float>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
+}
+
 // fused_decoder_layers in the layers' dtypes.
 std::tuple<at::Tensor, at::Tensor> run_fused(const DecoderLayerShape& s, const at::Tensor& delta,
                                              const std::optional<at::Tensor>& residual,
                                              const std::vector<LayerTensors>& layers, const at::Tensor& cos,
                                              const at::Tensor& sin, const at::Tensor& lengths,
                                              const at::Tensor& tree_mask, double eps) {
-  if (layers[0].qkv_weight.scalar_type() == at::kByte)  // float32 rows, packed quantized weights
-    return fused_decoder_layers<float, uint8_t>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
-  if (layers[0].qkv_weight.scalar_type() != delta.scalar_type())  // float32 rows, bf16 weights (check_weight_dtype)
-    return fused_decoder_layers<float, c10::BFloat16>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
+  if (delta.scalar_type() == at::kFloat) {
+    const auto w = layers[0].qkv_weight.scalar_type();
+    if (w == at::kByte)  // packed quantized weights
+      return run_fused_float<uint8_t>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
+    if (w == at::kBFloat16)  // bf16 weights (check_weight_dtype)
+      return run_fused_float<c10::BFloat16>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
+    return run_fused_float<float>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
+  }
   std::tuple<at::Tensor, at::Tensor> result;
   JAKIRO_DISPATCH_FLOAT_BF16(delta.scalar_type(), "decoder_layer_cpu", [&] {
     result = fused_decoder_layers<scalar_t>(s, delta, residual, layers, cos, sin, lengths, tree_mask, eps);
@@ -401,7 +420,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layer_cpu(
     double eps) {
   const auto s = check_decoder_layer(delta, residual, input_norm, qkv_weight, qkv_bias, o_weight, post_norm,
                                      gate_up_weight, down_weight, cos, sin, kv_cache, lengths, tree_mask, eps,
-                                     CpuOps::kBf16Weights);
+                                     CpuOps::kBf16Weights, CpuOps::kBf16Cache);
   if (fused(s)) {
     return run_fused(s, delta, residual,
                      {{input_norm, qkv_weight, qkv_bias, o_weight, post_norm, gate_up_weight, down_weight, kv_cache}},
@@ -420,7 +439,7 @@ std::tuple<at::Tensor, at::Tensor> decoder_layers_cpu(
     const at::Tensor& kv_cache, const at::Tensor& lengths, const at::Tensor& tree_mask, double eps) {
   const auto s = check_decoder_layers(delta, residual, input_norms, qkv_weights, qkv_biases, o_weights, post_norms,
                                       gate_up_weights, down_weights, cos, sin, kv_cache, lengths, tree_mask, eps,
-                                      CpuOps::kBf16Weights);
+                                      CpuOps::kBf16Weights, CpuOps::kBf16Cache);
   if (!fused(s)) {
     return compose_decoder_layers(&decoder_layer_cpu, delta, residual, input_norms, qkv_weights, qkv_biases, o_weights,
                                   post_norms, gate_up_weights, down_weights, cos, sin, kv_cache, lengths, tree_mask,

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/vec_utils.h"
@@ -43,15 +44,16 @@ void rms_norm_row(const scalar_t* x, const scalar_t* residual, const scalar_t* w
 }
 
 // RoPE of one head: dst[i] = src[i] * cos[i] + rotate_half(src)[i] * sin[i], with rotate_half(x) =
-// (-x[half:], x[:half]); each product, then the sum, rounded to scalar_t (as the eager code).
-template <typename scalar_t>
-void rotate(const scalar_t* src, const scalar_t* cos, const scalar_t* sin, int64_t D, scalar_t* dst) {
+// (-x[half:], x[:half]); each product, then the sum, rounded to scalar_t (as the eager code), then
+// to out_t (a bf16 cache's key beside float32 rows: rounded once more as it is stored).
+template <typename scalar_t, typename out_t = scalar_t>
+void rotate(const scalar_t* src, const scalar_t* cos, const scalar_t* sin, int64_t D, out_t* dst) {
   const int64_t half = D / 2;
   for (int64_t i = 0; i < D; ++i) {
     const float partner = i < half ? -static_cast<float>(src[i + half]) : static_cast<float>(src[i - half]);
     const scalar_t a = static_cast<scalar_t>(static_cast<float>(src[i]) * static_cast<float>(cos[i]));
     const scalar_t b = static_cast<scalar_t>(partner * static_cast<float>(sin[i]));
-    dst[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+    dst[i] = static_cast<out_t>(static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b)));
   }
 }
 
@@ -90,12 +92,14 @@ namespace jakiro::cpu {
 // One rope_kv_write call's pointers, and its unit of work: head h of token row r = b * T + t of
 // the fused qkv rows [B * T, (Hq + 2 Hkv) D]: h < Hq rotates that query head into q [B * T, Hq,
 // D]; Hq <= h < Hq + Hkv rotates key head h - Hq into the cache slot lengths[b] + t and copies
-// its value there.
-template <typename scalar_t>
+// its value there (cache_t: the cache's dtype, scalar_t's or bf16 beside float32 rows, into which
+// the key and value are rounded).
+template <typename scalar_t, typename cache_t = scalar_t>
 struct RopeKvWrite {
   const scalar_t *qkv, *cos, *sin;
   const int64_t* lengths;
-  scalar_t *q, *keys, *values;
+  scalar_t* q;
+  cache_t *keys, *values;
   int64_t tokens, q_heads, kv_heads, head_dim, batch_stride, head_stride;
 
   int64_t units_per_row() const { return q_heads + kv_heads; }
@@ -106,7 +110,12 @@ struct RopeKvWrite {
     if (h < q_heads) return rotate(row + h * D, c, s, D, q + (r * q_heads + h) * D);
     const int64_t kvh = h - q_heads, at_slot = b * batch_stride + kvh * head_stride + (lengths[b] + t) * D;
     rotate(row + h * D, c, s, D, keys + at_slot);
-    std::memcpy(values + at_slot, row + (q_heads + kv_heads + kvh) * D, D * sizeof(scalar_t));
+    const scalar_t* value = row + (q_heads + kv_heads + kvh) * D;
+    if constexpr (std::is_same_v<scalar_t, cache_t>) {
+      std::memcpy(values + at_slot, value, D * sizeof(scalar_t));
+    } else {
+      for (int64_t i = 0; i < D; ++i) values[at_slot + i] = static_cast<cache_t>(value[i]);
+    }
   }
 };
 

@@ -15,35 +15,30 @@ namespace jakiro::cpu {
 
 at::Tensor rope_kv_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                              const at::Tensor& kv_cache, const at::Tensor& lengths) {
-  const auto s = check_rope_kv_write(qkv, cos, sin, kv_cache, lengths);
+  const auto s = check_rope_kv_write(qkv, cos, sin, kv_cache, lengths, /*bf16_cache=*/true);
   const int64_t B = s.batch, T = s.tokens, Hq = s.q_heads, Hkv = s.kv_heads, D = s.head_dim;
   auto x = qkv.contiguous(), c = cos.contiguous(), sn = sin.contiguous(), lens = lengths.contiguous();
   auto q = at::empty({B, T, Hq, D}, x.options());
   const int64_t* len = lens.data_ptr<int64_t>();
-  JAKIRO_DISPATCH_FLOAT_BF16(qkv.scalar_type(), "rope_kv_write_cpu", [&] {
-    const scalar_t* px = x.data_ptr<scalar_t>();
-    scalar_t* pq = q.data_ptr<scalar_t>();
-    scalar_t* keys = kv_cache[0].data_ptr<scalar_t>();
-    scalar_t* values = kv_cache[1].data_ptr<scalar_t>();
-    const RopeKvWrite<scalar_t> rope{px,
-                                     c.data_ptr<scalar_t>(),
-                                     sn.data_ptr<scalar_t>(),
-                                     len,
-                                     pq,
-                                     keys,
-                                     values,
-                                     T,
-                                     Hq,
-                                     Hkv,
-                                     D,
-                                     kv_cache.stride(1),
-                                     kv_cache.stride(2)};
+  auto run = [&](const auto* px, auto* keys, auto* values) {
+    using scalar_t = std::remove_cv_t<std::remove_pointer_t<decltype(px)>>;
+    using cache_t = std::remove_pointer_t<decltype(keys)>;
+    const RopeKvWrite<scalar_t, cache_t> rope{px, c.data_ptr<scalar_t>(), sn.data_ptr<scalar_t>(), len,
+                                              q.data_ptr<scalar_t>(), keys, values, T, Hq, Hkv, D,
+                                              kv_cache.stride(1), kv_cache.stride(2)};
     at::parallel_for(0, B * T, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t h = 0; h < rope.units_per_row(); ++h) rope.unit(r, h);
       }
     });
-  });
+  };
+  if (kv_cache.scalar_type() != qkv.scalar_type()) {  // a bf16 cache beside float32 rows
+    run(x.data_ptr<float>(), kv_cache[0].data_ptr<c10::BFloat16>(), kv_cache[1].data_ptr<c10::BFloat16>());
+  } else {
+    JAKIRO_DISPATCH_FLOAT_BF16(qkv.scalar_type(), "rope_kv_write_cpu", [&] {
+      run(x.data_ptr<scalar_t>(), kv_cache[0].data_ptr<scalar_t>(), kv_cache[1].data_ptr<scalar_t>());
+    });
+  }
   return q;
 }
 

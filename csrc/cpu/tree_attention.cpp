@@ -130,8 +130,8 @@ inline void mask_scores(const int64_t* mask_row, int64_t prefix, int64_t first, 
 
 }  // namespace
 
-template <typename scalar_t>
-void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+template <typename scalar_t, typename cache_t>
+void attend_one_split(const PartialArgs& a, const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
                       int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
                       int64_t t0, int64_t t1, int64_t g0, int64_t g1, SplitScratch& s) {
   const auto& sh = a.shape;
@@ -160,10 +160,10 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.state.begin(), s.state.end(), OnlineSoftmax{});
 
-  const scalar_t* k_head = k_cache + b * k_batch_stride + kvh * k_head_stride;
-  const scalar_t* v_head = v_cache + b * k_batch_stride + kvh * k_head_stride;
-  // Few rows on 512-bit vectors (cpu/attention_avx512.cpp): scores for float32 keys, P @ V for any.
-  constexpr bool kFloatKeys = std::is_same_v<scalar_t, float>;
+  const cache_t* k_head = k_cache + b * k_batch_stride + kvh * k_head_stride;
+  const cache_t* v_head = v_cache + b * k_batch_stride + kvh * k_head_stride;
+  // Few rows on 512-bit vectors (cpu/attention_avx512.cpp): the scores read float32 or bf16 keys
+  // (widened in registers), P @ V float32 values (a bf16 block widened first).
   const bool wide = D % 16 == 0 && D <= kMaxAttentionDim && avx512_enabled();
   for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
     const int64_t n = std::min(kBlock, stop - j0);
@@ -171,8 +171,8 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
     // each row alike whatever the rows, so a token's attention is the same bits in a tree of 60
     // as alone (BLAS's blocking is not: 1e-5 apart, enough to flip a quantized activation's code).
     const bool streaming = rows <= kStreamingRows || T <= kFixedSplitTreeLen;
-    if (streaming && wide && kFloatKeys) {
-      if constexpr (kFloatKeys) attention_scores_avx512(s.q.data(), rows, k_head + j0 * D, n, D, s.scores.data(), n);
+    if (streaming && wide) {
+      attention_scores_avx512(s.q.data(), rows, k_head + j0 * D, n, D, s.scores.data(), n);
     } else if (streaming) {
       skinny_gemm_nt(s.q.data(), rows, D, k_head, D, D, j0, j0 + n, s.scores.data(), n);
     } else {
@@ -202,17 +202,16 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k
       if (factor != 1.f) scale_in_place(s.acc.data() + r * D, D, factor);
       s.state[r].sum += exp_shift_sum_fast(srow, n, s.state[r].max);
     }
-    const float* vb = float_rows(v_head, j0, n, D, s.v);
     const int64_t tree_col = std::max<int64_t>(0, prefix - j0);  // first tree key of the block
-    if (tree_col < n && !all_finite(vb + tree_col * D, (n - tree_col) * D)) {
-      accumulate_pv_visible(s.scores.data(), rows, n, vb, D, s.acc.data(),
+    if (tree_col < n && !all_finite(v_head + (j0 + tree_col) * D, (n - tree_col) * D)) {
+      accumulate_pv_visible(s.scores.data(), rows, n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data(),
                             a.tree_mask + (b * T + t0) * a.mask_stride, a.mask_stride, tile, j0, prefix);
-    } else if (streaming && wide) {
-      attention_pv_avx512(s.scores.data(), rows, n, vb, D, s.acc.data());
+    } else if (streaming && wide) {  // (bf16 values widened in registers)
+      attention_pv_avx512(s.scores.data(), rows, n, v_head + j0 * D, D, s.acc.data());
     } else if (streaming) {
-      accumulate_pv_streaming(s.scores.data(), rows, n, vb, D, s.acc.data());
+      accumulate_pv_streaming(s.scores.data(), rows, n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data());
     } else {
-      gemm_nn_accumulate(s.scores.data(), n, vb, D, s.acc.data(), D, rows, D, n);
+      gemm_nn_accumulate(s.scores.data(), n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data(), D, rows, D, n);
     }
   }
 
@@ -233,6 +232,9 @@ template void attend_one_split<float>(const PartialArgs&, const float*, const fl
 template void attend_one_split<c10::BFloat16>(const PartialArgs&, const c10::BFloat16*, const c10::BFloat16*,
                                               const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                               int64_t, int64_t, int64_t, int64_t, SplitScratch&);
+template void attend_one_split<float, c10::BFloat16>(const PartialArgs&, const float*, const c10::BFloat16*,
+                                                     const c10::BFloat16*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                                     int64_t, int64_t, int64_t, int64_t, SplitScratch&);
 
 namespace {
 
@@ -241,7 +243,7 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
                                                      const at::Tensor& tree_mask, int64_t num_splits,
                                                      std::optional<double> scale, int64_t split_len) {
   const char* op = "jakiro::tree_attention_partial";
-  const auto sh = check_tree_attention(op, q, k_cache, v_cache, prefix_lens, tree_mask);
+  const auto sh = check_tree_attention(op, q, k_cache, v_cache, prefix_lens, tree_mask, /*bf16_cache=*/true);
   TORCH_CHECK(num_splits >= 1, op, ": num_splits must be >= 1, got ", num_splits);
   auto qc = q.contiguous();
   auto lens = prefix_lens.contiguous();
@@ -265,13 +267,11 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
   const int64_t tiles = (sh.tree_len + tile - 1) / tile, per_tile = sh.batch * sh.kv_heads * num_splits;
   const int64_t tasks = per_tile * tiles;
   std::atomic<int64_t> next{0};
-  JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_cpu", [&] {
-    const auto* qp = qc.data_ptr<scalar_t>();
-    const auto* kp = k_cache.data_ptr<scalar_t>();
-    const auto* vp = v_cache.data_ptr<scalar_t>();
+  auto run = [&](const auto* qp, const auto* kp, const auto* vp) {
+    using cache_t = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
     at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
       c10::InferenceMode worker_guard;  // for the GEMMs on scratch buffers; outputs are allocated outside
-      SplitScratch scratch(sh.group() * std::min(tile, sh.tree_len), sh.head_dim, !std::is_same_v<scalar_t, float>);
+      SplitScratch scratch(sh.group() * std::min(tile, sh.tree_len), sh.head_dim, !std::is_same_v<cache_t, float>);
       for (int64_t task = next++; task < tasks; task = next++) {
         const int64_t t0 = (tiles - 1 - task / per_tile) * tile, rest = task % per_tile;
         const int64_t split = rest % num_splits, kvh = (rest / num_splits) % sh.kv_heads;
@@ -280,7 +280,14 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
                          std::min(sh.tree_len, t0 + tile), 0, sh.group(), scratch);
       }
     });
-  });
+  };
+  if (k_cache.scalar_type() != q.scalar_type()) {  // a bf16 cache beside float32 queries
+    run(qc.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
+  } else {
+    JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_cpu", [&] {
+      run(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
+    });
+  }
   return {out_partial, lse_partial};
 }
 
@@ -294,7 +301,8 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_cpu(const at::Tensor& q, const
   if (num_splits.has_value()) {
     splits = *num_splits;
   } else {
-    const auto sh = check_tree_attention("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask);
+    const auto sh = check_tree_attention("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask,
+                                         /*bf16_cache=*/true);
     // The longest prefix as the check read it (the CPU's lengths are always on the host); an
     // ATen max().item() here cost ~5 us a call, once per layer and token.
     const int64_t max_kv = sh.longest_prefix + sh.tree_len;

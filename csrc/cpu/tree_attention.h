@@ -33,7 +33,7 @@ inline int64_t tile_tokens(int64_t tree_len) {
 // kFixedSplitTreeLen tokens).
 inline int64_t fixed_splits(int64_t max_kv) { return std::max<int64_t>(1, (max_kv + kMinSplitLen - 1) / kMinSplitLen); }
 
-// Per-thread buffers. k and v hold a block of bf16 keys/values widened to float32; a float32
+// Per-thread buffers. k and v hold a block of bf16 keys/values widened to float32 (`widens`: a bf16 cache); a float32
 // cache is read in place, so they stay empty (zeroing 2 x 128 KB a call cost more than the
 // attention of a decoding step).
 struct SplitScratch {
@@ -67,8 +67,9 @@ struct PartialArgs {
 // the G sharing the KV head and the tree tokens [t0, t1) (all T of them, or a prompt chunk's tile:
 // then only the keys up to the last one the tile's mask rows set are read); writes their rows of
 // a.out_partial and a.lse_partial. A row's result is the same bits whatever rows share its task.
-template <typename scalar_t>
-void attend_one_split(const PartialArgs& a, const scalar_t* q, const scalar_t* k_cache, const scalar_t* v_cache,
+// cache_t: the cache's dtype, scalar_t's or bf16 beside float32 queries (check_cache_dtype).
+template <typename scalar_t, typename cache_t = scalar_t>
+void attend_one_split(const PartialArgs& a, const scalar_t* q, const cache_t* k_cache, const cache_t* v_cache,
                       int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
                       int64_t t0, int64_t t1, int64_t g0, int64_t g1, SplitScratch& s);
 

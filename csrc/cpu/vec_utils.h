@@ -47,6 +47,14 @@ inline bool all_finite(const float* x, int64_t n) {
   return sum == 0.f;
 }
 
+// The same of bf16 values: none has the all-ones exponent of an infinity or a NaN.
+inline bool all_finite(const c10::BFloat16* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if ((x[i].x & 0x7F80) == 0x7F80) return false;
+  }
+  return true;
+}
+
 // x[i] = exp(x[i] - shift) in place; returns the sum. Fast exp (ATen's exp_u20): for
 // attention probabilities, where a few ulp do not matter. Element i always adds into lane
 // i % Vec::size() (the tail too, the lanes past n adding zeros), so trailing x[i] = -inf (keys a

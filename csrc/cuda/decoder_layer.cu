@@ -29,7 +29,7 @@ using Opt = std::optional<at::Tensor>;
 using T = at::Tensor;
 
 struct DispatchedOps {
-  static constexpr bool kBf16Weights = false;  // (one dtype: the GPU kernels)
+  static constexpr bool kBf16Weights = false, kBf16Cache = false;  // (one dtype: the GPU kernels)
   std::tuple<T, T> rms_norm(const T& x, const T& w, double eps, const Opt& residual) const {
     static const auto handle = op_handle<std::tuple<T, T>(const T&, const T&, double, const Opt&)>("rms_norm");
     return handle.call(x, w, eps, residual);

@@ -17,7 +17,7 @@ from jakiro_ext import ops
 from jakiro_ext.kv_cache import CacheShape, KVCache
 from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
 from jakiro_ext.models.rope import LLAMA3_ROPE_KEYS, RopeTable
-from jakiro_ext.models.weights import STREAM_ROWS, TargetWeights, bf16_weights_enabled, exactly_bf16
+from jakiro_ext.models.weights import STREAM_ROWS, TargetWeights, bf16_weights_enabled, cache_dtype, exactly_bf16
 from jakiro_ext.ops import reference
 from jakiro_ext.ops.masks import causal_tree_mask
 
@@ -177,16 +177,16 @@ class LlamaModel(nn.Module):
 
     @property
     def activation_dtype(self) -> torch.dtype:
-        """The dtype of the activations and the KV cache: the weights', float32 beside packed
-        quantized weights (a GGUF file's, :mod:`jakiro_ext.models.gguf`)."""
+        """The activations' dtype (the KV cache's: :func:`~jakiro_ext.models.weights.cache_dtype`):
+        the weights', float32 beside packed quantized ones (a GGUF file's, :mod:`.gguf`)."""
         return self.norm.weight.dtype
 
     def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
         (default: fixed)."""
-        c = self.config
+        c, weight = self.config, self.layers[0].projections()[0]
         return KVCache(CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window), batch, capacity,
-                       dtype=self.activation_dtype, device=self.norm.weight.device, max_capacity=max_capacity)
+                       cache_dtype(self.activation_dtype, weight), weight.device, max_capacity)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,

@@ -1,6 +1,7 @@
 """What a model's forwards read of its weights: :class:`TargetWeights` (prepared once for a call's
-forwards), and on the CPU the bf16 copies of a bf16 checkpoint's weights read in their place
-(:func:`bf16_weights_enabled`, :func:`exactly_bf16`)."""
+forwards), on the CPU the bf16 copies of a bf16 checkpoint's weights read in their place
+(:func:`bf16_weights_enabled`, :func:`exactly_bf16`), and the dtype of a model's KV cache
+(:func:`cache_dtype`)."""
 from __future__ import annotations
 
 import os
@@ -53,3 +54,17 @@ def weight_format(model) -> str:
     head = model.lm_head.weight
     return "-".join((quantized.format_of(qkv), quantized.format_of(head) if quantized.is_packed(head)
                      else str(head.dtype).replace("torch.", "")))
+
+
+def cache_dtype(activations: torch.dtype, weight: torch.Tensor) -> torch.dtype:
+    """The KV cache's dtype for a model of these activations and a projection ``weight`` of it: the
+    activations', but beside a GGUF file's packed quantized weights on the CPU bf16 (the CPU
+    kernels take it beside float32 rows: every row's attention reads half the bytes, which is most
+    of what a row costs beside 4-bit products after a few hundred tokens; llama.cpp's cache is
+    f16). Keys and values are rounded to bf16 as they are written: the quantized target as this
+    engine runs it, its plain decoding and its speculation alike. ``JAKIRO_CPU_BF16_CACHE=0`` keeps
+    float32 (the GPU kernels' emulation, :func:`jakiro_ext.ops.use_backend`, takes one dtype)."""
+    if (quantized.is_packed(weight) and weight.device.type == "cpu" and activations == torch.float32
+            and ops.backend() == "native" and os.environ.get("JAKIRO_CPU_BF16_CACHE") != "0"):
+        return torch.bfloat16
+    return activations

@@ -151,8 +151,8 @@ def rope_kv_write(qkv, cos, sin, kv_cache, lengths):
     qk = x * cos.unsqueeze(2) + rotated * sin.unsqueeze(2)
     rows = torch.arange(B, device=qkv.device).unsqueeze(1).expand(B, T)
     slots = lengths.unsqueeze(1) + torch.arange(T, device=qkv.device)
-    kv_cache[0][rows, :, slots] = qk[:, :, Hq:]
-    kv_cache[1][rows, :, slots] = qkv[:, :, Hq + Hkv:]
+    kv_cache[0][rows, :, slots] = qk[:, :, Hq:].to(kv_cache.dtype)  # (a bf16 cache beside float32 rows: rounded)
+    kv_cache[1][rows, :, slots] = qkv[:, :, Hq + Hkv:].to(kv_cache.dtype)
     return qk[:, :, :Hq].contiguous()
 
 

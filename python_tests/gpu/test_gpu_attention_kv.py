@@ -86,6 +86,8 @@ def test_gpu_kernels_check_their_inputs(gpu_backend):
         gpu_backend.run("tree_attention", q, k, v[:, :, :-1], lens, mask)
     with pytest.raises(RuntimeError, match=r"num_splits must be >= 1, got 0"):
         gpu_backend.run("tree_attention_partial", q, k, v, lens, mask, 0)
+    with pytest.raises(RuntimeError, match=r"k_cache in bfloat16 beside float32 q is read by the CPU kernels only"):
+        gpu_backend.run("tree_attention", q, k.bfloat16(), v.bfloat16(), lens, mask)
     big = torch.zeros(1, 1, 1, 1025)
     with pytest.raises(RuntimeError, match=r"the GPU kernel supports head dims up to \d+, got 1025"):
         gpu_backend.run("tree_attention", big, big, big, torch.tensor([0]), torch.ones(1, 1, 1, dtype=torch.long))

@@ -35,8 +35,9 @@ def rope_case(B, T, Hq, Hkv, D, S, dtype, seed=0):
     return qkv, cos[:, :, 0], sin[:, :, 0], cache, lengths
 
 
-def check_rope_kv_write(backend, shape, dtype):
+def check_rope_kv_write(backend, shape, dtype, cache_dtype=None):
     qkv, cos, sin, cache, lengths = rope_case(*shape, dtype)
+    cache = cache.to(cache_dtype or dtype)  # (a bf16 cache beside float32 rows: the CPU kernel's)
     want_cache = cache.clone()
     want_q = reference.rope_kv_write(qkv, cos, sin, want_cache, lengths)
     got_cache = backend.to_device(cache.clone())

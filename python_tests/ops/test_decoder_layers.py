@@ -21,17 +21,19 @@ def test_decoder_layers_matches_reference(shape, dtype, bias, residual, L):
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("weights", ["float32", "bfloat16", "bf16-projections"])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "bf16-projections", "bf16-cache"])
 @pytest.mark.parametrize("shape", COMPOSED_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
 def test_decoder_layers_equal_decoder_layer_called_layer_by_layer(shape, weights, threads):
     # Bit for bit, caches included: the layers in one parallel region (up to 64 rows) or composed
-    # (beyond), whatever the threads, and float32 rows beside bf16 projection weights.
+    # (beyond), whatever the threads, and float32 rows beside bf16 projection weights or a bf16 cache.
     B, T, H, Hq, Hkv, D, I, prefix, bias, residual = shape
     dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
     layers = Layers(3, B, T, H, Hq, Hkv, D, I, dtype=dtype, bias=bias, residual=residual, prefix=prefix)
     if weights == "bf16-projections":
         for layer in layers.layers:
             layer.with_bf16_projections()
+    if weights == "bf16-cache":
+        layers.kv_cache = layers.kv_cache.bfloat16()
     got_cache, want_cache = layers.kv_cache.clone(), layers.kv_cache.clone()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -41,6 +43,13 @@ def test_decoder_layers_equal_decoder_layer_called_layer_by_layer(shape, weights
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and torch.equal(got_cache, want_cache)
+
+
+@pytest.mark.parametrize("shape", LAYER_SHAPES, ids=lambda s: "B{}-T{}-H{}-Hq{}-Hkv{}-D{}-I{}".format(*s[:7]))
+def test_decoder_layers_with_a_bf16_cache_match_reference(shape):
+    # Float32 rows beside a bf16 cache (a quantized target's on the CPU): the keys and values
+    # rounded as written, the arithmetic float32; the reference rounds them alike.
+    check_decoder_layers(GpuBackend("cpu"), shape, torch.float32, True, True, 2, cache_dtype=torch.bfloat16)
 
 
 def test_decoder_layers_of_one_layer_are_decoder_layer():
@@ -72,6 +81,8 @@ def test_decoder_layers_opcheck():
     for layer in layers.layers:
         layer.with_bf16_projections()
     torch.library.opcheck(torch.ops.jakiro.decoder_layers.default, layers.args())
+    layers.kv_cache = layers.kv_cache.bfloat16()
+    torch.library.opcheck(torch.ops.jakiro.decoder_layers.default, layers.args())
 
 
 def test_decoder_layers_bad_input_errors(any_backend):
@@ -100,7 +111,11 @@ def test_decoder_layers_bad_input_errors(any_backend):
         (in_layer(7, 1, narrower.weights["gate_up_weight"]),
          r"layer 1: .*gate_up_weight.shape\[0\] \(2 I, I = down_weight.shape\[1\]\) must be 80, got 48"),
         (with_(0, layers.first.delta.double()), r"layer 0: .*delta must have dtype Float or BFloat16, got Double"),
+        (with_(11, layers.kv_cache.half()), r"layer 0: .*kv_cache must have the dtype of delta \(Float\), got Half"),
     ]
+    if any_backend.name != "cpu":  # a bf16 cache beside float32 rows: the CPU kernels' (the GPU: one dtype)
+        cases.append((with_(11, layers.kv_cache.bfloat16()),
+                      r"kv_cache in bfloat16 beside float32 delta is read by the CPU kernels only"))
     if any_backend.name == "cpu":  # every layer of one MLP width and weight dtype (the GPU: one dtype)
         wider = [narrower.weights["gate_up_weight"] if i == 1 else t for i, t in enumerate(good[7])]
         down = [narrower.weights["down_weight"] if i == 1 else t for i, t in enumerate(good[8])]

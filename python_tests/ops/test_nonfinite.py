@@ -80,6 +80,23 @@ def test_tree_attention_nonfinite_propagates_to_what_reads_it(any_backend, case,
     assert_same(lse, ref_lse)
 
 
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+@pytest.mark.covers("tree_attention", "nonfinite")
+def test_tree_attention_nonfinite_in_a_bf16_cache_beside_float32_queries(case):
+    # The CPU kernel's bf16 cache: a non-finite bf16 key or value reaches exactly the rows that read it.
+    q, k, v, lens, mask = attention_inputs()
+    k, v = k.bfloat16(), v.bfloat16()
+    (name, index, value), kind = ATTENTION_CASES[case]
+    dict(q=q, k=k, v=v)[name][index] = value
+    out, lse = J.tree_attention(q, k, v, lens, mask)
+    rows = expected_nan_rows(case)
+    assert torch.equal(out[0].isnan().any(-1), rows), case
+    assert torch.equal(lse[0].isnan(), rows if kind == "scores" else torch.zeros_like(rows)), case
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+    assert_same(out, ref_out)
+    assert_same(lse, ref_lse)
+
+
 @pytest.mark.covers("merge_attention_states", "nonfinite")
 def test_merge_attention_states_nonfinite(any_backend):
     out_p = randn(1, 2, 3, 4, 8, seed=5)

@@ -175,11 +175,13 @@ def test_quantized_linear_bad_input_errors():
         quantized.dequantize(w, torch.tensor([32]))
 
 
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])  # bf16: a quantized target's cache on the CPU
 @pytest.mark.parametrize("format", FORMATS)
-def test_decoder_layer_with_packed_weights(format):
+def test_decoder_layer_with_packed_weights(format, cache):
     """The fused layer (a batch of trees) on packed weights against the reference (its products
     quantized.linear), and each sequence of the batch the same bits alone."""
     layer = Layer(B=2, T=5, H=64, Hq=4, Hkv=2, D=16, I=96, prefix=(3, 7)).with_packed_projections(format)
+    layer.kv_cache = layer.kv_cache.to(cache)
     want_cache, got_cache = layer.kv_cache.clone(), layer.kv_cache.clone()
     want = reference.decoder_layer(*layer.args(want_cache))
     got = ops.decoder_layer(*layer.args(got_cache))
@@ -195,13 +197,16 @@ def test_decoder_layer_with_packed_weights(format):
     assert torch.equal(alone_cache, got_cache[:, 1:])
 
 
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("format", ["Q4_1"])
-def test_decoder_layers_with_packed_weights_fused_and_composed(format):
+def test_decoder_layers_with_packed_weights_fused_and_composed(format, cache):
     """Every layer in one parallel region (at most 64 rows) and the ops composed (beyond, or with
-    JAKIRO_CPU_FUSED_LAYER=0) give the same bits: both quantize the rows alike."""
+    JAKIRO_CPU_FUSED_LAYER=0) give the same bits: both quantize the rows alike (and round the keys
+    and values of a bf16 cache alike)."""
     layers = Layers(3, 1, 9, 64, 4, 2, 16, 96, prefix=(4,))
     for layer in layers.layers:
         layer.with_packed_projections(format)
+    layers.kv_cache = layers.kv_cache.to(cache)
     fused_cache, composed_cache = layers.kv_cache.clone(), layers.kv_cache.clone()
     fused = ops.decoder_layers(*layers.args(fused_cache))
     composed = reference_free_composed(layers, composed_cache)

@@ -16,6 +16,14 @@ def test_rope_kv_write_matches_reference_exactly(shape, dtype):
     check_rope_kv_write(GpuBackend("cpu"), shape, dtype)  # GPU: test_gpu_norm_rope.py
 
 
+@pytest.mark.parametrize("shape", ROPE_SHAPES, ids=lambda s: "B{}-T{}-Hq{}-Hkv{}-D{}-S{}".format(*s))
+@pytest.mark.covers("rope_kv_write", "adversarial_shapes")
+def test_rope_kv_write_into_a_bf16_cache_beside_float32_rows(shape):
+    # A quantized target's cache on the CPU: the key rotated in float32, then rounded to bf16 as
+    # stored, the value rounded; q stays float32 (bit for bit the reference's).
+    check_rope_kv_write(GpuBackend("cpu"), shape, torch.float32, cache_dtype=torch.bfloat16)
+
+
 def test_rope_kv_write_matches_the_model_code():
     # What the engine's eager code did: rotary() on q and k, then index_put of k and v.
     from jakiro_ext.models.rope import rotary
@@ -56,7 +64,8 @@ def test_rope_kv_write_bad_input_errors(any_backend):
         ((qkv, cos, sin, cache[0], lengths), r"kv_cache must have 5 dimensions \[2, B, Hkv, S, D\]"),
         ((qkv.double(), cos.double(), sin.double(), cache.double(), lengths), r"qkv must have dtype Float or BFloat16"),
         ((qkv, cos.bfloat16(), sin, cache, lengths), r"cos must have the dtype of qkv"),
-        ((qkv, cos, sin, cache.bfloat16(), lengths), r"kv_cache must have the dtype of qkv"),
+        ((qkv, cos, sin, cache.double(), lengths), r"kv_cache must have the dtype of qkv"),
+        ((qkv.bfloat16(), cos.bfloat16(), sin.bfloat16(), cache, lengths), r"kv_cache must have the dtype of qkv"),
         ((qkv[..., :7], cos[..., :7], sin[..., :7], cache[..., :7].contiguous(), lengths), r"head dim .* must be even"),
         ((qkv[:, :, :4], cos, sin, cache, lengths), r"qkv.shape\[2\] must be Hq \+ 2 Hkv with Hq >= 1"),
         ((qkv, cos, sin, torch.cat([cache, cache]), lengths), r"kv_cache.shape\[0\] \(keys and values\) must be 2"),
@@ -68,6 +77,10 @@ def test_rope_kv_write_bad_input_errors(any_backend):
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):
             any_backend.run("rope_kv_write", *args)
+    # A bf16 cache beside float32 rows: the CPU kernel's (tested above); the GPU kernels take one dtype.
+    if any_backend.name != "cpu":
+        with pytest.raises(RuntimeError, match=r"kv_cache in bfloat16 beside float32 qkv is read by the CPU kernels only"):
+            any_backend.run("rope_kv_write", qkv, cos, sin, cache.bfloat16(), lengths)
     # Lengths that leave no room: the CPU op raises; a GPU kernel (and its emulation) reads no
     # value on the host, writes no k or v there and reports it to the device's error word.
     for bad, message in [([0, 6], r"lengths\[1\] \+ new tokens = 6 \+ 3 must be within \[0, cache capacity 8"),

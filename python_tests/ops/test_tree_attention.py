@@ -22,6 +22,21 @@ def test_tree_attention_matches_reference(shape, dtype):
     torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
+@pytest.mark.covers("tree_attention", "adversarial_shapes")
+def test_tree_attention_float32_queries_over_a_bf16_cache(shape):
+    # A quantized target's cache on the CPU: bf16 keys and values widened exactly, the arithmetic
+    # float32 (the reference reads the same bf16 values as float32); with a split too.
+    q, k, v, lens, mask = make_inputs(*shape, dtype=torch.float32, seed=12)
+    k, v = k.bfloat16(), v.bfloat16()
+    ref_out, ref_lse = reference.tree_attention(q, k, v, lens, mask)
+    for splits in (None, 3):
+        out, lse = ops.tree_attention(q, k, v, lens, mask, num_splits=splits)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
+        torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 13, 150])  # 150: more splits than some sequences have keys
 @pytest.mark.parametrize("shape", [ATTENTION_SHAPES[1], ATTENTION_SHAPES[2], ATTENTION_SHAPES[3]], ids=["9-3", "24-3", "8-8-long"])
 @pytest.mark.covers("tree_attention_partial", "adversarial_shapes")
@@ -149,6 +164,7 @@ def test_tree_attention_opcheck():
     q, k, v, lens, mask = make_inputs(*ATTENTION_SHAPES[1], dtype=torch.float32, seed=40)
     torch.library.opcheck(torch.ops.jakiro.tree_attention.default, (q, k, v, lens, mask, None, 2))
     torch.library.opcheck(torch.ops.jakiro.tree_attention.default, (q.bfloat16(), k.bfloat16(), v.bfloat16(), lens, mask))
+    torch.library.opcheck(torch.ops.jakiro.tree_attention.default, (q, k.bfloat16(), v.bfloat16(), lens, mask))
 
 
 def test_tree_attention_partial_opcheck():
@@ -168,6 +184,8 @@ def test_tree_attention_bad_input_errors():
         (dict(k_cache=k[:, :2]), r"multiple of KV heads"),
         (dict(v_cache=v[:, :, :100]), r"v_cache must have the shape of k_cache"),
         (dict(k_cache=k.double(), v_cache=v.double()), r"k_cache must have the dtype of q"),
+        (dict(q=q.bfloat16()), r"k_cache must have the dtype of q \(BFloat16\), got Float"),
+        (dict(v_cache=v.bfloat16()), r"v_cache must have the dtype of k_cache \(Float\), got BFloat16"),
         (dict(q=q.half(), k_cache=k.half(), v_cache=v.half()), r"q must have dtype Float or BFloat16"),
         (dict(tree_mask=mask[..., :0]), r"tree_mask is too short: 17 tree tokens need 1 int64 words"),
         (dict(tree_mask=mask.int()), r"tree_mask must have dtype Long"),
@@ -207,14 +225,15 @@ def test_merge_attention_states_bad_input_errors():
         ops.merge_attention_states(torch.zeros(1, 2, 3, 4, 8), torch.zeros(1, 2, 3, 4), torch.float16)
 
 
-def test_a_sequences_attention_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+def test_a_sequences_attention_does_not_depend_on_its_batch(cache):
     # For trees of up to 64 tokens the automatic splits are fixed-length, counted from each
     # sequence's first key: a sequence gets bit-identical results alone and batched with longer
     # or shorter ones (the even split of old depended on the batch's longest sequence and size).
     g = torch.Generator().manual_seed(0)
     B, T, Hq, Hkv, D, S = 3, 5, 6, 2, 32, 2300
     q = torch.randn(B, T, Hq, D, generator=g)
-    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g).to(cache), torch.randn(B, Hkv, S, D, generator=g).to(cache)
     lens = torch.tensor([300, 2100, 1100])
     mask = ops.build_tree_mask(torch.tensor([[-1, 0, 0, 1, 2]] * B))
     threads = torch.get_num_threads()

@@ -10,7 +10,8 @@ that drift hits both alike:
 
 * plain decoding: llama.cpp's ``tg128`` (128 tokens after an empty context) against this engine's
   plain decoding of 128 tokens after a one-token prompt (the generation loop's tokens/s, prompt
-  excluded);
+  excluded), and for each of ``--depths`` above 0 its ``tg128 @ d{D}`` (after D cached tokens)
+  against 128 tokens after a random D-token prompt here;
 * prefill: llama.cpp's ``pp{N}`` against one prompt forward of N random tokens here (in chunks,
   ``LlamaModel.prefill_chunk``), N in ``--prompt-lengths``, and the time to the first token's
   logits that each rate gives (N over it);
@@ -72,12 +73,19 @@ def requantized(quantize: Path, source: Path, gguf_type: str, folder: Path) -> P
     return out
 
 
-def llama_bench(bench: Path, gguf: Path, threads: int, prompt_lengths, decode_tokens: int) -> dict:
-    """llama-bench's mean tokens/s per test, e.g. {"tg128": 95.1, "pp512": 1100.0}, each test with
+def decode_test(tokens: int, depth: int) -> str:
+    """A decoding test's name, llama-bench's way: tg128, or tg128@d512 after 512 cached tokens."""
+    return f"tg{tokens}" + (f"@d{depth}" if depth else "")
+
+
+def llama_bench(bench: Path, gguf: Path, threads: int, prompt_lengths, decode_tokens: int, depths=(0,)) -> dict:
+    """llama-bench's mean tokens/s per test, e.g. {"tg128": 95.1, "tg128@d512": 90.2, "pp512": 1100.0}
+    (``depths``: the cached tokens before the decoding tests, its ``-d``), each test with
     llama.cpp's default weight repacking, or where that run fails (its AMX / repacked path crashed
     at more than one row on a Xeon) without it; {"repack:pp512": 0, ...} records which."""
     out = {}
-    tests = [("-n", str(decode_tokens), "-p", "0")] + [("-n", "0", "-p", str(n)) for n in prompt_lengths]
+    tests = [("-n", str(decode_tokens), "-p", "0", "-d", str(d)) for d in depths]
+    tests += [("-n", "0", "-p", str(n)) for n in prompt_lengths]
     for test in tests:
         for repack in ("1", "0"):
             run = subprocess.run([str(bench), "-m", str(gguf), "-t", str(threads), *test, "--repack", repack,
@@ -86,7 +94,8 @@ def llama_bench(bench: Path, gguf: Path, threads: int, prompt_lengths, decode_to
                 break
         run.check_returncode()
         for result in json.loads(run.stdout):
-            name = f"pp{result['n_prompt']}" if result["n_gen"] == 0 else f"tg{result['n_gen']}"
+            name = (f"pp{result['n_prompt']}" if result["n_gen"] == 0
+                    else decode_test(result["n_gen"], result.get("n_depth", 0)))
             out[name], out["repack:" + name] = result["avg_ts"], int(repack)
     return out
 
@@ -150,6 +159,8 @@ def main():
                          "(Q8_0) or dequantized (float32, bfloat16: ours from transformers' dequantization)")
     ap.add_argument("--prompt-lengths", default="128,512,2048,4096,8192")
     ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--depths", default="0", help="cached tokens before the decoding tests (llama-bench's -d): "
+                                                  "0 is tg128, 512 tg128@d512 (a random prompt of 512 tokens first)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of each side, alternating")
     ap.add_argument("--methods", default="jakiro,eagle2", help="speculative methods with the shipped heads ('' none)")
     ap.add_argument("--prompts", type=int, default=8, help="packaged prompts for the speculative runs")
@@ -180,6 +191,9 @@ def main():
     gguf_type = {"float32": "F32", "bfloat16": "BF16"}.get(args.dtype, args.dtype)
     gguf = gguf_path() if args.dtype == "Q4_1" else requantized(quantize, gguf_path(), gguf_type, cache_root() / "llama.cpp")
     lengths = [int(n) for n in args.prompt_lengths.split(",") if n]
+    depths = [int(n) for n in args.depths.split(",") if n]
+    if 0 not in depths:
+        sys.exit(f"--depths {args.depths}: must include 0 (tg{args.decode_tokens}, the speculative rows' baseline)")
     if quantized:  # the file's blocks as they are, on both sides
         from jakiro_ext.models.default import load_default_tokenizer
         from jakiro_ext.models.gguf import load_gguf
@@ -195,8 +209,9 @@ def main():
         weight_bytes -= embed.numel() * embed.element_size()
     gen = torch.Generator().manual_seed(0)
 
-    def our_decode() -> float:
-        out = speculative_generate(target, None, torch.tensor([1]), args.decode_tokens, method="ar")
+    def our_decode(depth: int = 0) -> float:
+        prompt = torch.randint(0, target.config.vocab_size, (depth,), generator=gen) if depth else torch.tensor([1])
+        out = speculative_generate(target, None, prompt, args.decode_tokens, method="ar")
         s = out.stats
         return (s.new_tokens - 1) / (s.wall_time_s - s.prefill_s)  # the tokens after the prompt's first
 
@@ -212,9 +227,10 @@ def main():
     our_decode()  # warm-up
     for rep in range(args.reps):
         bandwidth.append(memory_bandwidth_gbs(args.threads, fresh=True))
-        for name, value in llama_bench(bench, gguf, args.threads, lengths, args.decode_tokens).items():
+        for name, value in llama_bench(bench, gguf, args.threads, lengths, args.decode_tokens, depths).items():
             theirs.setdefault(name, []).append(value)
-        ours.setdefault(f"tg{args.decode_tokens}", []).append(our_decode())
+        for depth in depths:
+            ours.setdefault(decode_test(args.decode_tokens, depth), []).append(our_decode(depth))
         for n in lengths:
             ours.setdefault(f"pp{n}", []).append(our_prefill(n))
         print(f"rep {rep + 1}: ours " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in ours.items()) +
@@ -267,7 +283,7 @@ def main():
     bw = statistics.median(bandwidth)
     tg = f"tg{args.decode_tokens}"
     rows = []
-    for name in [tg] + [f"pp{n}" for n in lengths]:
+    for name in [decode_test(args.decode_tokens, d) for d in depths] + [f"pp{n}" for n in lengths]:
         a, b = statistics.median(ours[name]), statistics.median(theirs[name])
         prompt = int(name[2:]) if name.startswith("pp") else 0
         rows.append(dict(test=name, dtype=args.dtype, llama_cpp_repack=min(theirs["repack:" + name]),

@@ -46,7 +46,7 @@ from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.machine import cpu_name
 from jakiro_ext.methods import METHODS
-from jakiro_ext.models.weights import weight_format
+from jakiro_ext.models.weights import cache_dtype, weight_format
 from jakiro_ext.paths import cache_root
 
 ACCEPTANCE_FILE = "acceptance.json"
@@ -186,7 +186,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
 
 def costs_key(target, head, method: str, batch: int = 1) -> str:
     """What the costs depend on: the CPU (or GPU), the threads, the dtype (and whether the steps
-    read bf16 copies of the weights: :meth:`LlamaModel.streamed_weights`), the shapes, and whether
+    read bf16 copies of the weights: :meth:`LlamaModel.streamed_weights`, and a bf16 KV cache:
+    :func:`~jakiro_ext.models.weights.cache_dtype`), the shapes, and whether
     the compiled kernels run (a run on the reference ops keeps its costs apart)."""
     device = target.lm_head.weight.device
     where = (torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()) + \
@@ -201,6 +202,8 @@ def costs_key(target, head, method: str, batch: int = 1) -> str:
     dtype = weight_format(target)
     if target.streamed_weights() is not None:  # a bf16 checkpoint in float32: its steps read half the bytes
         dtype += "-bf16_weights"
+    if cache_dtype(target.activation_dtype, target.layers[0].projections()[0]) != target.activation_dtype:
+        dtype += "-bf16_cache"  # (a quantized target's on the CPU: its rows' attention reads half the bytes)
     batched = f"-b{batch}" if batch > 1 else ""
     kernels = "" if ops.compiled_available() else "-reference"  # (never the compiled build's file)
     return re.sub(r"[^A-Za-z0-9.,_-]+", "_", f"{where}-{dtype}-{shape}-{method}{batched}{kernels}")

@@ -43,17 +43,23 @@ inline void check_same_dtype(const char* op, const char* name, const at::Tensor&
               ref.scalar_type(), "), got ", t.scalar_type());
 }
 
+// t of ref's dtype, or where the kernels take it (`allowed`: the CPU's) bfloat16 beside float32 ref.
+inline void check_bf16_beside_float(const char* op, const char* name, const at::Tensor& t, const char* ref_name,
+                                    const at::Tensor& ref, bool allowed) {
+  const bool mixed = t.scalar_type() == at::kBFloat16 && ref.scalar_type() == at::kFloat;
+  if (mixed && allowed) return;
+  TORCH_CHECK(!mixed, op, ": ", name, " in bfloat16 beside float32 ", ref_name, " is read by the CPU kernels only; here ",
+              name, " must have the dtype of ", ref_name, " (Float)");
+  check_same_dtype(op, name, t, ref_name, ref);
+}
+
 // A product's weight: the dtype of its activations ref, or, where the kernel reads them
 // (`bf16_weights`: the CPU's), bfloat16 beside float32 activations: a bf16 checkpoint's weights
 // kept at their own precision and widened exactly in registers (float32 arithmetic, half the
 // bytes read, the bits of the same weights in float32).
 inline void check_weight_dtype(const char* op, const char* name, const at::Tensor& w, const char* ref_name,
                                const at::Tensor& ref, bool bf16_weights) {
-  const bool mixed = w.scalar_type() == at::kBFloat16 && ref.scalar_type() == at::kFloat;
-  if (mixed && bf16_weights) return;
-  TORCH_CHECK(!mixed, op, ": ", name, " in bfloat16 beside float32 ", ref_name, " is read by the CPU kernels only; here ",
-              name, " must have the dtype of ", ref_name, " (Float)");
-  check_same_dtype(op, name, w, ref_name, ref);
+  check_bf16_beside_float(op, name, w, ref_name, ref, bf16_weights);
 }
 
 // A KV cache: the dtype of its activations ref, or, where the kernels take it (`bf16_cache`: the
@@ -62,11 +68,7 @@ inline void check_weight_dtype(const char* op, const char* name, const at::Tenso
 // they are read, the arithmetic float32).
 inline void check_cache_dtype(const char* op, const char* name, const at::Tensor& cache, const char* ref_name,
                               const at::Tensor& ref, bool bf16_cache) {
-  const bool mixed = cache.scalar_type() == at::kBFloat16 && ref.scalar_type() == at::kFloat;
-  if (mixed && bf16_cache) return;
-  TORCH_CHECK(!mixed, op, ": ", name, " in bfloat16 beside float32 ", ref_name, " is read by the CPU kernels only; here ",
-              name, " must have the dtype of ", ref_name, " (Float)");
-  check_same_dtype(op, name, cache, ref_name, ref);
+  check_bf16_beside_float(op, name, cache, ref_name, ref, bf16_cache);
 }
 
 inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim, int64_t expected,

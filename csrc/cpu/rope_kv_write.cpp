@@ -32,13 +32,7 @@ at::Tensor rope_kv_write_cpu(const at::Tensor& qkv, const at::Tensor& cos, const
       }
     });
   };
-  if (kv_cache.scalar_type() != qkv.scalar_type()) {  // a bf16 cache beside float32 rows
-    run(x.data_ptr<float>(), kv_cache[0].data_ptr<c10::BFloat16>(), kv_cache[1].data_ptr<c10::BFloat16>());
-  } else {
-    JAKIRO_DISPATCH_FLOAT_BF16(qkv.scalar_type(), "rope_kv_write_cpu", [&] {
-      run(x.data_ptr<scalar_t>(), kv_cache[0].data_ptr<scalar_t>(), kv_cache[1].data_ptr<scalar_t>());
-    });
-  }
+  with_cache_dtypes(x, kv_cache[0], kv_cache[1], run);
   return q;
 }
 

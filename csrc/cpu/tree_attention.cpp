@@ -7,7 +7,8 @@
 // masking of the tree part from the bit-packed ancestor mask, online softmax, then P @ V by
 // a second GEMM. A large tree makes this compute-bound (G*T rows per K/V row); with few rows
 // (small trees, plain decoding) it is bound by reading K/V, and both products stream the
-// cache instead. bf16 caches are widened to float32 per block; accumulation is float32.
+// cache instead. A bf16 cache (beside bf16 or float32 queries) is widened to float32: in registers
+// by the 512-bit streamed products, else per block; accumulation is float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>
@@ -162,8 +163,8 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const cache_t* k_
 
   const cache_t* k_head = k_cache + b * k_batch_stride + kvh * k_head_stride;
   const cache_t* v_head = v_cache + b * k_batch_stride + kvh * k_head_stride;
-  // Few rows on 512-bit vectors (cpu/attention_avx512.cpp): the scores read float32 or bf16 keys
-  // (widened in registers), P @ V float32 values (a bf16 block widened first).
+  // Few rows on 512-bit vectors (cpu/attention_avx512.cpp): both products read float32 or bf16
+  // keys and values (widened in registers); the other paths widen a bf16 block first (float_rows).
   const bool wide = D % 16 == 0 && D <= kMaxAttentionDim && avx512_enabled();
   for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
     const int64_t n = std::min(kBlock, stop - j0);
@@ -281,13 +282,7 @@ std::tuple<at::Tensor, at::Tensor> partial_attention(const at::Tensor& q, const 
       }
     });
   };
-  if (k_cache.scalar_type() != q.scalar_type()) {  // a bf16 cache beside float32 queries
-    run(qc.data_ptr<float>(), k_cache.data_ptr<c10::BFloat16>(), v_cache.data_ptr<c10::BFloat16>());
-  } else {
-    JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_cpu", [&] {
-      run(qc.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
-    });
-  }
+  with_cache_dtypes(qc, k_cache, v_cache, run);
   return {out_partial, lse_partial};
 }
 

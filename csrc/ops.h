@@ -35,9 +35,11 @@ at::ScalarType check_merge_attention_states(const at::Tensor& out_partial, const
 struct MoeShape {
   int64_t tokens, hidden, experts, intermediate;
 };
-// x [..., H]; router_weight [N + 2, H]; w_gate, w_up [N, I, H]; w_down [N, H, I]; 2 <= N <= 8.
+// x [..., H]; router_weight [N + 2, H]; w_gate, w_up [N, I, H]; w_down [N, H, I]; 2 <= N <= 8; all
+// of x's dtype, or where the kernel reads them (`bf16_weights`: the CPU's) the experts' weights in
+// bfloat16 beside a float32 x and router (check_weight_dtype).
 MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate,
-                        const at::Tensor& w_up, const at::Tensor& w_down);
+                        const at::Tensor& w_up, const at::Tensor& w_down, bool bf16_weights);
 
 // h_a [..., H]; h_b like h_a or absent; contrast_weight [..., 2] (present iff h_b is);
 // lm_head [V, H] of h_a's dtype; 1 <= k <= V. `bf16_weights` (the CPU kernel): a float32 h_a

@@ -106,7 +106,7 @@ at::ScalarType check_merge_attention_states(const at::Tensor& out_partial, const
 }
 
 MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate,
-                        const at::Tensor& w_up, const at::Tensor& w_down) {
+                        const at::Tensor& w_up, const at::Tensor& w_down, bool bf16_weights) {
   const char* op = "jakiro::moe_top2";
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, op, ": x must have shape [..., H] with H >= 1, got ", x.sizes());
   check_dtype(op, "x", x, {at::kFloat, at::kBFloat16});
@@ -114,9 +114,11 @@ MoeShape check_moe_top2(const at::Tensor& x, const at::Tensor& router_weight, co
   check_dim(op, "w_gate", w_gate, 3, "[N, I, H]");
   check_dim(op, "w_up", w_up, 3, "[N, I, H]");
   check_dim(op, "w_down", w_down, 3, "[N, H, I]");
-  for (auto [name, t] : {std::pair{"router_weight", &router_weight}, std::pair{"w_gate", &w_gate},
-                         std::pair{"w_up", &w_up}, std::pair{"w_down", &w_down}}) {
-    check_same_dtype(op, name, *t, "x", x);
+  check_same_dtype(op, "router_weight", router_weight, "x", x);
+  check_same_device(op, "router_weight", router_weight, x);
+  for (auto [name, t] : {std::pair{"w_gate", &w_gate}, std::pair{"w_up", &w_up}, std::pair{"w_down", &w_down}}) {
+    check_weight_dtype(op, name, *t, "x", x, bf16_weights);
+    check_same_dtype(op, name, *t, "w_gate", w_gate);
     check_same_device(op, name, *t, x);
   }
   MoeShape s{x.numel() / std::max<int64_t>(1, x.size(-1)), x.size(-1), w_gate.size(0), w_gate.size(1)};

@@ -6,12 +6,14 @@
 // active expert runs over just its tokens as three products (cpu/gemm.h: the weight streamed
 // once for few tokens or bf16, BLAS for 16+ float32 rows) with SiLU(gate) * up fused in
 // between, in float32 whatever the weights' dtype; the active experts run in parallel.
-// Nothing is gathered per token.
+// Nothing is gathered per token. The experts' weights may be bf16 beside float32 activations (a
+// bf16 checkpoint's, as drafting reads them: half the bytes, the same bits).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/gemm.h"
@@ -33,9 +35,10 @@ void silu_mul_in_place(float* g, const float* u, int64_t n) {
   for (; i < n; ++i) g[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-// One expert over its tokens: rows = (token * 2 + slot) of expert_out, SwiGLU in float32.
-template <typename scalar_t>
-void run_expert(const scalar_t* x, const scalar_t* w_gate, const scalar_t* w_up, const scalar_t* w_down,
+// One expert over its tokens: rows = (token * 2 + slot) of expert_out, SwiGLU in float32. weight_t:
+// scalar_t's, or bf16 beside float32 activations (widened in registers: the same weights' bits).
+template <typename scalar_t, typename weight_t>
+void run_expert(const scalar_t* x, const weight_t* w_gate, const weight_t* w_up, const weight_t* w_down,
                 const std::vector<int64_t>& rows, int64_t H, int64_t I, scalar_t* expert_out) {
   const int64_t m = static_cast<int64_t>(rows.size());
   std::vector<float> xs(m * H), gate(m * I), up(m * I), y(m * H);
@@ -50,7 +53,7 @@ void run_expert(const scalar_t* x, const scalar_t* w_gate, const scalar_t* w_up,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_cpu(
     const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate, const at::Tensor& w_up,
     const at::Tensor& w_down, bool renormalize) {
-  const auto sh = check_moe_top2(x, router_weight, w_gate, w_up, w_down);
+  const auto sh = check_moe_top2(x, router_weight, w_gate, w_up, w_down, /*bf16_weights=*/true);
   const int64_t M = sh.tokens, H = sh.hidden, N = sh.experts;
   auto x2 = x.reshape({M, H}).contiguous();
   const MoeOutputs outputs = empty_moe_outputs(x);
@@ -82,13 +85,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_
     std::vector<int64_t> active;
     for (int64_t e = 0; e < N; ++e)
       if (!rows_of[e].empty()) active.push_back(e);
-    at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t e = active[i];
-        run_expert(x2.data_ptr<scalar_t>(), wg.data_ptr<scalar_t>() + e * I * H, wu.data_ptr<scalar_t>() + e * I * H,
-                   wd.data_ptr<scalar_t>() + e * H * I, rows_of[e], H, I, peo);
-      }
-    });
+    auto experts = [&](auto* weights_of_type) {
+      using weight_t = std::remove_pointer_t<decltype(weights_of_type)>;
+      at::parallel_for(0, static_cast<int64_t>(active.size()), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t e = active[i];
+          run_expert(x2.data_ptr<scalar_t>(), wg.data_ptr<weight_t>() + e * I * H, wu.data_ptr<weight_t>() + e * I * H,
+                     wd.data_ptr<weight_t>() + e * H * I, rows_of[e], H, I, peo);
+        }
+      });
+    };
+    if (wg.scalar_type() == x.scalar_type()) {
+      experts(static_cast<scalar_t*>(nullptr));
+    } else {  // bf16 experts beside float32 activations (check_moe_top2)
+      experts(static_cast<at::BFloat16*>(nullptr));
+    }
     // A token without routing (non-finite router logits) has NaN expert outputs.
     for (int64_t m = 0; m < M; ++m)
       if (pidx[m * 2] < 0) std::fill(peo + m * 2 * H, peo + (m + 1) * 2 * H, static_cast<scalar_t>(quiet_nan()));

@@ -9,7 +9,7 @@ namespace {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_top2_gpu(
     const at::Tensor& x, const at::Tensor& router_weight, const at::Tensor& w_gate, const at::Tensor& w_up,
     const at::Tensor& w_down, bool renormalize) {
-  const auto sh = check_moe_top2(x, router_weight, w_gate, w_up, w_down);
+  const auto sh = check_moe_top2(x, router_weight, w_gate, w_up, w_down, /*bf16_weights=*/false);
   const DeviceScope scope(x);
   const int64_t M = sh.tokens, H = sh.hidden, N = sh.experts, I = sh.intermediate;
   auto x2 = x.reshape({M, H}).contiguous();

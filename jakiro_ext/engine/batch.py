@@ -2,7 +2,10 @@
 batching) and each round: the tree policy's choice (:mod:`jakiro_ext.engine.policy`), the draft's
 catch-up on what it is behind, the round itself (:mod:`jakiro_ext.engine.round`) and what the
 policy observes of it. What each sequence holds on the device (its cache rows and root step) is
-the batch state's (:mod:`jakiro_ext.engine.state`)."""
+the batch state's (:mod:`jakiro_ext.engine.state`).
+
+Everything that touches the batch's tensors runs in ``torch.inference_mode`` (no autograd
+bookkeeping: a round's hundreds of small ops cost less), never across a yield to the caller."""
 from __future__ import annotations
 
 import time
@@ -90,6 +93,7 @@ class DecodeBatch:
         seq.stats.draft_forwards += self.drafter.forwards - before
         return Started(one, draft_kv, root_step)
 
+    @torch.inference_mode()
     def admit(self, pending: List[DecodeSequence]) -> List[DecodeSequence]:
         """Start the sequences ``pending`` (at most the free rows); returns those already done
         (their first token ended them), the others take rows."""
@@ -109,16 +113,19 @@ class DecodeBatch:
                 self.state.load(b, seq, state)
         return done
 
+    @torch.inference_mode()
     def drop_done(self) -> List[DecodeSequence]:
         """Free the rows of the finished sequences; returns them."""
         return [] if self.state is None else self.state.drop_done()
 
+    @torch.inference_mode()
     def compact(self) -> None:
         """Drop the free rows when they outnumber the busy ones (the whole state when none is busy)."""
         if self.state is not None and not self.state.compact():
             self.state = None
 
     # ------------------------------------------------------------------ a round
+    @torch.inference_mode()
     def round(self) -> Optional[RoundResult]:
         """One round for every sequence of the batch: the policy's tree, the draft's catch-up on
         what it is behind (rounds of plain decoding, prompts admitted without its prefill: timed

@@ -113,7 +113,8 @@ def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
         if token.numel() == 0:
             continue
         xs = x2[token]
-        expert_out[token, slot] = F.linear(F.silu(F.linear(xs, w_gate[e])) * F.linear(xs, w_up[e]), w_down[e])
+        g, u, d = (w[e].to(x.dtype) for w in (w_gate, w_up, w_down))  # (bf16 experts beside float32 x: widened)
+        expert_out[token, slot] = F.linear(F.silu(F.linear(xs, g)) * F.linear(xs, u), d)
     out = (x2.float() + (score.unsqueeze(-1) * expert_out.float()).sum(dim=1)).to(x.dtype)
     lead = x.shape[:-1]
     return (out.view(x.shape), expert_out.view(*lead, 2, H), idx.view(*lead, 2), score.view(*lead, 2),

@@ -211,9 +211,9 @@ def _chain_and_layer(head, H):
 
 @pytest.mark.parametrize("kind", ["eagle2", "jakiro"])
 def test_a_bf16_head_in_float32_drafts_from_bf16_copies_with_the_same_bits(monkeypatch, kind):
-    """A float32 head on the CPU whose fc and serial-layer projections are all exactly bf16 values
-    (the shipped heads, stored in bf16) drafts from bf16 copies of them, [q | k | v] (and a dense
-    MLP's [gate | up]) as one weight: the same bits as the float32 parameters read one by one
+    """A float32 head on the CPU whose fc, serial-layer projections and experts are all exactly bf16
+    values (the shipped heads, stored in bf16) drafts from bf16 copies of them, [q | k | v] (and a
+    dense MLP's [gate | up]) as one weight: the same bits as the float32 parameters read one by one
     (JAKIRO_CPU_BF16_WEIGHTS=0 keeps float32 copies); made once, made again when a weight changes,
     float32 while one is not exactly bf16. The LM head rows are read in bf16 unless
     JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0."""
@@ -230,12 +230,16 @@ def test_a_bf16_head_in_float32_drafts_from_bf16_copies_with_the_same_bits(monke
     if kind == "eagle2":
         assert torch.equal(mine.gate_up.float(), torch.cat([head.gate_proj.weight, head.up_proj.weight]))
         assert torch.equal(mine.down.float(), head.down_proj.weight)
+        assert products.experts is None
     else:
         assert mine.gate_up is None and mine.down is None
+        assert [w.dtype for w in products.experts] == [torch.bfloat16] * 3
+        assert all(torch.equal(w.float(), p) for w, p in zip(products.experts, (head.w_gate, head.w_up, head.w_down)))
     assert products.lm_head.dtype == torch.bfloat16 and torch.equal(products.lm_head, head.lm_head_weight.bfloat16())
     read = _chain_and_layer(head, H)
     monkeypatch.setenv("JAKIRO_CPU_BF16_WEIGHTS", "0")
     assert head.products().fc.dtype == torch.float32
+    assert kind == "eagle2" or head.products().experts[0].dtype == torch.float32
     for a, b in zip(read, _chain_and_layer(head, H)):
         assert torch.equal(a, b)
     # The negative control: a float32 head's own weights are not bf16 values, and its outputs differ.

@@ -78,6 +78,24 @@ def test_moe_routing_is_one_definition_in_the_kernel_training_and_serving():
 def test_moe_top2_opcheck():
     args = make_moe((2, 5), 32, 24, 4, torch.float32, seed=9)
     torch.library.opcheck(torch.ops.jakiro.moe_top2.default, args + (True,))
+    torch.library.opcheck(torch.ops.jakiro.moe_top2.default, args[:2] + tuple(w.bfloat16() for w in args[2:]) + (True,))
+
+
+@pytest.mark.parametrize("shape", MOE_SHAPES, ids=lambda s: f"{'x'.join(map(str, s[0]))}-H{s[1]}-I{s[2]}-N{s[3]}")
+@pytest.mark.covers("moe_top2", "adversarial_shapes")
+def test_moe_top2_bf16_experts_beside_float32_activations(shape):
+    # A bf16 checkpoint's experts read as they are (drafting's copies): the bits of the same
+    # weights in float32 where the products stream the weights (fewer than 16 rows an expert),
+    # the reference's results where float32 would go to BLAS; routing untouched.
+    x, router, *experts = make_moe(*shape, dtype=torch.float32, seed=120)
+    halves = [w.bfloat16() for w in experts]
+    widened = [w.float() for w in halves]
+    got = ops.moe_top2(x, router, *halves)
+    assert_moe_close(got, reference.moe_top2(x, router, *halves), torch.float32)
+    same = ops.moe_top2(x, router, *widened)
+    assert torch.equal(got[2], same[2]) and torch.equal(got[3], same[3]) and torch.equal(got[4], same[4])
+    if 2 * x[..., 0].numel() < 16:  # (every expert below cpu/gemm.h's kBlasRows)
+        assert torch.equal(got[0], same[0]) and torch.equal(got[1], same[1])
 
 
 def test_moe_top2_bad_input_errors():
@@ -87,7 +105,10 @@ def test_moe_top2_bad_input_errors():
         ((x, router[:5], w_gate, w_up, w_down), r"router_weight must have shape \[N \+ 2, H\] = \[6, 32\]"),
         ((x[:, :31], router, w_gate, w_up, w_down), r"w_gate.shape\[2\] \(hidden size, as x.shape\[-1\]\) must be 31"),
         ((x, router, w_gate, w_up, w_down.transpose(1, 2)), r"w_down must have shape \[N, H, I\] = \[4, 32, 24\]"),
-        ((x, router, w_gate, w_up.bfloat16(), w_down), r"w_up must have the dtype of x"),
+        ((x, router, w_gate, w_up.bfloat16(), w_down), r"w_up must have the dtype of w_gate"),
+        ((x, router, w_gate.half(), w_up.half(), w_down.half()), r"w_gate must have the dtype of x"),
+        ((x, router.bfloat16(), w_gate, w_up, w_down), r"router_weight must have the dtype of x"),
+        ((x.bfloat16(), router.bfloat16(), w_gate, w_up, w_down), r"w_gate must have the dtype of x"),
         ((x, router, w_gate[0], w_up, w_down), r"w_gate must have 3 dimensions \[N, I, H\]"),
         ((x[:, :0], router[:, :0], w_gate[:, :, :0], w_up[:, :, :0], w_down[:, :0]), r"x must have shape \[..., H\] with H >= 1"),
     ]

@@ -326,8 +326,7 @@ class DraftHead(nn.Module):
             return drafting.attention(self, x, positions, cache, tree_mask, ancestors, layer, weights, products)
 
         def moe(normed: torch.Tensor):
-            _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, self.w_gate, self.w_up, self.w_down,
-                                                             c.renormalize)
+            _, expert_out, _, score, contrast = ops.moe_top2(normed, self.router, *products.experts, c.renormalize)
             return expert_out, score, contrast
 
         return self.run_layers(self.project_input(tokens, features, products=products), attention,

@@ -5,7 +5,7 @@ KV cache and its dense MLP."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Dict, NamedTuple, Optional
+from typing import TYPE_CHECKING, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,10 +32,12 @@ class LayerProducts(NamedTuple):
 class Products(NamedTuple):
     """:meth:`DraftHead.products`: ``fc``'s weight, each serial layer's :class:`LayerProducts`
     by the module holding its weights (``id``: the head itself for layer 0, then ``layers[i]``),
-    and the LM head rows the draft's top-k pass reads."""
+    the LM head rows the draft's top-k pass reads and, with experts, ``(w_gate, w_up, w_down)`` as
+    ``jakiro::moe_top2`` reads them."""
     fc: torch.Tensor
     layers: Dict[int, LayerProducts]
     lm_head: Optional[torch.Tensor]  # (None: the head is not bound to a target)
+    experts: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
 
 def bf16_draft_lm_head_enabled() -> bool:
@@ -54,9 +56,10 @@ def drafting_products(head) -> Products:
     and made again when a weight changes (its version or storage). Each serial layer's ``[q | k |
     v]`` and (a dense MLP) ``[gate | up]`` projections are one weight, read in one pass by one
     call (each output column computed as from its own weight). On the CPU, where every one of
-    them and ``fc`` is exactly a bf16 value in a float32 head (the shipped heads are stored in
-    bf16), they are bf16 copies, which the products widen in registers: the same bits, half the
-    bytes (``JAKIRO_CPU_BF16_WEIGHTS=0``: float32). A float32 draft on the CPU reads its LM head
+    them, ``fc`` and the experts are exactly bf16 values in a float32 head (the shipped heads are
+    stored in bf16), they are bf16 copies, which the products widen in registers: the same bits
+    (an expert's products for fewer than 16 rows; more go to BLAS in float32), half the bytes
+    (``JAKIRO_CPU_BF16_WEIGHTS=0``: float32). A float32 draft on the CPU reads its LM head
     rows in bf16, or beside a quantized target (a GGUF file's) in the target's own packed blocks,
     the features quantized per row as the target's are (0.27x float32's bytes in Q8_0; a draft
     vocabulary of a multiple of 16 rows) (``JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0``: float32): the
@@ -70,7 +73,8 @@ def drafting_products(head) -> Products:
     own = {id(m): [m._modules[name]._parameters["weight"] for name in _PRODUCT_NAMES if name in m._modules]
            for m in modules}
     fc_weight, lm_head = head._modules["fc"]._parameters["weight"], head.__dict__["lm_head_weight"]
-    sources = [fc_weight] + [w for ws in own.values() for w in ws]
+    experts = [head._parameters[name] for name in ("w_gate", "w_up", "w_down") if head._parameters.get(name) is not None]
+    sources = [fc_weight] + [w for ws in own.values() for w in ws] + experts
     settings = (bf16_weights_enabled(), bf16_draft_lm_head_enabled())
     key = [settings] + [(t.data_ptr(), t._version) for t in sources + ([] if lm_head is None else [lm_head])]
     kept = head.__dict__.get("_products")
@@ -88,12 +92,14 @@ def drafting_products(head) -> Products:
         packed = head.__dict__.get("packed_lm_head")
         if lm_head is not None and cpu32 and settings[1]:  # a quantized target's own rows, else bf16 ones
             lm_head = packed if packed is not None else in_huge_pages([lm_head.bfloat16()])[0]
+        experts = [w.detach() for w in experts]
         if as_bf16:
-            flat = [fc] + [t for p in layers.values() for t in p if t is not None]
+            flat = [fc] + [t for p in layers.values() for t in p if t is not None] + experts
             copies = iter(in_huge_pages([t.bfloat16() for t in flat]))
             fc = next(copies)
             layers = {k: LayerProducts(*(None if t is None else next(copies) for t in p)) for k, p in layers.items()}
-    made = Products(fc, layers, lm_head)
+            experts = list(copies)
+    made = Products(fc, layers, lm_head, tuple(experts) if experts else None)
     head.__dict__["_products"] = (key, made)
     return made
 

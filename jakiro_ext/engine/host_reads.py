@@ -16,7 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from jakiro_ext.engine.batch import ROUND_LISTENERS
 
 aten = torch.ops.aten
-VALUE_READS = {aten._local_scalar_dense.default: "scalar", aten.nonzero.default: "nonzero",
+# (In inference mode, as the decoding rounds run, ``.item()`` and ``bool()`` reach a dispatch mode
+# as ``aten.item`` and ``aten.is_nonzero``; outside it, both as ``aten._local_scalar_dense``.)
+VALUE_READS = {aten._local_scalar_dense.default: "scalar", aten.item.default: "scalar",
+               aten.is_nonzero.default: "scalar", aten.nonzero.default: "nonzero",
                aten.masked_select.default: "masked_select", aten.equal.default: "equal",
                aten._unique2.default: "unique", aten.unique_consecutive.default: "unique"}
 

@@ -261,10 +261,12 @@ def test_a_round_reads_the_device_once(target, method, kind, tree_name):
                                           (lambda x: x.__setitem__(x > 0, 0), "boolean index"),
                                           (lambda x: torch.repeat_interleave(x.clamp(0, 2).long()), "repeat_interleave"),
                                           (lambda x: torch.bincount(x.clamp(0, 2).long()), "bincount"),
-                                          (lambda x: x.nonzero(), "nonzero"), (lambda x: x.sum().item(), "scalar")])
+                                          (lambda x: x.nonzero(), "nonzero"), (lambda x: x.sum().item(), "scalar"),
+                                          (lambda x: bool(x.sum() > 0), "scalar"), (lambda x: int(x.sum()), "scalar")])
 def test_a_read_planted_in_a_round_is_counted(target, planted, kind, monkeypatch):
     """Each of these syncs a GPU: planted in every round (on the round's verified logits), each
-    is counted once a round, so the one-read test above cannot miss it."""
+    is counted once a round, so the one-read test above cannot miss it (the rounds run in
+    inference mode, where a scalar read dispatches other ops than outside it)."""
     from jakiro_ext import ops
     from jakiro_ext.engine.host_reads import HostReads, counted_rounds
 

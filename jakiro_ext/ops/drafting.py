@@ -11,9 +11,9 @@ from jakiro_ext.ops.library import compiled_available
 def moe_top2(x, router_weight, w_gate, w_up, w_down, renormalize: bool = False):
     """Jakiro's MoE block. x [..., H]; router_weight [N + 2, H]; w_gate, w_up [N, I, H];
     w_down [N, H, I]; all one dtype, or on the CPU the experts' weights (w_gate, w_up, w_down) in
-    bfloat16 beside a float32 x and router (widened exactly as they are read). Routing: softmax over the first N router logits, top-2
-    (scores renormalised to sum 1 if ``renormalize``); the last 2 logits give the contrastive
-    weights (their softmax, larger first).
+    bfloat16 beside a float32 x and router (widened exactly as they are read). Routing: softmax
+    over the first N router logits, top-2 (scores renormalised to sum 1 if ``renormalize``); the
+    last 2 logits give the contrastive weights (their softmax, larger first).
 
     Returns out [..., H] = x + s_0 * h_0 + s_1 * h_1, expert_out [..., 2, H] = (h_0, h_1) the
     selected experts' SwiGLU outputs (higher score first), expert_idx [..., 2] int64,

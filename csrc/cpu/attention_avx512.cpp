@@ -88,13 +88,13 @@ void scores(const float* q, int64_t rows, const key_t* k, int64_t n, int64_t D, 
 }
 
 template <typename value_t>
-void pv(const float* p, int64_t rows, int64_t n, const value_t* v, int64_t D, float* acc) {
+void pv(const float* p, int64_t ldp, int64_t rows, int64_t n, const value_t* v, int64_t D, float* acc) {
   for (int64_t d = 0; d < D; d += 64) {
     const int64_t width = std::min<int64_t>(64, D - d) / 16;
     for (int64_t r = 0; r < rows; r += 4) {
       skinny_detail::with_static<4>(std::min<int64_t>(4, rows - r), [&](auto rs) {
         skinny_detail::with_static<4>(width, [&](auto w) {
-          pv_block<decltype(rs)::value, decltype(w)::value>(p + r * n, n, n, v, D, acc + r * D, d);
+          pv_block<decltype(rs)::value, decltype(w)::value>(p + r * ldp, ldp, n, v, D, acc + r * D, d);
         });
       });
     }
@@ -111,11 +111,13 @@ void attention_scores_avx512(const float* q, int64_t rows, const c10::BFloat16* 
                              int64_t lds) {
   scores(q, rows, k, n, D, s, lds);
 }
-void attention_pv_avx512(const float* p, int64_t rows, int64_t n, const float* v, int64_t D, float* acc) {
-  pv(p, rows, n, v, D, acc);
+void attention_pv_avx512(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t D,
+                         float* acc) {
+  pv(p, ldp, rows, n, v, D, acc);
 }
-void attention_pv_avx512(const float* p, int64_t rows, int64_t n, const c10::BFloat16* v, int64_t D, float* acc) {
-  pv(p, rows, n, v, D, acc);
+void attention_pv_avx512(const float* p, int64_t ldp, int64_t rows, int64_t n, const c10::BFloat16* v, int64_t D,
+                         float* acc) {
+  pv(p, ldp, rows, n, v, D, acc);
 }
 
 }  // namespace jakiro::cpu
@@ -128,7 +130,9 @@ void attention_scores_avx512(const float*, int64_t, const float*, int64_t, int64
 void attention_scores_avx512(const float*, int64_t, const c10::BFloat16*, int64_t, int64_t, float*, int64_t) {
   std::abort();
 }
-void attention_pv_avx512(const float*, int64_t, int64_t, const float*, int64_t, float*) { std::abort(); }
-void attention_pv_avx512(const float*, int64_t, int64_t, const c10::BFloat16*, int64_t, float*) { std::abort(); }
+void attention_pv_avx512(const float*, int64_t, int64_t, int64_t, const float*, int64_t, float*) { std::abort(); }
+void attention_pv_avx512(const float*, int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t, float*) {
+  std::abort();
+}
 }  // namespace jakiro::cpu
 #endif

@@ -95,15 +95,17 @@ void skinny_gemm_nt_avx512(const float* X, int64_t M, int64_t ldx, const c10::BF
 // The tree attention's products for few query rows (cpu/attention_avx512.cpp), D a multiple of 16
 // and at most kMaxAttentionDim. s[r * lds + j] = q[r, :] . k[j, :] for r < rows, j < n (q [rows,
 // D], k [n, D]: each score 16 lane sums over d in order, then reduce_lanes's tree, whatever rows
-// and n); acc[r, :] += sum_j p[r * n + j] v[j, :] (each element a chain of fused multiply-adds over
-// j in order). Only call when avx512_enabled().
+// and n); acc[r, :] += sum_j p[r * ldp + j] v[j, :] (each element a chain of fused multiply-adds over
+// j in order, whatever rows: a run of keys split over two calls gives the bits of one call). Only
+// call when avx512_enabled().
 constexpr int64_t kMaxAttentionDim = 256;
 void attention_scores_avx512(const float* q, int64_t rows, const float* k, int64_t n, int64_t D, float* s,
                              int64_t lds);
 void attention_scores_avx512(const float* q, int64_t rows, const c10::BFloat16* k, int64_t n, int64_t D, float* s,
                              int64_t lds);  // k widened to float32 in registers: the scores of its float32 values
-void attention_pv_avx512(const float* p, int64_t rows, int64_t n, const float* v, int64_t D, float* acc);
-void attention_pv_avx512(const float* p, int64_t rows, int64_t n, const c10::BFloat16* v, int64_t D,
+void attention_pv_avx512(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t D,
+                         float* acc);
+void attention_pv_avx512(const float* p, int64_t ldp, int64_t rows, int64_t n, const c10::BFloat16* v, int64_t D,
                          float* acc);  // v widened to float32 in registers
 void skinny_gemm_nt_bf16_dot(const c10::BFloat16* X, int64_t M, int64_t ldx, const c10::BFloat16* W, int64_t ldw,
                              int64_t K, int64_t j0, int64_t j1, float* Y, int64_t ldy);

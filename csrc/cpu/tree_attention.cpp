@@ -4,8 +4,10 @@
 // One task = (sequence b, KV head, split). It gathers the G = Hq / Hkv query heads that share
 // the KV head, times the T tree tokens, into one [G*T, D] block, so every K/V row loaded from
 // the cache serves all of them. Keys are consumed in blocks of kBlock: scores by a GEMM,
-// masking of the tree part from the bit-packed ancestor mask, online softmax, then P @ V by
-// a second GEMM. A large tree makes this compute-bound (G*T rows per K/V row); with few rows
+// online softmax, then P @ V by a second GEMM. A decoding tree (automatic splits) takes each
+// token's visible tree keys in order after the prefix, as its one-token step would see them
+// (attend_tree_in_order); a prompt's chunk, or splits the caller chose, masks the tree keys in
+// place from the bit-packed ancestor mask. A large tree makes this compute-bound (G*T rows per K/V row); with few rows
 // (small trees, plain decoding) it is bound by reading K/V, and both products stream the
 // cache instead. A bf16 cache (beside bf16 or float32 queries) is widened to float32: in registers
 // by the 512-bit streamed products, else per block; accumulation is float32.
@@ -68,9 +70,10 @@ inline int64_t accumulate_pv_columns(const float* pr, int64_t n, const float* v,
   return d;
 }
 
-void accumulate_pv_streaming(const float* p, int64_t rows, int64_t n, const float* v, int64_t D, float* acc) {
+void accumulate_pv_streaming(const float* p, int64_t ldp, int64_t rows, int64_t n, const float* v, int64_t D,
+                             float* acc) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float* pr = p + r * n;
+    const float* pr = p + r * ldp;
     float* o = acc + r * D;
     int64_t d = accumulate_pv_columns<8>(pr, n, v, D, o, 0);
     d = accumulate_pv_columns<4>(pr, n, v, D, o, d);
@@ -129,6 +132,98 @@ inline void mask_scores(const int64_t* mask_row, int64_t prefix, int64_t first, 
   }
 }
 
+// Folds one block's scores of a row (srow[0, n), masked ones -inf) into its online softmax: the
+// row's accumulated values rescaled, srow turned into exp(score - max) (zeros where it contributes
+// nothing). A NaN or +inf score poisons the row.
+inline void fold_scores(float* srow, int64_t n, OnlineSoftmax& state, float* acc_row, int64_t D) {
+  const float block_max = n > 0 ? max_of(srow, n) : neg_inf();
+  if (poisons(block_max)) {
+    state.poison();
+    std::fill(srow, srow + n, 0.f);
+    return;
+  }
+  if (block_max == neg_inf()) {  // fully masked in this block: contributes nothing
+    std::fill(srow, srow + n, 0.f);
+    return;
+  }
+  const float factor = state.rescale_for(block_max);
+  if (factor != 1.f) scale_in_place(acc_row, D, factor);
+  state.sum += exp_shift_sum_fast(srow, n, state.max);
+}
+
+// The streamed products for few rows, float32 or bf16 keys: scores s[r * lds + j] of keys [j0, j0 + n)
+// of one head's cache, and acc[r] += p[r * ldp + j] v[j0 + j] (a bf16 block widened into `buffer`
+// where 512-bit vectors are not used). Every score and every chain is the same bits whatever the
+// rows and wherever the keys' run is cut (attention_avx512.cpp, skinny_gemm.h).
+template <typename cache_t>
+void streamed_scores(bool wide, const float* q, int64_t rows, const cache_t* k_head, int64_t j0, int64_t n, int64_t D,
+                     float* s, int64_t lds) {
+  if (wide) {
+    attention_scores_avx512(q, rows, k_head + j0 * D, n, D, s, lds);
+  } else {
+    skinny_gemm_nt(q, rows, D, k_head, D, D, j0, j0 + n, s, lds);
+  }
+}
+template <typename cache_t>
+void streamed_pv(bool wide, const float* p, int64_t ldp, int64_t rows, const cache_t* v_head, int64_t j0, int64_t n,
+                 int64_t D, float* acc, std::vector<float>& buffer) {
+  if (wide) {
+    attention_pv_avx512(p, ldp, rows, n, v_head + j0 * D, D, acc);
+  } else {
+    accumulate_pv_streaming(p, ldp, rows, n, float_rows(v_head, j0, n, D, buffer), D, acc);
+  }
+}
+
+// A tree's rows (T <= kFixedSplitTreeLen): row r attends to the prefix, then to the tree keys its
+// mask row sets in index order, as one run of keys (its logical positions: prefix + 0, 1, ...),
+// cut into splits and blocks where that run is. A one-token step of the same token, its ancestors
+// committed (their keys the prefix's last), sees the same run: its result is the same bits,
+// whatever siblings the tree holds between them (a quantized target's next layer re-quantizes the
+// row, so a last-bit difference there can change a token). The keys of the task's split are the
+// logical positions [start, stop); a row's visible tree keys are gathered from wherever they are.
+template <typename cache_t>
+void attend_tree_in_order(const PartialArgs& a, const cache_t* k_head, const cache_t* v_head, int64_t b,
+                          int64_t start, int64_t stop, int64_t rows, bool wide, SplitScratch& s) {
+  const int64_t T = a.shape.tree_len, D = a.shape.head_dim, prefix = a.prefix_lens[b];
+  // Each tree token's visible tree keys, in index order (shared by its G query rows r = g * T + t).
+  s.visible.resize(T * T);
+  s.visible_count.assign(T, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t* mask_row = a.tree_mask + (b * T + t) * a.mask_stride;
+    for (int64_t j = 0; j < T; ++j)
+      if (mask_bit(mask_row, j)) s.visible[t * T + s.visible_count[t]++] = j;
+  }
+  if (stop > prefix) {  // the split reaches the tree: every row's scores of the T tree keys
+    s.tree_scores.resize(rows * T);
+    streamed_scores(wide, s.q.data(), rows, k_head, prefix, T, D, s.tree_scores.data(), T);
+    s.tree_values.resize(T * D);
+  }
+  for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
+    const int64_t n = std::min(kBlock, stop - j0);
+    const int64_t in_prefix = std::clamp<int64_t>(prefix - j0, 0, n);  // the block's prefix keys
+    if (in_prefix > 0) streamed_scores(wide, s.q.data(), rows, k_head, j0, in_prefix, D, s.scores.data(), kBlock);
+    // Row r's visible tree keys [k0, k1) of its run fall in this block, after its prefix keys.
+    const int64_t k0 = std::max<int64_t>(0, j0 - prefix);
+    auto tree_end = [&](int64_t t) { return std::clamp<int64_t>(j0 + n - prefix, k0, std::max(k0, s.visible_count[t])); };
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = r % T, k1 = tree_end(t);
+      float* srow = s.scores.data() + r * kBlock;
+      for (int64_t k = k0; k < k1; ++k) srow[in_prefix + k - k0] = s.tree_scores[r * T + s.visible[t * T + k]];
+      fold_scores(srow, in_prefix + (k1 - k0), s.state[r], s.acc.data() + r * D, D);
+    }
+    if (in_prefix > 0) streamed_pv(wide, s.scores.data(), kBlock, rows, v_head, j0, in_prefix, D, s.acc.data(), s.v);
+    for (int64_t t = 0; t < T; ++t) {  // the chains go on over each token's visible tree values
+      const int64_t k1 = tree_end(t);
+      if (k1 == k0) continue;
+      for (int64_t k = k0; k < k1; ++k)
+        to_float(v_head + (prefix + s.visible[t * T + k]) * D, s.tree_values.data() + (k - k0) * D, D);
+      for (int64_t r = t; r < rows; r += T)
+        streamed_pv(wide, s.scores.data() + r * kBlock + in_prefix, kBlock, 1, s.tree_values.data(), 0, k1 - k0, D,
+                    s.acc.data() + r * D, s.v);
+    }
+  }
+}
+
 }  // namespace
 
 template <typename scalar_t, typename cache_t>
@@ -166,53 +261,37 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const cache_t* k_
   // Few rows on 512-bit vectors (cpu/attention_avx512.cpp): both products read float32 or bf16
   // keys and values (widened in registers); the other paths widen a bf16 block first (float_rows).
   const bool wide = D % 16 == 0 && D <= kMaxAttentionDim && avx512_enabled();
-  for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
-    const int64_t n = std::min(kBlock, stop - j0);
-    // A tree (at most kFixedSplitTreeLen tokens) always streams: the streamed products compute
-    // each row alike whatever the rows, so a token's attention is the same bits in a tree of 60
-    // as alone (BLAS's blocking is not: 1e-5 apart, enough to flip a quantized activation's code).
-    const bool streaming = rows <= kStreamingRows || T <= kFixedSplitTreeLen;
-    if (streaming && wide) {
-      attention_scores_avx512(s.q.data(), rows, k_head + j0 * D, n, D, s.scores.data(), n);
-    } else if (streaming) {
-      skinny_gemm_nt(s.q.data(), rows, D, k_head, D, D, j0, j0 + n, s.scores.data(), n);
-    } else {
-      gemm_nt(s.q.data(), D, float_rows(k_head, j0, n, D, s.k), D, s.scores.data(), n, rows, n, D);
-    }
-
-    if (j0 + n > prefix) {  // the block reaches into the tree: apply the ancestor mask
-      const int64_t first = std::max(j0, prefix);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t* mask_row = a.tree_mask + (b * T + t0 + r % tile) * a.mask_stride;
-        mask_scores(mask_row, prefix, first, j0 + n, j0, s.scores.data() + r * n);
+  // A tree always streams: the streamed products compute each row alike whatever the rows, so a
+  // token's attention is the same bits in a tree of 60 as alone (BLAS's blocking is not: 1e-5
+  // apart, enough to flip a quantized activation's code).
+  const bool streaming = rows <= kStreamingRows || T <= kFixedSplitTreeLen;
+  if (a.split_len > 0 && T <= kFixedSplitTreeLen) {  // a tree in fixed splits (decoding): each row's keys in order
+    attend_tree_in_order(a, k_head, v_head, b, start, stop, rows, wide, s);
+  } else {  // a prompt's chunk in tiles, or splits the caller chose: the masked keys in place
+    for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
+      const int64_t n = std::min(kBlock, stop - j0);
+      if (streaming) {
+        streamed_scores(wide, s.q.data(), rows, k_head, j0, n, D, s.scores.data(), n);
+      } else {
+        gemm_nt(s.q.data(), D, float_rows(k_head, j0, n, D, s.k), D, s.scores.data(), n, rows, n, D);
       }
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      float* srow = s.scores.data() + r * n;
-      const float block_max = max_of(srow, n);
-      if (poisons(block_max)) {  // a NaN or +inf score: the row's output and lse are NaN
-        s.state[r].poison();
-        std::fill(srow, srow + n, 0.f);
-        continue;
+      if (j0 + n > prefix) {  // the block reaches into the tree: apply the ancestor mask
+        const int64_t first = std::max(j0, prefix);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t* mask_row = a.tree_mask + (b * T + t0 + r % tile) * a.mask_stride;
+          mask_scores(mask_row, prefix, first, j0 + n, j0, s.scores.data() + r * n);
+        }
       }
-      if (block_max == neg_inf()) {  // fully masked in this block: contributes nothing
-        std::fill(srow, srow + n, 0.f);
-        continue;
+      for (int64_t r = 0; r < rows; ++r) fold_scores(s.scores.data() + r * n, n, s.state[r], s.acc.data() + r * D, D);
+      const int64_t tree_col = std::max<int64_t>(0, prefix - j0);  // first tree key of the block
+      if (tree_col < n && !all_finite(v_head + (j0 + tree_col) * D, (n - tree_col) * D)) {
+        accumulate_pv_visible(s.scores.data(), rows, n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data(),
+                              a.tree_mask + (b * T + t0) * a.mask_stride, a.mask_stride, tile, j0, prefix);
+      } else if (streaming) {
+        streamed_pv(wide, s.scores.data(), n, rows, v_head, j0, n, D, s.acc.data(), s.v);
+      } else {
+        gemm_nn_accumulate(s.scores.data(), n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data(), D, rows, D, n);
       }
-      const float factor = s.state[r].rescale_for(block_max);
-      if (factor != 1.f) scale_in_place(s.acc.data() + r * D, D, factor);
-      s.state[r].sum += exp_shift_sum_fast(srow, n, s.state[r].max);
-    }
-    const int64_t tree_col = std::max<int64_t>(0, prefix - j0);  // first tree key of the block
-    if (tree_col < n && !all_finite(v_head + (j0 + tree_col) * D, (n - tree_col) * D)) {
-      accumulate_pv_visible(s.scores.data(), rows, n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data(),
-                            a.tree_mask + (b * T + t0) * a.mask_stride, a.mask_stride, tile, j0, prefix);
-    } else if (streaming && wide) {  // (bf16 values widened in registers)
-      attention_pv_avx512(s.scores.data(), rows, n, v_head + j0 * D, D, s.acc.data());
-    } else if (streaming) {
-      accumulate_pv_streaming(s.scores.data(), rows, n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data());
-    } else {
-      gemm_nn_accumulate(s.scores.data(), n, float_rows(v_head, j0, n, D, s.v), D, s.acc.data(), D, rows, D, n);
     }
   }
 

@@ -39,6 +39,10 @@ inline int64_t fixed_splits(int64_t max_kv) { return std::max<int64_t>(1, (max_k
 struct SplitScratch {
   std::vector<float> q, scores, acc, k, v;
   std::vector<OnlineSoftmax> state;
+  // A tree's (T <= kFixedSplitTreeLen): each token's visible tree keys and their count, every
+  // row's scores of the tree keys, a token's visible values gathered (float32). Sized per call.
+  std::vector<int64_t> visible, visible_count;
+  std::vector<float> tree_scores, tree_values;
   SplitScratch() = default;
   SplitScratch(int64_t rows, int64_t dim, bool widens) { resize(rows, dim, widens); }
   void resize(int64_t rows, int64_t dim, bool widens) {

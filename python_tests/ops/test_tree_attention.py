@@ -249,6 +249,65 @@ def test_a_sequences_attention_does_not_depend_on_its_batch(cache):
         torch.set_num_threads(threads)
 
 
+def one_token_steps(q, k, v, prefix, parents, num_splits=None):
+    """Each tree token's attention as a one-token step computes it: its ancestors' keys committed
+    after the prefix (root first), then its own key."""
+    steps = []
+    for t in range(parents.numel()):
+        path = [t]
+        while parents[path[0]] >= 0:
+            path.insert(0, int(parents[path[0]]))
+        keys = torch.tensor(path) + prefix
+        k1 = torch.cat([k[:, :, :prefix], k[:, :, keys]], 2)
+        v1 = torch.cat([v[:, :, :prefix], v[:, :, keys]], 2)
+        out, _ = ops.tree_attention(q[:, t:t + 1], k1, v1, torch.tensor([prefix + len(path) - 1]),
+                                    ops.build_tree_mask(torch.tensor([[-1]])), num_splits=num_splits)
+        steps.append(out[0, 0])
+    return steps
+
+
+@pytest.mark.parametrize("dtype,cache,dim", [(torch.float32, torch.float32, 64), (torch.float32, torch.bfloat16, 64),
+                                             (torch.bfloat16, torch.bfloat16, 64), (torch.float32, torch.float32, 40)])
+def test_a_tree_tokens_attention_is_its_one_token_steps_bits(dtype, cache, dim):
+    # A tree token attends to the prefix, then to its ancestors and itself: the keys a one-token
+    # step of the same token sees once its ancestors are committed. It gets that step's bits,
+    # whatever siblings the tree lays between them and wherever the fixed splits of 512 keys cut
+    # (a quantized target's next layer re-quantizes the row: a last-bit difference there can
+    # change a token). Dim 40: the products without 512-bit vectors.
+    Hq, Hkv = 9, 3
+    trees = [torch.tensor([-1, 0, 0]), random_parents(1, 40, seed=31, max_children=3)[0],
+             random_parents(1, 64, seed=32)[0]]
+    for i, parents in enumerate(trees):
+        T = parents.numel()
+        mask = ops.build_tree_mask(parents[None])
+        for prefix in (0, 1, 100, 480, 497, 509, 511, 512, 1030):
+            g = torch.Generator().manual_seed(1000 * i + prefix)
+            q = torch.randn(1, T, Hq, dim, generator=g).to(dtype)
+            k = torch.randn(1, Hkv, prefix + T, dim, generator=g).to(cache)
+            v = torch.randn(1, Hkv, prefix + T, dim, generator=g).to(cache)
+            out, _ = ops.tree_attention(q, k, v, torch.tensor([prefix]), mask)
+            for t, step in enumerate(one_token_steps(q, k, v, prefix, parents)):
+                assert torch.equal(out[0, t], step), (T, prefix, t)
+
+
+def test_splits_the_caller_chooses_keep_the_masked_keys_in_place():
+    # With num_splits given, split s is the keys [s * chunk, (s + 1) * chunk) where they lie (the
+    # masked ones too: reference.tree_attention_partial); a tree token's result is then only close
+    # to its one-token step's (here some rows differ in their last bits: what the fixed splits
+    # above do not do).
+    Hq, Hkv, D, prefix = 9, 3, 64, 140
+    parents = random_parents(1, 40, seed=31, max_children=3)[0]
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 40, Hq, D, generator=g)
+    k, v = torch.randn(1, Hkv, prefix + 40, D, generator=g), torch.randn(1, Hkv, prefix + 40, D, generator=g)
+    mask = ops.build_tree_mask(parents[None])
+    out, _ = ops.tree_attention(q, k, v, torch.tensor([prefix]), mask, num_splits=1)
+    steps = one_token_steps(q, k, v, prefix, parents, num_splits=1)
+    for t, step in enumerate(steps):
+        torch.testing.assert_close(out[0, t], step, **TOL[torch.float32])
+    assert not all(torch.equal(out[0, t], step) for t, step in enumerate(steps))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_long_run_goes_in_tiles_that_read_only_the_keys_they_see(dtype):
     # Beyond 64 tokens (a prompt's chunk) the tokens go in tiles, each reading the keys up to the

@@ -61,11 +61,13 @@ def test_dequantized_loads_and_bad_options():
         load_default_target("q4")
 
 
-@pytest.mark.parametrize("method,kind,prompts", [("jakiro", "jakiro", 16), ("eagle2", "eagle2", 4)])
-def test_speculation_on_the_file_gives_its_plain_decodings_tokens(gguf_target, method, kind, prompts):
+@pytest.mark.parametrize("method,kind,prompts,trees", [
+    ("jakiro", "jakiro", 16, [TreeConfig(3, 1, 5), TreeConfig(8, 3, 2)]),
+    ("eagle2", "eagle2", 4, [TreeConfig(8, 3, 2), TreeConfig(16, 4, 4)])])
+def test_speculation_on_the_file_gives_its_plain_decodings_tokens(gguf_target, method, kind, prompts, trees):
     # Branching trees (siblings between a token and its ancestors) over the packaged prompts: a
     # token's attention in a tree must be its one-token step's bits, as the next layer quantizes
-    # its row again (summed in another order, 7 of 48 Jakiro runs here once gave other tokens).
+    # its row again (summed in another order, 7 of 48 such Jakiro runs once gave other tokens).
     from jakiro_ext.cli.bench import read_prompts
     from jakiro_ext.cli.common import PROMPTS_FILE, chat_ids, load_head
 
@@ -75,7 +77,7 @@ def test_speculation_on_the_file_gives_its_plain_decodings_tokens(gguf_target, m
     for row in read_prompts(PROMPTS_FILE, prompts):
         ids = chat_ids(tokenizer, row["prompt"], True)
         plain = speculative_generate(model, None, ids, 64, method="ar").token_ids
-        for tree in (TreeConfig(3, 1, 5), TreeConfig(8, 3, 2), TreeConfig(16, 4, 4)):
+        for tree in trees:
             spec = speculative_generate(model, head, ids, 64, method=method, tree=tree)
             assert spec.token_ids == plain, (row["prompt"][:40], tree)
             accepted.append(max(spec.stats.accept_lengths))

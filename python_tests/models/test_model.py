@@ -129,35 +129,53 @@ def test_model_tree_forward_matches_each_path_and_compacts():
     torch.testing.assert_close(logits, reference_logits(hf, seq)[:, -3:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "Q8_0"])
 @pytest.mark.parametrize("prefix_len", [25, 505])
-def test_a_chain_verifies_each_token_bit_for_bit_as_decoding_it(dtype, prefix_len):
+def test_a_tree_verifies_each_token_bit_for_bit_as_decoding_its_path(weights, prefix_len):
     # In a tree of up to 64 tokens (here 2 query heads a KV head: up to 128 query rows) every
     # product and the attention take a single decoding row's path (skinny products, the cache
-    # streamed, the softmax sums in fixed lanes, the keys a row does not see adding exact zeros),
-    # so a chain's logits are exactly those of decoding its tokens one at a time: greedy
-    # verification of a chain cannot disagree with plain decoding, not even at a near tie. (A branch's keys sit at other offsets
-    # than when decoded alone, so its sums take other lanes: close, not bit for bit.) A prefix of
-    # 505 puts the chain across the attention's 512-key split, which decoding crosses later.
+    # streamed, the softmax sums in fixed lanes), and a token's attention sums the prefix, its
+    # ancestors and itself in the order its one-token step does, whatever siblings lie between
+    # them: each token's logits are exactly those of decoding its root path one token at a time,
+    # so greedy verification cannot disagree with plain decoding, not even at a near tie. Q8_0:
+    # quantized layers (each row's activations quantized again at every product, where a
+    # last-bit difference can change a code), with their bf16 cache. A prefix of 505 puts the
+    # tree across the attention's 512-key split, which decoding crosses later.
+    from jakiro_ext.ops import quantized
+
     torch.manual_seed(3)
     cfg = transformers.LlamaConfig(**{**TINY, "max_position_embeddings": 1024}, head_dim=16, tie_word_embeddings=True)
+    dtype = torch.bfloat16 if weights == "bfloat16" else torch.float32
     model = LlamaModel.from_hf(transformers.LlamaForCausalLM(cfg).float().eval(), dtype=dtype)
+    if weights == "Q8_0":
+        with torch.no_grad():
+            for layer in model.layers:
+                for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.gate_up_proj, layer.down_proj):
+                    module._parameters["weight"] = torch.nn.Parameter(
+                        quantized.from_float(module.weight, "Q8_0"), requires_grad=False)
     prefix = torch.randint(0, 211, (1, prefix_len), generator=gen(4))
     T = 40  # 80 query rows a KV head (BLAS's attention took over beyond 32 and was 1e-5 off)
     tokens = torch.randint(0, 211, (1, T), generator=gen(6))
+    for parents in (torch.arange(-1, T - 1).unsqueeze(0), random_parents(1, T, seed=5, max_children=3)):
+        def after_prefix():
+            cache = model.new_cache(batch=1, capacity=prefix_len + T + 1)
+            model(prefix, cache)
+            cache.commit(prefix_len)
+            return cache
 
-    def after_prefix():
-        cache = model.new_cache(batch=1, capacity=prefix_len + T + 1)
-        model(prefix, cache)
-        cache.commit(prefix_len)
-        return cache
-
-    chain, _ = model(tokens, after_prefix())
-    cache = after_prefix()
-    for i in range(T):
-        logits, _ = model(tokens[:, i:i + 1], cache)
-        cache.commit(1)
-        assert torch.equal(chain[0, i], logits[0, 0]), i
+        depth = torch.zeros(1, T, dtype=torch.int64)
+        for i in range(1, T):
+            depth[0, i] = depth[0, parents[0, i]] + 1
+        tree, _ = model(tokens, after_prefix(), ops.build_tree_mask(parents), depth)
+        for node in range(T):
+            path = [node]
+            while parents[0, path[0]] >= 0:
+                path.insert(0, int(parents[0, path[0]]))
+            cache = after_prefix()
+            for i in path:
+                logits, _ = model(tokens[:, i:i + 1], cache)
+                cache.commit(1)
+            assert torch.equal(tree[0, node], logits[0, 0]), (node, path)
 
 
 def test_model_config_refuses_what_it_does_not_implement():

@@ -7,8 +7,9 @@
 // online softmax, then P @ V by a second GEMM. A decoding tree (automatic splits) takes each
 // token's visible tree keys in order after the prefix, as its one-token step would see them
 // (attend_tree_in_order); a prompt's chunk, or splits the caller chose, masks the tree keys in
-// place from the bit-packed ancestor mask. A large tree makes this compute-bound (G*T rows per K/V row); with few rows
-// (small trees, plain decoding) it is bound by reading K/V, and both products stream the
+// place from the bit-packed ancestor mask. A large tree makes this compute-bound (G*T rows per
+// K/V row); with few rows (small trees, plain decoding) it is bound by reading K/V, and both
+// products stream the
 // cache instead. A bf16 cache (beside bf16 or float32 queries) is widened to float32: in registers
 // by the 512-bit streamed products, else per block; accumulation is float32.
 #include <ATen/ATen.h>
@@ -185,13 +186,17 @@ template <typename cache_t>
 void attend_tree_in_order(const PartialArgs& a, const cache_t* k_head, const cache_t* v_head, int64_t b,
                           int64_t start, int64_t stop, int64_t rows, bool wide, SplitScratch& s) {
   const int64_t T = a.shape.tree_len, D = a.shape.head_dim, prefix = a.prefix_lens[b];
-  // Each tree token's visible tree keys, in index order (shared by its G query rows r = g * T + t).
+  // Each tree token's visible tree keys, in index order (shared by its G query rows r = g * T + t):
+  // the set bits of its mask row below T, a 64-bit word at a time.
   s.visible.resize(T * T);
   s.visible_count.assign(T, 0);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t* mask_row = a.tree_mask + (b * T + t) * a.mask_stride;
-    for (int64_t j = 0; j < T; ++j)
-      if (mask_bit(mask_row, j)) s.visible[t * T + s.visible_count[t]++] = j;
+    for (int64_t w = 0; 64 * w < T; ++w) {
+      uint64_t word = static_cast<uint64_t>(mask_row[w]);
+      if (T - 64 * w < 64) word &= (uint64_t{1} << (T - 64 * w)) - 1;  // bits past T: not keys
+      for (; word != 0; word &= word - 1) s.visible[t * T + s.visible_count[t]++] = 64 * w + __builtin_ctzll(word);
+    }
   }
   if (stop > prefix) {  // the split reaches the tree: every row's scores of the T tree keys
     s.tree_scores.resize(rows * T);
@@ -204,7 +209,9 @@ void attend_tree_in_order(const PartialArgs& a, const cache_t* k_head, const cac
     if (in_prefix > 0) streamed_scores(wide, s.q.data(), rows, k_head, j0, in_prefix, D, s.scores.data(), kBlock);
     // Row r's visible tree keys [k0, k1) of its run fall in this block, after its prefix keys.
     const int64_t k0 = std::max<int64_t>(0, j0 - prefix);
-    auto tree_end = [&](int64_t t) { return std::clamp<int64_t>(j0 + n - prefix, k0, std::max(k0, s.visible_count[t])); };
+    auto tree_end = [&](int64_t t) {
+      return std::clamp<int64_t>(j0 + n - prefix, k0, std::max(k0, s.visible_count[t]));
+    };
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t t = r % T, k1 = tree_end(t);
       float* srow = s.scores.data() + r * kBlock;
@@ -261,13 +268,13 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const cache_t* k_
   // Few rows on 512-bit vectors (cpu/attention_avx512.cpp): both products read float32 or bf16
   // keys and values (widened in registers); the other paths widen a bf16 block first (float_rows).
   const bool wide = D % 16 == 0 && D <= kMaxAttentionDim && avx512_enabled();
-  // A tree always streams: the streamed products compute each row alike whatever the rows, so a
-  // token's attention is the same bits in a tree of 60 as alone (BLAS's blocking is not: 1e-5
-  // apart, enough to flip a quantized activation's code).
-  const bool streaming = rows <= kStreamingRows || T <= kFixedSplitTreeLen;
   if (a.split_len > 0 && T <= kFixedSplitTreeLen) {  // a tree in fixed splits (decoding): each row's keys in order
     attend_tree_in_order(a, k_head, v_head, b, start, stop, rows, wide, s);
   } else {  // a prompt's chunk in tiles, or splits the caller chose: the masked keys in place
+    // A tree always streams: the streamed products compute each row alike whatever the rows, so a
+    // token's attention is the same bits in a tree of 60 as alone (BLAS's blocking is not: 1e-5
+    // apart, enough to flip a quantized activation's code).
+    const bool streaming = rows <= kStreamingRows || T <= kFixedSplitTreeLen;
     for (int64_t j0 = start; j0 < stop; j0 += kBlock) {
       const int64_t n = std::min(kBlock, stop - j0);
       if (streaming) {

@@ -92,17 +92,39 @@ def pack(blocks: torch.Tensor, format: str) -> torch.Tensor:
 
 
 def from_float(weight: torch.Tensor, format: str) -> torch.Tensor:
-    """A float weight [N, K] quantized to ``format`` blocks as GGML quantizes them (gguf's reference
-    code), packed: how a model of one's own runs on the quantized products."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
+    """A float weight [N, K] quantized to ``format`` blocks as GGML quantizes them, packed: how a
+    model of one's own runs on the quantized products. Q8_0 here (what drafting quantizes a float
+    target's LM-head rows to, at a head's bind), the others with gguf's reference code; the same
+    bytes as gguf's (tested)."""
     if format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     if weight.dim() != 2 or weight.shape[1] % BLOCK:
         raise ValueError(f"weight must be [N, K] with K a multiple of {BLOCK}, got {tuple(weight.shape)}")
-    blocks = quantize(weight.detach().float().cpu().numpy(), GGMLQuantizationType[format])
+    weight = weight.detach().float().cpu()
+    if not torch.isfinite(weight).all():
+        raise ValueError(f"a weight to quantize to {format} must be finite; this one has NaN or infinite values")
+    if format == "Q8_0":
+        return pack(_q8_0_rows(weight), format)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    blocks = quantize(weight.numpy(), GGMLQuantizationType[format])
     return pack(torch.from_numpy(blocks.copy()), format)
+
+
+def _q8_0_rows(weight: torch.Tensor) -> torch.Tensor:
+    """GGML's Q8_0 rows (uint8 [N, K / 32 * 34]) of a finite float32 weight [N, K], as
+    ggml-quants.c's reference quantizes: per block d = max |w| / 127 (kept as float16), codes
+    w * (1 / d) rounded half away from zero (0 where d is 0)."""
+    N, K = weight.shape
+    blocks = weight.reshape(N, K // BLOCK, BLOCK)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+    scaled = blocks * inverse
+    magnitude = scaled.abs()
+    whole = magnitude.floor()  # (the reference's roundf, exact in float32: whole + floor(2 * fraction))
+    codes = (torch.sign(scaled) * (whole + (2 * (magnitude - whole)).floor())).to(torch.int8)
+    scales = d.half().view(torch.uint8)  # [N, K / 32, 2]
+    return torch.cat([scales, codes.view(torch.uint8)], -1).reshape(N, -1)
 
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:

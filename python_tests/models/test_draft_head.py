@@ -8,6 +8,7 @@ from jakiro_ext import ops
 from jakiro_ext.models import causal_tree_mask
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.ops import quantized, reference
 from jakiro_ext.kv_cache import TreeKV
 from jakiro_ext.training.head_forward import train_forward
 from helpers import tiny_target
@@ -215,7 +216,8 @@ def test_a_bf16_head_in_float32_drafts_from_bf16_copies_with_the_same_bits(monke
     values (the shipped heads, stored in bf16) drafts from bf16 copies of them, [q | k | v] (and a
     dense MLP's [gate | up]) as one weight: the same bits as the float32 parameters read one by one
     (JAKIRO_CPU_BF16_WEIGHTS=0 keeps float32 copies); made once, made again when a weight changes,
-    float32 while one is not exactly bf16. The LM head rows are read in bf16 unless
+    float32 while one is not exactly bf16. The LM head rows are read as Q8_0 blocks (a draft
+    vocabulary of a multiple of 16 rows) or in bf16 (not a multiple), float32 with
     JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0."""
     target = tiny_target()
     head = make_head(target, kind)
@@ -235,7 +237,11 @@ def test_a_bf16_head_in_float32_drafts_from_bf16_copies_with_the_same_bits(monke
         assert mine.gate_up is None and mine.down is None
         assert [w.dtype for w in products.experts] == [torch.bfloat16] * 3
         assert all(torch.equal(w.float(), p) for w, p in zip(products.experts, (head.w_gate, head.w_up, head.w_down)))
-    assert products.lm_head.dtype == torch.bfloat16 and torch.equal(products.lm_head, head.lm_head_weight.bfloat16())
+    rows = head.lm_head_weight
+    if rows.shape[0] % quantized.LANES == 0:
+        assert torch.equal(quantized.unpack(products.lm_head), quantized.unpack(quantized.from_float(rows, "Q8_0")))
+    else:
+        assert products.lm_head.dtype == torch.bfloat16 and torch.equal(products.lm_head, rows.bfloat16())
     read = _chain_and_layer(head, H)
     monkeypatch.setenv("JAKIRO_CPU_BF16_WEIGHTS", "0")
     assert head.products().fc.dtype == torch.float32
@@ -254,6 +260,29 @@ def test_a_bf16_head_in_float32_drafts_from_bf16_copies_with_the_same_bits(monke
     assert head.products().fc.dtype == torch.float32 and head.products().layers[id(head)].qkv.dtype == torch.float32
     monkeypatch.setenv("JAKIRO_CPU_BF16_DRAFT_LM_HEAD", "0")
     assert head.products().lm_head is head.lm_head_weight
+
+
+def test_a_float32_draft_reads_its_draft_vocabulary_rows_as_q8_0_blocks(monkeypatch):
+    """A float32 draft on the CPU whose draft vocabulary is a multiple of 16 rows reads them as Q8_0
+    blocks quantized from the target's rows (as GGML quantizes), and drafts with them: its top-k is
+    the op's over those blocks, the features quantized per row; JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0
+    reads float32 rows."""
+    from dataclasses import replace
+    target = tiny_target()
+    base = make_head(target, "jakiro")
+    ids = torch.randperm(target.config.vocab_size, generator=gen(4))[:64].sort().values
+    head = DraftHead(replace(base.config, draft_vocab_size=64)).init_weights(0, std=0.2).set_draft_vocab(ids).bind(target)
+    rows = target.lm_head.weight.detach()[ids]
+    lm_head = head.products().lm_head
+    assert quantized.format_of(lm_head) == "Q8_0"
+    assert torch.equal(quantized.unpack(lm_head), quantized.unpack(quantized.from_float(rows, "Q8_0")))
+    features = torch.randn(1, 3, target.config.hidden_size, generator=gen(5))
+    lp, top = ops.contrastive_topk(features, None, None, lm_head, 4)
+    want_lp, want_top = reference.contrastive_topk(features, None, None, lm_head, 4)
+    assert torch.equal(top, want_top)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
+    monkeypatch.setenv("JAKIRO_CPU_BF16_DRAFT_LM_HEAD", "0")
+    assert head.products().lm_head is head.lm_head_weight and head.lm_head_weight.dtype == torch.float32
 
 
 def test_a_new_head_is_initialised_and_a_head_that_is_not_finite_is_never_saved(tmp_path):

@@ -81,6 +81,33 @@ def test_from_float_quantizes_as_ggml(format):
     assert error < (0.02 if format == "Q8_0" else 0.3) * w.abs().max(), error
 
 
+def test_q8_0_from_float_gives_gguf_reference_bytes():
+    """from_float's own Q8_0 (no gguf needed: drafting quantizes a float target's LM-head rows with
+    it) writes the bytes of gguf's reference: zero blocks, tiny ones, codes at .5 ties (rounded
+    away from zero), the block maximum at +-127."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    w = randn(48, 256, seed=7) * 0.1
+    w[3, :32] = 0
+    w[5, 32:64] = 1e-30
+    w[7, :32] = torch.arange(32) * 0.5 - 8  # (d = 8 / 127: codes at exact halves before rounding)
+    w[9, :32] = torch.linspace(-127, 127, 32)
+    w[11, 64:96] = -w[11, 64:96].abs()
+    want = torch.from_numpy(quantize(w.numpy(), GGMLQuantizationType.Q8_0).copy())
+    assert torch.equal(quantized.unpack(quantized.from_float(w, "Q8_0")), want)
+    assert not torch.equal(quantized.unpack(quantized.from_float(w * 1.01, "Q8_0")), want)  # (the check can fail)
+
+
+def test_from_float_bad_input_errors():
+    with pytest.raises(ValueError, match="must be finite"):
+        quantized.from_float(torch.tensor([[float("nan")] + [0.0] * 31] * 16), "Q8_0")
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        quantized.from_float(torch.zeros(16, 48), "Q8_0")
+    with pytest.raises(ValueError, match="format must be one of"):
+        quantized.from_float(torch.zeros(16, 32), "Q5_K")
+
+
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("lead", [(1,), (5,), (8,), (9,), (2, 33), (65,)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("format", FORMATS)

@@ -41,10 +41,10 @@ class Products(NamedTuple):
     experts: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
 
 
-def bf16_draft_lm_head_enabled() -> bool:
-    """Whether a float32 draft on the CPU reads its LM head rows in bf16 or packed (:meth:`DraftHead.products`):
-    the CPU kernels run the ops (not the GPU kernels' emulation) and ``JAKIRO_CPU_BF16_DRAFT_LM_HEAD``
-    is not ``0``."""
+def rounded_draft_lm_head_enabled() -> bool:
+    """Whether a float32 draft on the CPU reads its LM head rows packed (Q8_0) or in bf16, not in
+    float32 (:meth:`DraftHead.products`): the CPU kernels run the ops (not the GPU kernels'
+    emulation) and ``JAKIRO_CPU_BF16_DRAFT_LM_HEAD`` is not ``0``."""
     return os.environ.get("JAKIRO_CPU_BF16_DRAFT_LM_HEAD") != "0" and ops.backend() == "native"
 
 
@@ -77,7 +77,7 @@ def drafting_products(head) -> Products:
     fc_weight, lm_head = head._modules["fc"]._parameters["weight"], head.__dict__["lm_head_weight"]
     experts = [head._parameters[name] for name in ("w_gate", "w_up", "w_down") if head._parameters.get(name) is not None]
     sources = [fc_weight] + [w for ws in own.values() for w in ws] + experts
-    settings = (bf16_weights_enabled(), bf16_draft_lm_head_enabled())
+    settings = (bf16_weights_enabled(), rounded_draft_lm_head_enabled())
     key = [settings] + [(t.data_ptr(), t._version) for t in sources + ([] if lm_head is None else [lm_head])]
     kept = head.__dict__.get("_products")
     if kept is not None and kept[0] == key:

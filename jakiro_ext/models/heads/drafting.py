@@ -63,12 +63,13 @@ def drafting_products(head) -> Products:
     (``JAKIRO_CPU_BF16_WEIGHTS=0``: float32). A float32 draft on the CPU reads its LM head
     rows in packed Q8_0 blocks, the features quantized per row as a quantized target's are (0.27x
     float32's bytes): beside a quantized target (a GGUF file's) the target's own blocks, else its
-    rows quantized as GGML does at the first forward; a draft vocabulary of a multiple of 16 rows,
-    else bf16 rows (``JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0``: float32). The draft's scores are then those
-    of rounded weights, which changes which tokens are drafted at most where two candidates tie
-    within the rounding, never the tokens emitted (the target's verification decides them); on
-    the shipped heads beside the float32 default model, Q8_0 rows against bf16 ones: drafting 0.2-0.4
-    ms a round faster, tau 0.2-0.3% lower, 1-2.4% more tokens/s (docs/benchmarks.md)."""
+    rows quantized as GGML does, here; bf16 rows where the draft vocabulary is not a multiple of
+    16 rows or a row is not finite (which drafting then reports), float32 with
+    ``JAKIRO_CPU_BF16_DRAFT_LM_HEAD=0``. The draft's scores are then those of rounded weights,
+    which changes which tokens are drafted at most where two candidates tie within the rounding,
+    never the tokens emitted (the target's verification decides them); beside the float32 default
+    model, the shipped Jakiro head's Q8_0 rows against bf16 ones: drafting 0.33-0.43 ms a round
+    faster, tau 1.896 -> 1.891, 1.6-1.7% more tokens/s (docs/benchmarks.md)."""
     # (Read from the modules' dicts, not through nn.Module's attribute lookup: this runs every forward.)
     serial = head._modules.get("layers")
     modules = [head] + (list(serial._modules.values()) if serial is not None else [])
@@ -93,7 +94,7 @@ def drafting_products(head) -> Products:
                                           w[6] if len(w) > 4 else None)
         packed = head.__dict__.get("packed_lm_head")
         if lm_head is not None and cpu32 and settings[1]:  # a quantized target's own rows, else Q8_0 or bf16 ones
-            if packed is None and lm_head.shape[0] % quantized.LANES == 0:
+            if packed is None and lm_head.shape[0] % quantized.LANES == 0 and bool(torch.isfinite(lm_head).all()):
                 packed = in_huge_pages([quantized.from_float(lm_head, "Q8_0")])[0]
             lm_head = packed if packed is not None else in_huge_pages([lm_head.bfloat16()])[0]
         experts = [w.detach() for w in experts]

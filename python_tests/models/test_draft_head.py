@@ -283,6 +283,11 @@ def test_a_float32_draft_reads_its_draft_vocabulary_rows_as_q8_0_blocks(monkeypa
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=1e-5)
     monkeypatch.setenv("JAKIRO_CPU_BF16_DRAFT_LM_HEAD", "0")
     assert head.products().lm_head is head.lm_head_weight and head.lm_head_weight.dtype == torch.float32
+    monkeypatch.delenv("JAKIRO_CPU_BF16_DRAFT_LM_HEAD")
+    with torch.no_grad():  # a row that is not finite: bf16 rows, which keep it (drafting reports it)
+        target.lm_head.weight[ids[5], 3] = float("inf")
+    head.bind(target)
+    assert head.products().lm_head.dtype == torch.bfloat16 and torch.isinf(head.products().lm_head[5, 3])
 
 
 def test_a_new_head_is_initialised_and_a_head_that_is_not_finite_is_never_saved(tmp_path):

@@ -81,6 +81,37 @@ def test_from_float_quantizes_as_ggml(format):
     assert error < (0.02 if format == "Q8_0" else 0.3) * w.abs().max(), error
 
 
+def test_a_packed_embedding_keeps_the_rows_it_read(monkeypatch):
+    """quantized.embedding keeps the last EMBEDDING_ROWS rows a packed table gave: every call's rows
+    equal dequantizing them (hits, misses, repeats, an empty call), the cache holds no more rows
+    than its bound (least recently read dropped), a table changed in place is read anew, a caller
+    writing into what it got leaves the cache alone, and a bad token id is still an error."""
+    packed = packed_weight(64, 64, "Q8_0", seed=3)
+    w = quantized.dequantize(packed)
+    monkeypatch.setattr(quantized, "EMBEDDING_ROWS", 8)
+    calls = []
+    real = quantized.dequantize
+    monkeypatch.setattr(quantized, "dequantize", lambda t, rows=None: (calls.append(rows), real(t, rows))[1])
+    for tokens in ([[3, 5, 3]], [[5]], [[7, 3, 9, 11, 13, 15, 17, 19, 21]], [[3, 5]], [[21, 21]]):
+        tokens = torch.tensor(tokens)
+        got = quantized.embedding(packed, tokens)
+        assert torch.equal(got, w[tokens]) and got.shape == (*tokens.shape, 64)
+        assert len(quantized._row_caches[packed].rows) <= max(8, len(set(tokens.flatten().tolist())))
+    # (the third call's 8 new rows dropped the least recently read, 5 and 7; 3 it read again)
+    assert [r.tolist() for r in calls[:3]] == [[3, 5], [7, 9, 11, 13, 15, 17, 19, 21], [5]]
+    assert len(calls) == 3  # (the last call read row 21, kept)
+    assert quantized.embedding(packed, torch.zeros(0, 2, dtype=torch.int64)).shape == (0, 2, 64)
+    got = quantized.embedding(packed, torch.tensor([21]))
+    got.zero_()  # (the caller's own tensor)
+    assert torch.equal(quantized.embedding(packed, torch.tensor([21])), w[[21]])
+    with torch.no_grad():  # the table changed in place: its rows read anew
+        packed[1, 0, :32] = 0
+    assert torch.equal(quantized.embedding(packed, torch.tensor([21])), real(packed)[[21]])
+    assert not torch.equal(real(packed)[21], w[21])  # (the check can fail)
+    with pytest.raises(IndexError, match=r"rows must be in \[0, 64\)"):
+        quantized.embedding(packed, torch.tensor([64]))
+
+
 def test_q8_0_from_float_gives_gguf_reference_bytes():
     """from_float's own Q8_0 (no gguf needed: drafting quantizes a float target's LM-head rows with
     it) writes the bytes of gguf's reference: zero blocks, tiny ones, codes at .5 ties (rounded

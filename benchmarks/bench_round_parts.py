@@ -32,9 +32,8 @@ PARTS = ("target_forward", "drafting", "catch_up", "verify_tree", "commit")
 def timed(owner, name: str, part: str, clock: dict) -> None:
     """Wrap ``owner.name`` so that its wall time inside a round (``clock['in_round']``) adds to
     ``clock[part]``; ``part`` None: it is the round, sets that flag while it runs and counts
-    ``clock['rounds']``. A target
-    forward's time also adds to ``clock['rows', T]`` (T: its tokens a row), its count to
-    ``clock['count', T]``."""
+    ``clock['rounds']``. A target forward's time also adds to ``clock['rows', T]`` (T: its
+    tokens a row), its count to ``clock['count', T]``."""
     inner = getattr(owner, name)
 
     def wrapper(*args, **kwargs):
@@ -83,7 +82,8 @@ def forward_alone(target, prompt, rows, idle_ms, reps: int = 60) -> list:
                     t1 = time.perf_counter()
                     target(tokens, cache, mask, depths, weights=weights)
                     seconds.append(time.perf_counter() - t1)
-                row["back_to_back_ms" if idle == 0 else f"after_{idle:g}ms_idle_ms"] = round(1e3 * statistics.median(seconds), 3)
+                name = "back_to_back_ms" if idle == 0 else f"after_{idle:g}ms_idle_ms"
+                row[name] = round(1e3 * statistics.median(seconds), 3)
             out.append(row)
     return out
 
@@ -146,8 +146,8 @@ def main():
                 method, tree = arms[i]
                 clock.clear()
                 clock["in_round"] = False
-                out = speculative_generate(target, heads.get(method), ids, args.max_new_tokens, method=method, tree=tree,
-                                           eos_token_id=tokenizer.eos_token_id)
+                out = speculative_generate(target, heads.get(method), ids, args.max_new_tokens, method=method,
+                                           tree=tree, eos_token_id=tokenizer.eos_token_id)
                 if i == 0:
                     plain = out.token_ids
                 elif out.token_ids != plain:

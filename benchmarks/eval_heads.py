@@ -2,8 +2,9 @@
 corpus (the ``train`` command's held-out rule, so no head here trained on them when it was
 trained on that corpus with the same n), the target's features computed for those sequences
 alone; or (``--packaged N``) the target's own greedy answers to the first N packaged prompts (the
-prompts the engine's benchmarks decode, MT-bench-like, where the training corpus is ShareGPT's). Per head: held-out acc1..acc4 drafting from its own features as the engine does
-(Jakiro: also its contrastive branch), and the acceptance of its rank-0..3 candidates by depth.
+prompts the engine's benchmarks decode, MT-bench-like, where the training corpus is ShareGPT's).
+Per head: held-out acc1..acc4 drafting from its own features as the engine does (Jakiro: also
+its contrastive branch), and the acceptance of its rank-0..3 candidates by depth.
 
     python benchmarks/eval_heads.py --heads old-jakiro=jakiro_ext/heads/SmolLM2-135M-Instruct-jakiro new-jakiro=DIR
 
@@ -36,9 +37,10 @@ def held_out_examples(target, corpus: str, every_nth: int, feature_layers=None):
             for q, f in zip(sequences, features)]
 
 
-def packaged_examples(target, tokenizer, count: int, new_tokens: int, feature_layers=None):
+def packaged_answers(target, tokenizer, count: int, new_tokens: int) -> list:
     """The first ``count`` packaged prompts (chat template) with the target's greedy answers (up to
-    ``new_tokens``, to its end of text): the answers are what a head is scored on."""
+    ``new_tokens``, to its end of text): (tokens, the prompt's length) each; the answers are what a
+    head is scored on."""
     from jakiro_ext.cli.common import PROMPTS_FILE, chat_ids
     from jakiro_ext.cli.bench import read_prompts
     from jakiro_ext.engine.generate import speculative_generate
@@ -48,6 +50,11 @@ def packaged_examples(target, tokenizer, count: int, new_tokens: int, feature_la
         prompt = chat_ids(tokenizer, row["prompt"], True).flatten()
         out = speculative_generate(target, None, prompt, new_tokens, method="ar", eos_token_id=tokenizer.eos_token_id)
         sequences.append((torch.cat([prompt, torch.tensor(out.token_ids)]), prompt.numel()))
+    return sequences
+
+
+def packaged_examples(target, sequences: list, feature_layers=None):
+    """:func:`packaged_answers`' sequences as examples, the target's features computed for them."""
     features = prefill_features(target, [tokens for tokens, _ in sequences], feature_layers=feature_layers)
     return [Example(tokens, f.to(torch.bfloat16), torch.arange(tokens.numel()) >= n, i)
             for i, ((tokens, n), f) in enumerate(zip(sequences, features))]
@@ -68,9 +75,11 @@ def main() -> None:
     target, tokenizer, _ = load_target("float32")
     t0 = time.perf_counter()
 
-    def examples_for(feature_layers=None):
-        if args.packaged:
-            return packaged_examples(target, tokenizer, args.packaged, args.packaged_tokens, feature_layers)
+    answers = packaged_answers(target, tokenizer, args.packaged, args.packaged_tokens) if args.packaged else None
+
+    def examples_for(feature_layers=None):  # (a fused head's: the same sequences, its layers' features)
+        if answers is not None:
+            return packaged_examples(target, answers, feature_layers)
         return held_out_examples(target, args.data, args.eval_every_nth, feature_layers)
     examples = examples_for()
     learned = sum(int(ex.loss_mask.sum()) for ex in examples)

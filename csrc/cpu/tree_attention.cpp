@@ -9,9 +9,8 @@
 // (attend_tree_in_order); a prompt's chunk, or splits the caller chose, masks the tree keys in
 // place from the bit-packed ancestor mask. A large tree makes this compute-bound (G*T rows per
 // K/V row); with few rows (small trees, plain decoding) it is bound by reading K/V, and both
-// products stream the
-// cache instead. A bf16 cache (beside bf16 or float32 queries) is widened to float32: in registers
-// by the 512-bit streamed products, else per block; accumulation is float32.
+// products stream the cache instead. A bf16 cache (beside bf16 or float32 queries) is widened to
+// float32: in registers by the 512-bit streamed products, else per block; accumulation is float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/core/InferenceMode.h>

@@ -251,7 +251,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
 
   const scalar_t *px = x.data_ptr<scalar_t>(), *pres = res.defined() ? res.data_ptr<scalar_t>() : nullptr;
   const scalar_t *pcos = c.data_ptr<scalar_t>(), *psin = sn.data_ptr<scalar_t>();
-  const int64_t G = attention_shape.group(), head_parts = query_head_parts(B * Hkv * splits, G, roles);
+  const int64_t G = attention_shape.group();
   const PartialArgs attention{attention_shape, splits, kMinSplitLen,
                               attention_scale("jakiro::tree_attention", std::nullopt, D), len,
                               mask.data_ptr<int64_t>(), mask.size(2), out_partial, lse_partial};
@@ -317,15 +317,14 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
         const auto [u0, u1] = share(M * per_row, role, roles);
         for (int64_t u = u0; u < u1; ++u) rope.unit(u / per_row, u % per_row);
       },
-      [&](int64_t l, int64_t role) {  // the attention's split-KV tasks (their query heads in parts where that evens them)
+      [&](int64_t l, int64_t role) {  // the attention: the role's share of the split-KV tasks' query heads
         const auto& p = ptrs[l];
-        const auto [t0, t1] = share(B * Hkv * splits * head_parts, role, roles);
-        for (int64_t task = t0; task < t1; ++task) {
-          const int64_t part = task % head_parts, whole = task / head_parts;
-          const int64_t split = whole % splits, kvh = (whole / splits) % Hkv, b = whole / (splits * Hkv);
-          attend_one_split(attention, q, p.keys, p.values, p.batch_stride, p.head_stride, b, kvh, split, 0, T,
-                           part * G / head_parts, (part + 1) * G / head_parts, role_scratch[role].attention);
-        }
+        const auto [u0, u1] = share(B * Hkv * splits * G, role, roles);
+        for_query_head_runs(u0, u1, G, [&](int64_t task, int64_t g0, int64_t g1) {
+          const int64_t split = task % splits, kvh = (task / splits) % Hkv, b = task / (splits * Hkv);
+          attend_one_split(attention, q, p.keys, p.values, p.batch_stride, p.head_stride, b, kvh, split, 0, T, g0,
+                           g1, role_scratch[role].attention);
+        });
       },
       [&](int64_t, int64_t role) {  // their merge, by (row, head)
         const auto [r0, r1] = share(M * Hq, role, roles);

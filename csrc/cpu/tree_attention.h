@@ -77,12 +77,19 @@ void attend_one_split(const PartialArgs& a, const scalar_t* q, const cache_t* k_
                       int64_t k_batch_stride, int64_t k_head_stride, int64_t b, int64_t kvh, int64_t split,
                       int64_t t0, int64_t t1, int64_t g0, int64_t g1, SplitScratch& s);
 
-// Into how many parts a decoding step's or a tree's attention tasks split their G query heads so
-// that `roles` workers share them evenly: `tasks` (sequences x KV heads x splits) that divide
-// among the workers, or are many, stay whole; else each head is a task of its own (the default
-// model's 3 KV heads on 2 workers: 9 tasks, 5 and 4, instead of 2 and 1).
-inline int64_t query_head_parts(int64_t tasks, int64_t G, int64_t roles) {
-  return tasks % roles == 0 || tasks >= 4 * roles ? 1 : G;
+// A worker's share of a decoding step's or a tree's attention: units [u0, u1) of the query heads
+// of the (sequence, KV head, split) tasks, G to a task, in order; run(task, g0, g1) once per task
+// the share touches, for its heads [g0, g1) there. A task's heads read its keys and values once
+// (the default model's 3 KV heads of 3 query heads on 2 workers: 4 and 5 heads, one KV head's
+// keys read by both, where one-head tasks read them once a head). A row's result is the same
+// bits whatever heads share its call (attend_one_split).
+template <typename Run>
+inline void for_query_head_runs(int64_t u0, int64_t u1, int64_t G, Run&& run) {
+  for (int64_t u = u0; u < u1;) {
+    const int64_t g0 = u % G, g1 = std::min(G, g0 + (u1 - u));
+    run(u / G, g0, g1);
+    u += g1 - g0;
+  }
 }
 
 }  // namespace jakiro::cpu

@@ -252,9 +252,14 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
   const scalar_t *px = x.data_ptr<scalar_t>(), *pres = res.defined() ? res.data_ptr<scalar_t>() : nullptr;
   const scalar_t *pcos = c.data_ptr<scalar_t>(), *psin = sn.data_ptr<scalar_t>();
   const int64_t G = attention_shape.group();
+  // One split (every key within kMinSplitLen) and float32 rows: the split's normalised output is
+  // the merged one (its weight exp(0) = 1), so the tasks write the rows themselves and the merge
+  // stage, and its barrier, is skipped.
+  const bool unmerged = splits == 1 && is_float;
   const PartialArgs attention{attention_shape, splits, kMinSplitLen,
                               attention_scale("jakiro::tree_attention", std::nullopt, D), len,
-                              mask.data_ptr<int64_t>(), mask.size(2), out_partial, lse_partial};
+                              mask.data_ptr<int64_t>(), mask.size(2),
+                              unmerged ? reinterpret_cast<float*>(attn) : out_partial, lse_partial};
 
   // y[:, j0:j1) = rows @ w[j0:j1)^T (+ bias) for a stage's input rows (M x K, scalar_t); packed
   // quantized weights (`format`) read the rows as quantized by the role, anew unless `same_rows`
@@ -302,6 +307,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
   auto delta_in = [&](int64_t l) -> const scalar_t* { return l == 0 ? px : pout[(l - 1) % 2][1]; };
   auto residual_in = [&](int64_t l) -> const scalar_t* { return l == 0 ? pres : pout[(l - 1) % 2][0]; };
 
+  constexpr int64_t kMerge = 3;  // stages[kMerge]: the attention's merge
   const std::function<void(int64_t, int64_t)> stages[] = {
       [&](int64_t l, int64_t role) {  // the input norm; the qkv projection's columns
         RoleScratch& rs = role_scratch[role];
@@ -326,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
                            g1, role_scratch[role].attention);
         });
       },
-      [&](int64_t, int64_t role) {  // their merge, by (row, head)
+      [&](int64_t, int64_t role) {  // their merge, by (row, head) (kMerge)
         const auto [r0, r1] = share(M * Hq, role, roles);
         for (int64_t row = r0; row < r1; ++row) {
           merge_attention_row(out_partial + row * splits * D, lse_partial + row * splits, splits, D,
@@ -365,6 +371,7 @@ std::tuple<at::Tensor, at::Tensor> fused_decoder_layers(const DecoderLayerShape&
     c10::InferenceMode guard;  // (the attention's GEMMs wrap scratch buffers as tensors)
     for (int64_t l = 0; l < L; ++l) {
       for (int64_t k = 0; k < count; ++k) {
+        if (unmerged && k == kMerge) continue;
         try {
           for (int64_t role = r0; role < r1 && !failed.load(std::memory_order_relaxed); ++role) stages[k](l, role);
         } catch (...) {

@@ -94,7 +94,8 @@ def check_decoder_layer(backend, shape, dtype, bias, residual):
 # batch of 64 rows (the most one parallel region takes), and beyond it (the ops composed).
 COMPOSED_SHAPES = [(1, 1, 48, 4, 2, 16, 40, (9,), True, True), (2, 6, 48, 4, 2, 16, 40, (9, 3), True, True),
                    (2, 3, 64, 6, 2, 16, 96, (1100, 513), False, True), (1, 2, 17, 3, 1, 6, 41, (0,), False, False),
-                   (4, 16, 40, 4, 4, 8, 50, (0, 5, 600, 2), True, True), (5, 13, 32, 2, 1, 8, 24, (3,), False, True)]
+                   (4, 16, 40, 4, 4, 8, 50, (0, 5, 600, 2), True, True), (5, 13, 32, 2, 1, 8, 24, (3,), False, True),
+                   (1, 1, 48, 6, 2, 16, 40, (70,), False, True)]  # (3 threads: a KV head's 3 query heads apart)
 
 
 PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import weakref
 from typing import NamedTuple, Optional, Tuple
 
 import numpy as np
@@ -252,14 +253,27 @@ class _RowCache:
         return rows
 
 
+# The table last looked up (a weak reference) and its rows: the same table step after step found
+# without the dictionary's weak key (15 us of a decoding step's host work, after the weights' stream).
+_last_table: Tuple[Optional[weakref.ref], Optional[_RowCache]] = (None, None)
+
+
+def _row_cache(table: torch.Tensor) -> _RowCache:
+    global _last_table
+    ref, cache = _last_table
+    if ref is None or ref() is not table:
+        cache = _row_caches.get(table)
+        if cache is None:
+            cache = _row_caches[table] = _RowCache()
+        _last_table = (weakref.ref(table), cache)
+    return cache
+
+
 def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Rows ``tokens`` of an embedding table [V, H], dense or packed (dequantized as they are read;
     the last EMBEDDING_ROWS rows read kept dequantized, a new tensor returned each call)."""
     if is_packed(table) and table.device.type == tokens.device.type == "cpu":  # (elsewhere dequantize says why not)
-        cache = _row_caches.get(table)
-        if cache is None:
-            cache = _row_caches[table] = _RowCache()
-        rows = cache.read(table, tokens)
+        rows = _row_cache(table).read(table, tokens)
         return rows.view(*tokens.shape, rows.shape[-1])
     if is_packed(table):
         rows = dequantize(table, tokens.reshape(-1))

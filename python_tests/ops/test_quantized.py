@@ -85,7 +85,7 @@ def test_a_packed_embedding_keeps_the_rows_it_read(monkeypatch):
     """quantized.embedding keeps the last EMBEDDING_ROWS rows a packed table gave: every call's rows
     equal dequantizing them (hits, misses, repeats, an empty call), the cache holds no more rows
     than its bound (least recently read dropped), a table changed in place is read anew, a caller
-    writing into what it got leaves the cache alone, and a bad token id is still an error."""
+    writing into what it got leaves the cache alone, a bad token id is still an error, and two tables read in turn give their own rows."""
     packed = packed_weight(64, 64, "Q8_0", seed=3)
     w = quantized.dequantize(packed)
     monkeypatch.setattr(quantized, "EMBEDDING_ROWS", 8)
@@ -110,6 +110,10 @@ def test_a_packed_embedding_keeps_the_rows_it_read(monkeypatch):
     assert not torch.equal(real(packed)[21], w[21])  # (the check can fail)
     with pytest.raises(IndexError, match=r"rows must be in \[0, 64\)"):
         quantized.embedding(packed, torch.tensor([64]))
+    other = packed_weight(64, 64, "Q8_0", seed=4)  # two tables in turn: each its own rows
+    for table in (other, packed, other):
+        tokens = torch.tensor([[21, 2]])
+        assert torch.equal(quantized.embedding(table, tokens), real(table)[tokens])
 
 
 def test_q8_0_from_float_gives_gguf_reference_bytes():

@@ -58,6 +58,7 @@ class Drafter:
         self._errors: Optional[torch.Tensor] = None  # the round's DRAFT_ERRORS flags
         self._masks: dict = {}  # (_mask) the masks of a round's shapes
         self._lm_head: Optional[torch.Tensor] = None  # the round's draft LM head (DraftHead.products)
+        self._root_only: Optional[VerifyTree] = None  # (_roots_alone) the last root-only tree, on the CPU
         self.drafts = self.check(head, method, tree)
         # The kinds of the tree's layers (methods.LAYER_KINDS), the root's children first.
         self.schedule = method.schedule(tree.depth if tree.choices is None else max(map(len, tree.choices)) - 1,
@@ -145,9 +146,9 @@ class Drafter:
         """This round's trees, rooted at ``roots`` [B] (each sequence's last emitted token), drafted
         after the committed prefixes of ``cache`` (the tree's keys and values written beyond them,
         uncommitted) from ``root_step`` [B, 1, ...]."""
-        tree = DraftTree(roots)
         if not self.drafts:
-            return tree.every_node()
+            return self._roots_alone(roots)
+        tree = DraftTree(roots)
         self._errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool, device=roots.device)
         self._lm_head = self.head.products().lm_head
         if self.tree.choices is not None:
@@ -158,6 +159,20 @@ class Drafter:
             self._errors[1] |= (verify.counts < 2).any()
         verify.errors = self._errors
         return verify
+
+    def _roots_alone(self, roots: torch.Tensor) -> VerifyTree:
+        """Plain decoding's tree, each sequence's root alone. On the CPU its parents, depths, mask,
+        counts and (no) errors are the last call's for the same batch, never written: one op
+        instead of eight, where each of a decoding step's small host ops costs several times its
+        warm time (the step's weights stream leaves the host's working set cold)."""
+        kept = self._root_only
+        if roots.device.type != "cpu" or kept is None or kept.tokens.shape[0] != roots.shape[0]:
+            kept = DraftTree(roots).every_node()
+            if roots.device.type == "cpu":
+                kept.errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool)
+                self._root_only = kept
+        return VerifyTree(roots.reshape(-1, 1).to(torch.int64), kept.parents, kept.depths, kept.mask, kept.counts,
+                          kept.errors)
 
     def _topk(self, features: torch.Tensor, k: int):
         """Top-k (log-probabilities, target token ids) of features [B, R, (E,) H] under the draft's LM

@@ -148,9 +148,10 @@ class Round:
         counts = [a + 1 for a in back.accepted]
         # The target's hidden states at the root and the accepted nodes are the draft's catch-up:
         # now, or (a round that drafted nothing) with the next round that drafts.
-        n = max(counts)
-        index = out.path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1])
-        features = out.hidden.gather(1, index)
+        n, features = max(counts), None
+        if self.catch_up.drafts or s.keep_features:
+            index = out.path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1])
+            features = out.hidden.gather(1, index)
         forwards = self.catch_up.forwards
         step = self.catch_up.catch_up(state.draft_kv, out.tokens[:, :n], features) if drafter.drafts else None
         state.commit(out.path, counts, step)
@@ -203,8 +204,11 @@ class Round:
         path, accepted, bonus = ops.verify_tree(tree.parents, tree.tokens, logits, uniforms, s.temperature,
                                                 s.top_p, s.top_k)
         # Each sequence's new tokens: its accepted drafts, then the bonus (row b: accepted[b] + 1 of them).
-        tokens = torch.cat([tree.tokens.gather(1, path[:, 1:].clamp(min=0)), torch.zeros_like(bonus).unsqueeze(1)], 1)
-        tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
+        if T == 1:  # (the root alone: the bonus)
+            tokens = bonus.unsqueeze(1)
+        else:
+            tokens = torch.cat([tree.tokens.gather(1, path[:, 1:].clamp(min=0)), torch.zeros_like(bonus).unsqueeze(1)], 1)
+            tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
         errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
                                                                          device=inputs.roots.device)
         return RoundOutputs(path, tokens, hidden, RoundReadback.pack(logits, errors, accepted, tokens)), \

@@ -142,6 +142,9 @@ class BatchState:
         nodes ``path[b, :counts[b]]`` (the root, then the accepted drafts), in the draft's the first
         ``counts[b]`` rows of its catch-up (``draft_step`` [B, n, ...], None when nothing is drafted),
         whose last kept row becomes the root step."""
+        if path.shape[1] == 1 and draft_step is None:  # (plain decoding: every row keeps its root)
+            self.target_kv.commit(1)
+            return
         on_device = ops.to_device(torch.tensor(counts), path.device)
         self.target_kv.commit_path(path, on_device, counts)
         if draft_step is not None:

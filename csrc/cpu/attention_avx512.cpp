@@ -27,8 +27,8 @@ inline __m512 load_key(const c10::BFloat16* p) {
 }
 
 // Scores of `Rows` query rows against 16 / Rows keys (3 rows x 5 keys, 2 x 8 or 1 x 16): an
-// accumulator per (row, key) (16 at most), each over d in order, then reduce16. keys[i] points at key i
-// of the block (a row of zeros past the block's last key: computed, not stored).
+// accumulator per (row, key) (16 at most), each over d in order, then reduce16. keys[i] points at
+// key i of the block (a row of zeros past the block's last key: computed, not stored).
 template <int Rows, typename key_t>
 inline void scores_block(const float* q, int64_t D, const key_t* const* keys, int64_t count, float* s, int64_t lds) {
   constexpr int kKeys = 16 / Rows;
@@ -57,7 +57,8 @@ inline void scores_block(const float* q, int64_t D, const key_t* const* keys, in
 template <typename key_t>
 inline void prefetch_rows(const key_t* row, int64_t rows, int64_t D) {
   const char* p = reinterpret_cast<const char*>(row) + skinny_detail::kPrefetchBytes;
-  for (int64_t line = 0; line < rows * D * static_cast<int64_t>(sizeof(key_t)); line += 64) __builtin_prefetch(p + line, 0, 2);
+  const int64_t bytes = rows * D * static_cast<int64_t>(sizeof(key_t));
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + line, 0, 2);
 }
 
 template <int Rows, typename key_t>

@@ -207,7 +207,8 @@ class Round:
         if T == 1:  # (the root alone: the bonus)
             tokens = bonus.unsqueeze(1)
         else:
-            tokens = torch.cat([tree.tokens.gather(1, path[:, 1:].clamp(min=0)), torch.zeros_like(bonus).unsqueeze(1)], 1)
+            drafts = tree.tokens.gather(1, path[:, 1:].clamp(min=0))
+            tokens = torch.cat([drafts, torch.zeros_like(bonus).unsqueeze(1)], 1)
             tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
         errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
                                                                          device=inputs.roots.device)

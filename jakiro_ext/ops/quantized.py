@@ -253,19 +253,21 @@ class _RowCache:
         return rows
 
 
-# The table last looked up (a weak reference) and its rows: the same table step after step found
-# without the dictionary's weak key (15 us of a decoding step's host work, after the weights' stream).
-_last_table: Tuple[Optional[weakref.ref], Optional[_RowCache]] = (None, None)
+# The table last looked up and its rows, both weakly referenced (gone with the table): the same
+# table step after step found without the dictionary's weak key (15 us of a decoding step's host
+# work, after the weights' stream).
+_last_table: Tuple[Optional[weakref.ref], Optional[weakref.ref]] = (None, None)
 
 
 def _row_cache(table: torch.Tensor) -> _RowCache:
     global _last_table
-    ref, cache = _last_table
-    if ref is None or ref() is not table:
+    table_ref, cache_ref = _last_table
+    cache = cache_ref() if table_ref is not None and table_ref() is table else None
+    if cache is None:
         cache = _row_caches.get(table)
         if cache is None:
             cache = _row_caches[table] = _RowCache()
-        _last_table = (weakref.ref(table), cache)
+        _last_table = (weakref.ref(table), weakref.ref(cache))
     return cache
 
 

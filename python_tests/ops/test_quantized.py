@@ -2,6 +2,9 @@
 layer ops: the layout's round trip, the products against their pure-PyTorch specification, every
 row independent of the others, the 512-bit VNNI kernel and the portable one bit for bit, and the
 errors for weights that are not packed as the kernels read them."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -114,6 +117,17 @@ def test_a_packed_embedding_keeps_the_rows_it_read(monkeypatch):
     for table in (other, packed, other):
         tokens = torch.tensor([[21, 2]])
         assert torch.equal(quantized.embedding(table, tokens), real(table)[tokens])
+
+
+def test_a_packed_embeddings_rows_go_with_its_table():
+    """The rows a table keeps (and the memo of the table last looked up) do not outlive it."""
+    packed = packed_weight(64, 64, "Q8_0", seed=5)
+    quantized.embedding(packed, torch.tensor([1, 2]))
+    kept = weakref.ref(quantized._row_caches[packed])
+    assert kept() is not None and len(kept().rows) == 2
+    del packed
+    gc.collect()
+    assert kept() is None
 
 
 def test_q8_0_from_float_gives_gguf_reference_bytes():

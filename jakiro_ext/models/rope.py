@@ -53,10 +53,10 @@ class RopeTable:
 
     def __call__(self, positions: torch.Tensor, capacity: int, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, D] at positions [B, T] (each < capacity)."""
-        cos = self.cos
-        if cos is None or cos.shape[0] < capacity or cos.dtype != dtype or cos.device != positions.device:
+        kept = self.cos
+        if kept is None or kept.shape[0] < capacity or kept.dtype != dtype or kept.device != positions.device:
             cos, sin = rope_cos_sin(torch.arange(capacity, device=positions.device).unsqueeze(0), self.head_dim,
-                                    self.theta, dtype, self.scaling)
+                                    self.theta, dtype, self.scaling)  # [1, capacity, 1, D]
             self.cos, self.sin = cos[0, :, 0].contiguous(), sin[0, :, 0].contiguous()
         flat = positions.reshape(-1)
         return (self.cos.index_select(0, flat).view(*positions.shape, self.head_dim),

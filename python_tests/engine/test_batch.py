@@ -192,8 +192,8 @@ def test_padding_nodes_are_never_accepted():
     # A padded tree's extra nodes repeat node 1 (same parent, same token): verification, greedy or
     # sampling, takes node 1 or nothing, never a copy, even when the copy is the target's choice.
     tree = DraftTree(torch.tensor([4, 4]))
-    tree.add_children(torch.zeros(2, 1, dtype=torch.int64), torch.tensor([[[3, 5]], [[3, 6]]]),
-                      torch.tensor([[[-0.1, -0.2]], [[-0.1, float("-inf")]]]))
+    tree.add_children(torch.zeros(2, 1, dtype=torch.int64), torch.tensor([[[3, 5, 7]], [[3, 6, 7]]]),
+                      torch.tensor([[[-0.1, -0.2, -0.3]], [[-0.1, float("-inf"), float("-inf")]]]))
     verify = tree.kept(3)  # the second sequence has 2 real nodes, padded to 3
     assert verify.counts.tolist() == [3, 2] and verify.tokens.tolist() == [[4, 3, 5], [4, 3, 3]]
     assert verify.parents.tolist() == [[-1, 0, 0], [-1, 0, 0]]

@@ -5,7 +5,7 @@ import torch
 
 from conftest import gen, random_parents
 from jakiro_ext import ops
-from jakiro_ext.engine.tree import DraftTree
+from jakiro_ext.engine.tree import DraftTree, VerifyTree
 
 
 def dense_ancestors(parents: torch.Tensor) -> torch.Tensor:
@@ -65,3 +65,22 @@ def test_ancestors_among_earlier_nodes_are_read_off_the_mask():
     for b in range(2):
         assert torch.equal(visible[b], dense[b][rows[b]][:, earlier[b]])
     assert visible.any() and not visible.all()  # (the test can tell ancestors from the others)
+
+
+def test_a_tree_within_the_total_is_kept_whole():
+    # As many nodes as the total or fewer: every node in place, its count the tree's size, the
+    # same nodes as the selection keeps where every candidate is real; a repeated candidate (-inf)
+    # stays where the selection would put a padding node (verification accepts neither).
+    tree = DraftTree(torch.tensor([4, 4]))
+    tree.add_children(torch.zeros(2, 1, dtype=torch.int64), torch.tensor([[[3, 5]], [[3, 3]]]),
+                      torch.tensor([[[-0.1, -0.2]], [[-0.1, float("-inf")]]]))
+    for total in (3, 4):
+        kept = tree.kept(total)
+        assert kept.counts.tolist() == [3, 3] and kept.tokens.tolist() == [[4, 3, 5], [4, 3, 3]]
+        assert kept.parents.tolist() == [[-1, 0, 0], [-1, 0, 0]] and kept.depths.tolist() == [[0, 1, 1]] * 2
+        assert torch.equal(kept.mask, ops.build_tree_mask(kept.parents))
+    selected = VerifyTree.select(tree, torch.arange(3).expand(2, 3), torch.tensor([3, 3]))
+    whole = tree.kept(3)
+    for name in ("tokens", "parents", "depths", "mask", "counts"):
+        assert torch.equal(getattr(whole, name), getattr(selected, name)), name
+    assert tree.kept(2).tokens.shape == (2, 2)  # (more nodes than the total: selected)

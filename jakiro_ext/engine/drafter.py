@@ -59,6 +59,7 @@ class Drafter:
         self._masks: dict = {}  # (_mask) the masks of a round's shapes
         self._lm_head: Optional[torch.Tensor] = None  # the round's draft LM head (DraftHead.products)
         self._root_only: Optional[VerifyTree] = None  # (_roots_alone) the last root-only tree, on the CPU
+        self._root_layers: dict = {}  # (_from_root_step) the fixed parts of trees of the root's step alone
         self.drafts = self.check(head, method, tree)
         # The kinds of the tree's layers (methods.LAYER_KINDS), the root's children first.
         self.schedule = method.schedule(tree.depth if tree.choices is None else max(map(len, tree.choices)) - 1,
@@ -148,13 +149,12 @@ class Drafter:
         uncommitted) from ``root_step`` [B, 1, ...]."""
         if not self.drafts:
             return self._roots_alone(roots)
-        tree = DraftTree(roots)
         self._errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool, device=roots.device)
         self._lm_head = self.head.products().lm_head
         if self.tree.choices is not None:
-            verify = self._draft_static(tree, cache, root_step)
+            verify = self._draft_static(DraftTree(roots), cache, root_step)
         else:
-            verify = self._draft_dynamic(tree, cache, root_step)
+            verify = self._draft_dynamic(roots, cache, root_step)
         if verify.tokens.shape[1] > 1:
             self._errors[1] |= (verify.counts < 2).any()
         verify.errors = self._errors
@@ -214,13 +214,18 @@ class Drafter:
         self.forwards += 1
         return step
 
-    def _draft_dynamic(self, tree: DraftTree, cache: KVCache, root_step: DraftStep) -> VerifyTree:
+    def _draft_dynamic(self, roots: torch.Tensor, cache: KVCache, root_step: DraftStep) -> VerifyTree:
         k, kinds = self.tree.top_k, self.schedule
         # The root's children come from its step; each later layer from a forward (SERIAL, EXPERTS),
         # the last step (the root's where no forward follows) also giving the CONTRASTIVE layer's
         # candidates; then the MLP heads' layers (MLP), all in one pass.
         expansions = sum(kind in FORWARD_KINDS for kind in kinds[1:])
         (lp, ids), contrastive = self._children(root_step, kinds[0], expansions == 0 and CONTRASTIVE in kinds)
+        if expansions == 0 and MLP not in kinds:
+            whole = self._from_root_step(roots, ids, contrastive)
+            if whole is not None:
+                return whole
+        tree = DraftTree(roots)
         layer = tree.add_children(torch.zeros_like(tree.tokens), ids, lp)
         self._attach_contrastive(tree, layer, contrastive)
         prev_step, prev_rows = root_step, torch.zeros_like(layer)  # the step row holding each parent's output
@@ -240,6 +245,30 @@ class Drafter:
         if MLP in kinds:
             self._draft_parallel(tree, layer, prev_step, prev_rows)
         return tree.kept(self.tree.total_tokens)
+
+    def _from_root_step(self, roots: torch.Tensor, ids: torch.Tensor, contrastive) -> Optional[VerifyTree]:
+        """The tree of the root's step alone (no draft forward after it: Jakiro's depth-1 trees)
+        where it is kept whole (at most the round's total nodes): the root, its children ``ids``
+        [B, 1, C] in rank order and (``contrastive``) their best's (the first: the candidates come
+        best first) children. Its parents, depths and mask are then the same every round, made once
+        per shape by growing a :class:`DraftTree` as the general path does (the test compares the
+        two); only the tokens are new: a few tensor calls where growing and keeping the tree took
+        seventy (0.3 ms of a CPU round). None where the tree is larger than the total."""
+        B, _, C = ids.shape
+        extra = 0 if contrastive is None else contrastive[1].shape[-1]
+        if 1 + C + extra > self.tree.total_tokens:
+            return None
+        key = (B, C, extra, ids.device)
+        shape = self._root_layers.get(key)
+        if shape is None:
+            zeros = lambda *size: torch.zeros(size, dtype=torch.int64, device=ids.device)  # noqa: E731
+            grown = DraftTree(zeros(B))
+            layer = grown.add_children(zeros(B, 1), zeros(B, 1, C), zeros(B, 1, C).float())
+            if extra:
+                grown.add_children(layer[:, :1], zeros(B, 1, extra), zeros(B, 1, extra).float())
+            shape = self._root_layers[key] = grown.every_node()
+        tokens = [roots.reshape(B, 1).to(torch.int64), ids[:, 0]] + ([] if contrastive is None else [contrastive[1][:, 0]])
+        return VerifyTree(torch.cat(tokens, 1), shape.parents, shape.depths, shape.mask, shape.counts)
 
     @staticmethod
     def _attach_contrastive(tree: DraftTree, layer: torch.Tensor, contrastive) -> None:

@@ -327,3 +327,31 @@ def test_generate_many_checks_every_listed_request_before_choosing_a_tree(monkey
     long = [1] * target.config.max_position_embeddings
     with pytest.raises(ValueError, match=r"prompt 1 has .* no room for a new token"):
         generate_module.generate_many(target, None, [good, long])
+
+
+@pytest.mark.parametrize("method,tree", [("jakiro", TreeConfig(3, 1, 1)), ("jakiro", TreeConfig(5, 1, 2)),
+                                         ("jakiro", TreeConfig(4, 1, 2)), ("jakiro_star", TreeConfig(5, 1, 2))])
+def test_a_tree_of_the_root_step_alone_is_the_grown_trees(target, monkeypatch, method, tree):
+    # Jakiro's depth-1 trees (no draft forward after the root's step): kept whole, made from the
+    # shape's fixed parts, the same nodes, parents, depths and mask as growing the tree and keeping
+    # it gives; larger than the total (4/1/2: 5 nodes) or a forward after the root's step
+    # (jakiro_star's depth 1 is EXPERTS then a serial layer), the tree is grown.
+    from jakiro_ext.engine.drafter import Drafter
+
+    head = copy_head(target, "jakiro")
+    ids = torch.cat([prompt(seed=s) for s in (2, 3)]).view(2, -1)[:, :9]
+    hidden = target(ids, target.new_cache(2, 40), last_logits_only=False)[1]
+    drafter = Drafter(head, METHODS[method], tree)
+    roots, kv, step = ids[:, -1], drafter.new_cache(2, 20), None
+    step = drafter.catch_up(kv, ids[:, 1:], hidden[:, :-1])
+    kv.commit(8)
+    step = step.rows(torch.full((2, 1), 7))
+    fast = drafter.draft(roots, kv, step)
+    used = bool(drafter._root_layers)
+    monkeypatch.setattr(drafter, "_from_root_step", lambda *args: None)
+    grown = drafter.draft(roots, kv, step)
+    assert used == (method == "jakiro" and tree.total_tokens != 4)
+    for name in ("tokens", "parents", "depths", "mask", "counts"):
+        assert torch.equal(getattr(fast, name), getattr(grown, name)), name
+    assert torch.equal(fast.errors, grown.errors)
+    assert fast.tokens.shape[1] == (3 if tree.total_tokens == 3 else 4 if tree.total_tokens == 4 else 5)

@@ -215,7 +215,7 @@ class Drafter:
         return step
 
     def _draft_dynamic(self, roots: torch.Tensor, cache: KVCache, root_step: DraftStep) -> VerifyTree:
-        k, kinds = self.tree.top_k, self.schedule
+        k, kinds = self.tree.top_k, self._kinds_drafted()
         # The root's children come from its step; each later layer from a forward (SERIAL, EXPERTS),
         # the last step (the root's where no forward follows) also giving the CONTRASTIVE layer's
         # candidates; then the MLP heads' layers (MLP), all in one pass.
@@ -245,6 +245,13 @@ class Drafter:
         if MLP in kinds:
             self._draft_parallel(tree, layer, prev_step, prev_rows)
         return tree.kept(self.tree.total_tokens)
+
+    def _kinds_drafted(self) -> tuple:
+        """The layers of the schedule a dynamic tree drafts: all, but where the round keeps one
+        drafted node (a total of 2) the root's children alone. That node is a child of the root:
+        a deeper node never outscores its ancestors (log-probabilities <= 0, ties to the lower
+        index), so a later layer's forward would be drafted for nothing."""
+        return self.schedule[:1] if self.tree.total_tokens <= 2 else self.schedule
 
     def _from_root_step(self, roots: torch.Tensor, ids: torch.Tensor, contrastive) -> Optional[VerifyTree]:
         """The tree of the root's step alone (no draft forward after it: Jakiro's depth-1 trees)

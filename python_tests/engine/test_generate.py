@@ -355,3 +355,29 @@ def test_a_tree_of_the_root_step_alone_is_the_grown_trees(target, monkeypatch, m
         assert torch.equal(getattr(fast, name), getattr(grown, name)), name
     assert torch.equal(fast.errors, grown.errors)
     assert fast.tokens.shape[1] == (3 if tree.total_tokens == 3 else 4 if tree.total_tokens == 4 else 5)
+
+
+@pytest.mark.parametrize("kind,method,tree", [("eagle2", "eagle2", TreeConfig(2, 1, 1)), ("eagle2", "eagle2", TreeConfig(2, 3, 2)),
+                                              ("jakiro", "jakiro", TreeConfig(2, 1, 1)), ("jakiro", "jakiro_star", TreeConfig(2, 2, 2)),
+                                              ("gumiho", "gumiho", TreeConfig(2, 3, 2))])
+def test_a_two_node_tree_drafts_the_root_step_alone(target, monkeypatch, kind, method, tree):
+    # A round that keeps one drafted node runs no draft forward after the root's step, and keeps
+    # the node drafting every layer would keep; the tokens are plain decoding's.
+    from jakiro_ext.engine.drafter import Drafter
+
+    head = copy_head(target, kind)
+    ids = prompt(seed=3)
+    hidden = target(ids.view(1, -1), target.new_cache(1, 40), last_logits_only=False)[1]
+    drafter = Drafter(head, METHODS[method], tree)
+    kv, step = drafter.prefill(ids[1:], hidden[0, :-1])
+    forwards = drafter.forwards
+    alone = drafter.draft(ids[-1:], kv, step)
+    assert drafter.forwards == forwards
+    monkeypatch.setattr(drafter, "_kinds_drafted", lambda: drafter.schedule)
+    every = drafter.draft(ids[-1:], kv, step)
+    assert drafter.forwards > forwards or len(drafter.schedule) == 1 or method == "jakiro"
+    for name in ("tokens", "parents", "depths", "mask", "counts"):
+        assert torch.equal(getattr(alone, name), getattr(every, name)), name
+    monkeypatch.undo()
+    plain = speculative_generate(target, None, ids, 30)
+    assert speculative_generate(target, head, ids, 30, method=method, tree=tree).token_ids == plain.token_ids

@@ -57,9 +57,15 @@ class DraftLag:
         """Every row is behind by one more pair: ``tokens`` [B, 1], ``features`` [B, 1, H]."""
         self._make(features)
         B, W = len(self.behind), DRAFT_WINDOW
-        column = ops.to_device(torch.tensor([n % W for n in self.behind]), tokens.device).view(B, 1)
-        self.tokens.scatter_(1, column, tokens)
-        self.features.scatter_(1, column.unsqueeze(-1).expand(B, 1, features.shape[-1]), features)
+        columns = {n % W for n in self.behind}
+        if len(columns) == 1:  # (every row as far behind: one column, written in place; four calls, not seven)
+            column = columns.pop()
+            self.tokens.narrow(1, column, 1).copy_(tokens)
+            self.features.narrow(1, column, 1).copy_(features)
+        else:
+            column = ops.to_device(torch.tensor([n % W for n in self.behind]), tokens.device).view(B, 1)
+            self.tokens.scatter_(1, column, tokens)
+            self.features.scatter_(1, column.unsqueeze(-1).expand(B, 1, features.shape[-1]), features)
         self.behind = [n + 1 for n in self.behind]
 
     def remember(self, b: int, tokens: torch.Tensor, features: torch.Tensor) -> None:

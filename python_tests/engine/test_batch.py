@@ -343,3 +343,39 @@ def test_the_batch_knows_when_no_request_waits_for_a_row(monkeypatch):
         list(answers)
 
     assert draining(appended) == [False] * 5 + [True] * 5
+
+
+def test_the_draft_lag_keeps_each_rows_last_pairs():
+    # Rounds of plain decoding leave each row's draft behind by their (token, feature) pairs: the
+    # rows in step (one column written for all) and apart (a new row, not behind), a row past the
+    # window: what the draft catches up on is each row's last pairs in order.
+    from jakiro_ext.engine.draft_lag import DRAFT_WINDOW, DraftLag
+
+    g = torch.Generator().manual_seed(0)
+    lag, pairs = DraftLag(2), {0: [], 1: []}
+
+    def defer(rounds):
+        for _ in range(rounds):
+            tokens, features = torch.randint(0, 100, (2, 1), generator=g), torch.randn(2, 1, 3, generator=g)
+            lag.defer(tokens, features)
+            for b in range(2):
+                pairs[b].append((int(tokens[b, 0]), features[b, 0]))
+
+    def caught_up(rebuilt):
+        pending = lag.take([True, True])
+        for b in range(2):
+            want = pairs[b][-DRAFT_WINDOW:]
+            k = pending.counts[b]
+            assert k == len(want) and pending.tokens[b, :k].tolist() == [t for t, _ in want]
+            assert torch.equal(pending.features[b, :k], torch.stack([f for _, f in want]))
+            pairs[b].clear()
+        assert pending.rebuilt == rebuilt
+
+    defer(5)  # in step
+    caught_up([])
+    defer(4)
+    lag.select([0, -1], torch.tensor([0, 0]))  # row 1 now a new sequence, not behind
+    pairs[1].clear()
+    defer(DRAFT_WINDOW + 3)  # apart by 4, row 0 past the window
+    caught_up([0, 1])
+    assert lag.take([True, True]) is None

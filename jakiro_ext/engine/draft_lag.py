@@ -34,12 +34,16 @@ class Pending(NamedTuple):
 
 class DraftLag:
     """Row b's last DRAFT_WINDOW pairs the draft has not run, in a ring (pair i of the row at
-    column i % DRAFT_WINDOW), and how many it is behind (``behind[b]``)."""
+    column i % DRAFT_WINDOW), and how many it is behind (``behind[b]``). The rounds deferred since
+    the ring was last written are held as they came (``_deferred``) and written in one call when
+    the ring is next read or its rows move, at the latest every DRAFT_WINDOW rounds: a plain round
+    of a drafting call appends to a list instead of making four tensor calls."""
 
     def __init__(self, batch: int):
         self.tokens: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW], made by the first use
         self.features: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW, H]
         self.behind: List[int] = [0] * batch
+        self._deferred: list = []  # (tokens [B, 1], features [B, 1, H], each row's behind before it)
 
     @property
     def rebuild(self) -> List[bool]:
@@ -49,28 +53,42 @@ class DraftLag:
     def select(self, rows: List[int], index: Optional[torch.Tensor]) -> None:
         """The rows become ``rows`` (indices of the current ones; -1: a new one, not behind);
         ``index``: the same on the ring's device, -1 as 0 (None: no draft, no ring)."""
+        self._write_deferred()
         if self.tokens is not None:
             self.tokens, self.features = self.tokens[index], self.features[index]
         self.behind = [self.behind[r] if r >= 0 else 0 for r in rows]
 
+    def restart(self, b: int) -> None:
+        """Row ``b`` takes a new sequence: its draft is behind by nothing."""
+        self._write_deferred()
+        self.behind[b] = 0
+
     def defer(self, tokens: torch.Tensor, features: torch.Tensor) -> None:
-        """Every row is behind by one more pair: ``tokens`` [B, 1], ``features`` [B, 1, H]."""
-        self._make(features)
-        B, W = len(self.behind), DRAFT_WINDOW
-        columns = {n % W for n in self.behind}
-        if len(columns) == 1:  # (every row as far behind: one column, written in place; four calls, not seven)
-            column = columns.pop()
-            self.tokens.narrow(1, column, 1).copy_(tokens)
-            self.features.narrow(1, column, 1).copy_(features)
-        else:
-            column = ops.to_device(torch.tensor([n % W for n in self.behind]), tokens.device).view(B, 1)
-            self.tokens.scatter_(1, column, tokens)
-            self.features.scatter_(1, column.unsqueeze(-1).expand(B, 1, features.shape[-1]), features)
+        """Every row is behind by one more pair: ``tokens`` [B, 1], ``features`` [B, 1, H] (the
+        round's own tensors, kept until written: not to be written to after)."""
+        self._deferred.append((tokens, features, self.behind))
         self.behind = [n + 1 for n in self.behind]
+        if len(self._deferred) == DRAFT_WINDOW:
+            self._write_deferred()
+
+    def _write_deferred(self) -> None:
+        """The deferred rounds into the ring, each row's pairs at their columns, in one call per tensor."""
+        if not self._deferred:
+            return
+        tokens = torch.cat([t for t, _, _ in self._deferred], 1)  # [B, n]
+        features = torch.cat([f for _, f, _ in self._deferred], 1)  # [B, n, H]
+        self._make(features)
+        W = DRAFT_WINDOW
+        columns = [[before[b] % W for _, _, before in self._deferred] for b in range(tokens.shape[0])]
+        column = ops.to_device(torch.tensor(columns), tokens.device)  # (n <= W: a row's columns distinct)
+        self.tokens.scatter_(1, column, tokens)
+        self.features.scatter_(1, column.unsqueeze(-1).expand(*column.shape, features.shape[-1]), features)
+        self._deferred.clear()
 
     def remember(self, b: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """Row ``b``'s draft (empty) is behind by the pairs ``tokens`` [n], ``features`` [n, H]:
         the last DRAFT_WINDOW of them kept."""
+        self._write_deferred()
         self._make(features)
         n, W = tokens.numel(), DRAFT_WINDOW
         column = ops.to_device(torch.arange(max(n - W, 0), n) % W, tokens.device)
@@ -87,6 +105,7 @@ class DraftLag:
     def take(self, busy: List[bool]) -> Optional[Pending]:
         """What the busy rows' drafts are to run to catch up (None: nothing), every row then
         counted as up to date."""
+        self._write_deferred()
         W = DRAFT_WINDOW
         behind = [n if b else 0 for n, b in zip(self.behind, busy)]
         self.behind = [0] * len(self.behind)

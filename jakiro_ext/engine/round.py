@@ -157,8 +157,8 @@ class Round:
         forwards = self.catch_up.forwards
         step = self.catch_up.catch_up(state.draft_kv, out.tokens[:, :n], features) if drafter.drafts else None
         state.commit(out.path, counts, step)
-        if self.catch_up.drafts and not drafter.drafts:
-            state.defer_catch_up(out.tokens[:, :1], features)
+        if self.catch_up.drafts and not drafter.drafts:  # (kept as they are: a replay's buffers copied)
+            state.defer_catch_up(out.tokens[:, :1] if self.replay is None else out.tokens[:, :1].clone(), features)
         drafted += self.catch_up.forwards - forwards + caught_up
         for b, (seq, a, new) in enumerate(zip(seqs, back.accepted, back.tokens)):
             if seq is None:

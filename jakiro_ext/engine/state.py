@@ -79,7 +79,7 @@ class BatchState:
         """Row ``b`` (free) takes a started sequence: its caches' committed positions and root step
         (or, its draft prefill left for later, the prompt's pairs as what the draft is behind)."""
         self.target_kv.load(b, started.target_kv)
-        self.lag.behind[b] = 0
+        self.lag.restart(b)
         if self.draft_kv is not None and started.draft_kv is None:
             self.draft_kv.clear([b])
             self.lag.remember(b, *started.draft_pairs)

@@ -346,9 +346,10 @@ def test_the_batch_knows_when_no_request_waits_for_a_row(monkeypatch):
 
 
 def test_the_draft_lag_keeps_each_rows_last_pairs():
-    # Rounds of plain decoding leave each row's draft behind by their (token, feature) pairs: the
-    # rows in step (one column written for all) and apart (a new row, not behind), a row past the
-    # window: what the draft catches up on is each row's last pairs in order.
+    # Rounds of plain decoding leave each row's draft behind by their (token, feature) pairs, held
+    # as they came and written to the ring when it is read or its rows move (or a window's worth):
+    # the rows in step and apart (a new sequence in a row, not behind), a row past the window: what
+    # the draft catches up on is each row's last pairs in order.
     from jakiro_ext.engine.draft_lag import DRAFT_WINDOW, DraftLag
 
     g = torch.Generator().manual_seed(0)
@@ -372,6 +373,11 @@ def test_the_draft_lag_keeps_each_rows_last_pairs():
         assert pending.rebuilt == rebuilt
 
     defer(5)  # in step
+    caught_up([])
+    defer(3)
+    lag.restart(0)  # row 0 now a new sequence: its pairs so far are not its own
+    pairs[0].clear()
+    defer(2)
     caught_up([])
     defer(4)
     lag.select([0, -1], torch.tensor([0, 0]))  # row 1 now a new sequence, not behind

@@ -58,8 +58,7 @@ class Drafter:
         self._errors: Optional[torch.Tensor] = None  # the round's DRAFT_ERRORS flags
         self._masks: dict = {}  # (_mask) the masks of a round's shapes
         self._lm_head: Optional[torch.Tensor] = None  # the round's draft LM head (DraftHead.products)
-        self._root_only: Optional[VerifyTree] = None  # (_roots_alone) the last root-only tree, on the CPU
-        self._root_layers: dict = {}  # (_from_root_step) the fixed parts of trees of the root's step alone
+        self._fixed_trees: dict = {}  # (_fixed_tree) the parts of trees of a fixed shape, per shape, on the CPU
         self.drafts = self.check(head, method, tree)
         # The kinds of the tree's layers (methods.LAYER_KINDS), the root's children first.
         self.schedule = method.schedule(tree.depth if tree.choices is None else max(map(len, tree.choices)) - 1,
@@ -161,18 +160,32 @@ class Drafter:
         return verify
 
     def _roots_alone(self, roots: torch.Tensor) -> VerifyTree:
-        """Plain decoding's tree, each sequence's root alone. On the CPU its parents, depths, mask,
-        counts and (no) errors are the last call's for the same batch, never written: two tensor
-        calls instead of seven, where each of a decoding step's small host ops costs several times
-        its warm time (the step's weights stream leaves the host's working set cold)."""
-        kept = self._root_only
-        if roots.device.type != "cpu" or kept is None or kept.tokens.shape[0] != roots.shape[0]:
-            kept = DraftTree(roots).every_node()
-            if roots.device.type == "cpu":
-                kept.errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool)
-                self._root_only = kept
+        """Plain decoding's tree, each sequence's root alone: on the CPU from its fixed parts
+        (:meth:`_fixed_tree`), two tensor calls instead of seven."""
+        if roots.device.type != "cpu":
+            return DraftTree(roots).every_node()
+        kept = self._fixed_tree(roots.shape[0], 0, 0)
         return VerifyTree(roots.reshape(-1, 1).to(torch.int64), kept.parents, kept.depths, kept.mask, kept.counts,
                           kept.errors)
+
+    def _fixed_tree(self, B: int, children: int, extra: int) -> VerifyTree:
+        """The tree of B roots, each with ``children`` children and ``extra`` children of its first
+        (the tokens zeros, no errors), as growing a :class:`DraftTree` makes it, kept per shape: a
+        tree whose shape is the same every round needs only its new tokens. On the CPU, where each
+        of a decoding step's small host ops costs several times its warm time (the step's weights
+        stream leaves the host's working set cold)."""
+        key = (B, children, extra)
+        kept = self._fixed_trees.get(key)
+        if kept is None:
+            zeros = lambda *size: torch.zeros(size, dtype=torch.int64)  # noqa: E731
+            grown = DraftTree(zeros(B))
+            if children:
+                layer = grown.add_children(zeros(B, 1), zeros(B, 1, children), zeros(B, 1, children).float())
+                if extra:
+                    grown.add_children(layer[:, :1], zeros(B, 1, extra), zeros(B, 1, extra).float())
+            kept = self._fixed_trees[key] = grown.every_node()
+            kept.errors = torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool)
+        return kept
 
     def _topk(self, features: torch.Tensor, k: int):
         """Top-k (log-probabilities, target token ids) of features [B, R, (E,) H] under the draft's LM
@@ -257,23 +270,15 @@ class Drafter:
         """The tree of the root's step alone (no draft forward after it: Jakiro's depth-1 trees)
         where it is kept whole (at most the round's total nodes): the root, its children ``ids``
         [B, 1, C] in rank order and (``contrastive``) their best's (the first: the candidates come
-        best first) children. Its parents, depths and mask are then the same every round, made once
-        per shape by growing a :class:`DraftTree` as the general path does (the test compares the
-        two); only the tokens are new: a few tensor calls where growing and keeping the tree took
-        seventy (0.3 ms of a CPU round). None where the tree is larger than the total."""
+        best first) children. On the CPU its parents, depths and mask are its shape's
+        (:meth:`_fixed_tree`; the test compares them with the grown tree's), only the tokens new: a
+        few tensor calls where growing and keeping the tree took seventy (0.3 ms of a round). None
+        where the tree is larger than the total, or off the CPU (the general path)."""
         B, _, C = ids.shape
         extra = 0 if contrastive is None else contrastive[1].shape[-1]
-        if 1 + C + extra > self.tree.total_tokens:
+        if 1 + C + extra > self.tree.total_tokens or ids.device.type != "cpu":
             return None
-        key = (B, C, extra, ids.device)
-        shape = self._root_layers.get(key)
-        if shape is None:
-            zeros = lambda *size: torch.zeros(size, dtype=torch.int64, device=ids.device)  # noqa: E731
-            grown = DraftTree(zeros(B))
-            layer = grown.add_children(zeros(B, 1), zeros(B, 1, C), zeros(B, 1, C).float())
-            if extra:
-                grown.add_children(layer[:, :1], zeros(B, 1, extra), zeros(B, 1, extra).float())
-            shape = self._root_layers[key] = grown.every_node()
+        shape = self._fixed_tree(B, C, extra)
         tokens = [roots.reshape(B, 1).to(torch.int64), ids[:, 0]] + ([] if contrastive is None else [contrastive[1][:, 0]])
         return VerifyTree(torch.cat(tokens, 1), shape.parents, shape.depths, shape.mask, shape.counts)
 

@@ -149,11 +149,12 @@ class Round:
         # The target's hidden states at the root and the accepted nodes are the draft's catch-up:
         # now, or (a round that drafted nothing) with the next round that drafts.
         n, features = max(counts), None
-        if (self.catch_up.drafts or s.keep_features) and out.hidden.shape[1] == 1 and self.replay is None:
-            features = out.hidden  # (a one-node tree's: the root's, as they are; a replay's are its buffers)
-        elif self.catch_up.drafts or s.keep_features:
-            index = out.path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1])
-            features = out.hidden.gather(1, index)
+        if self.catch_up.drafts or s.keep_features:
+            if out.hidden.shape[1] == 1 and self.replay is None:  # (a replay's outputs are its buffers)
+                features = out.hidden  # a one-node tree's: the root's, as they are
+            else:
+                index = out.path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1])
+                features = out.hidden.gather(1, index)
         forwards = self.catch_up.forwards
         step = self.catch_up.catch_up(state.draft_kv, out.tokens[:, :n], features) if drafter.drafts else None
         state.commit(out.path, counts, step)

@@ -347,7 +347,7 @@ def test_a_tree_of_the_root_step_alone_is_the_grown_trees(target, monkeypatch, m
     kv.commit(8)
     step = step.rows(torch.full((2, 1), 7))
     fast = drafter.draft(roots, kv, step)
-    used = bool(drafter._root_layers)
+    used = bool(drafter._fixed_trees)
     monkeypatch.setattr(drafter, "_from_root_step", lambda *args: None)
     grown = drafter.draft(roots, kv, step)
     assert used == (method == "jakiro" and tree.total_tokens != 4)

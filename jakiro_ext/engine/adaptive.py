@@ -355,7 +355,8 @@ class TreeChooser:
         if candidate is self.plain and candidate.last_round != self.round - 1 and not settling:
             candidate.restart(rows)  # (back after trees: its older rounds are another stretch's)
         candidate.add(rows, None if settling else seconds, tokens_per_sequence)
-        candidate.measured_at = time.time()
+        if candidate is not self.plain:  # (what a kept tree ratio's age is read from)
+            candidate.measured_at = time.time()
         if candidate is self.plain and self.kept_plain is not None and rows == self.kept_plain[0] \
                 and candidate.samples(rows) >= WINDOW:  # the kept ratios' machine against this one
             # (on WINDOW rounds: a new chooser's first ones run slow, see SETTLE_ROUNDS, and dropped what was kept)

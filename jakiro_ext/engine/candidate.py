@@ -73,7 +73,7 @@ class Candidate:
     # Its seconds over plain decoding's when its measurements were dropped: the estimate of its
     # seconds until it is measured again (its tokens: the cost model's scaled by the live acceptance).
     remembered_ratio: Optional[float] = None
-    measured_at: float = 0.0  # wall time (time.time()) of its last live round, or of the kept ratio it starts from
+    measured_at: float = 0.0  # a tree's: wall time (time.time()) of its last live round, or of the kept ratio it starts from
     # The median of seconds[rows], kept until they change (read a few dozen times a round).
     _medians: Dict[int, float] = field(default_factory=dict, repr=False)
     _restarted: set = field(default_factory=set, repr=False)  # rows where :meth:`restart` kept it measured

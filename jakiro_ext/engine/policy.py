@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import statistics
 import sys
 import weakref
 from dataclasses import replace
@@ -101,7 +100,7 @@ def progress(result: RoundResult) -> float:
     while its tree rounds saved 1% of the rounds' time by the mean (docs/benchmarks.md, "never
     loses")."""
     if not result.draining or len(result.accepted) <= 1:
-        return 1 + statistics.fmean(result.accepted)
+        return 1 + sum(result.accepted) / len(result.accepted)
     return float(min(max(result.left_before) - max(result.left_after), 1 + max(result.accepted)))
 
 
@@ -205,12 +204,13 @@ def live_path(costs_file: Path) -> Path:
 
 
 def keep_live(path: Path, measured: dict) -> None:
-    """Keep a chooser's live measurements (:meth:`TreeChooser.kept`) at ``path``, with this build
-    (a cache: a failed write is a warning, never the call's failure)."""
-    try:
-        atomic.write_text(path, json.dumps(dict(measured, build=build_id())) + "\n")
-    except OSError as exc:
+    """Keep a chooser's live measurements (:meth:`TreeChooser.kept`) at ``path``, with this build,
+    written behind the call (:func:`jakiro_ext.atomic.write_text_behind`: the next call does not
+    wait for the disk; :func:`load_live` waits for it). A cache: a failed write is a warning,
+    never the call's failure."""
+    def failed(exc: OSError) -> None:
         print(f"warning: could not keep the live round times in {path} ({exc})", file=sys.stderr)
+    atomic.write_text_behind(path, json.dumps(dict(measured, build=build_id())) + "\n", failed)
 
 
 def _pairs(name: str, table, keys=None) -> dict:
@@ -254,6 +254,7 @@ def load_live(path: Path) -> Optional[dict]:
     """The live measurements kept at ``path`` (:func:`keep_live`); None when there are none, they
     were measured with another build, or the file is damaged in syntax or in value
     (:func:`check_live`; a cache: a warning, and written again)."""
+    atomic.wait_for_writes_behind()  # (what a chooser of this process kept last)
     try:
         measured = json.loads(path.read_text())
         checked = check_live(measured)

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from helpers import copy_head, prompt, tiny_target
+from jakiro_ext import atomic
 from jakiro_ext.engine import adaptive, policy, tree_cost
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser, tree_key
 from jakiro_ext.engine.generate import generate_many
@@ -248,6 +249,7 @@ def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
     blocked = tmp_path / "a file" / "x.live.json"
     (tmp_path / "a file").write_text("")
     policy.keep_live(blocked, first.kept())
+    atomic.wait_for_writes_behind()  # (written behind the call)
     assert "could not keep" in capsys.readouterr().err
 
 

@@ -9,6 +9,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -106,6 +107,36 @@ def test_directory_swap_without_exchange_support(tmp_path, monkeypatch):
     tiny_head("jakiro", 0).save(tmp_path / "h")
     tiny_head("eagle2", 1).save(tmp_path / "h")
     assert DraftHead.load(tmp_path / "h").config.kind == "eagle2" and [p.name for p in tmp_path.iterdir()] == ["h"]
+
+
+def test_writes_behind_keep_the_newest_text_report_failures_and_finish_before_exit(tmp_path, monkeypatch):
+    """A file written behind the caller: the newest text of a path wins, a failure reaches the
+    callback, a wait returns once all is written, and a process that exits right after
+    submitting still writes it (the writer thread is waited for)."""
+    started, release = threading.Event(), threading.Event()
+    real = atomic.write_text
+
+    def slow_write(path, text):  # the first write held until more are submitted behind it
+        started.set()
+        release.wait(10)
+        real(path, text)
+    monkeypatch.setattr(atomic, "write_text", slow_write)
+    errors = []
+    atomic.write_text_behind(tmp_path / "a", "1", errors.append)
+    assert started.wait(10)
+    atomic.write_text_behind(tmp_path / "a", "2", errors.append)  # pending: replaced by the next
+    atomic.write_text_behind(tmp_path / "a", "3", errors.append)
+    (tmp_path / "dir").write_text("")
+    atomic.write_text_behind(tmp_path / "dir" / "b", "x", errors.append)  # (its directory is a file)
+    release.set()
+    atomic.wait_for_writes_behind()
+    assert (tmp_path / "a").read_text() == "3" and len(errors) == 1 and isinstance(errors[0], OSError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "dir"]  # no temporary left
+    code = ("import sys, time; from jakiro_ext import atomic; real = atomic.write_text\n"
+            "atomic.write_text = lambda p, t: (time.sleep(0.5), real(p, t))\n"
+            f"atomic.write_text_behind({str(tmp_path / 'c')!r}, 'kept', print); sys.exit(0)")
+    subprocess.run([sys.executable, "-c", code], env=ENV, check=True, timeout=60)
+    assert (tmp_path / "c").read_text() == "kept"
 
 
 # ----------------------------------------------------------------------------- outputs checked first

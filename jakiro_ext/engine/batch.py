@@ -42,10 +42,10 @@ class DecodeBatch:
         self.max_rows = max_rows
         tree = largest_tree(policy, method)
         self.device = target.lm_head.weight.device
-        self.drafter = Drafter(draft, method, tree)  # checks the method, head and tree; catches the draft up
+        self.drafter = Drafter(draft, method, tree, max_rows)  # checks the method, head and tree; catches the draft up
         self.tree_nodes = self.drafter.max_nodes
         # Each tree's own drafter (plain decoding's drafts nothing).
-        self.drafters = {id(t): self.drafter if t is tree else Drafter(draft, method, t) if t is not None
+        self.drafters = {id(t): self.drafter if t is tree else Drafter(draft, method, t, max_rows) if t is not None
                          else Drafter(None, METHODS[BASELINE], tree) for t in policy.trees}
         self.draining = False  # no request waits for a row (set by the caller before each round)
         self.state: Optional[BatchState] = None

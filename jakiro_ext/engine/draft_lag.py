@@ -3,8 +3,8 @@
 A round that drafts nothing (plain decoding, chosen by the tree policy while it pays better) and a
 prompt admitted without the draft's prefill leave the draft behind: it catches up on those
 (token, feature) pairs in one forward before the next round that drafts
-(:meth:`BatchState.catch_up_pending`), not a forward every round. A row behind by more than
-:data:`DRAFT_WINDOW` pairs is rebuilt from its last ones alone.
+(:meth:`BatchState.catch_up_pending`), not a forward every round. A row behind by more than its
+window (:func:`window`) is rebuilt from its last ones alone.
 """
 from __future__ import annotations
 
@@ -14,12 +14,23 @@ import torch
 
 from jakiro_ext import ops
 
-# A row's draft left behind by more than this many tokens is rebuilt from its last DRAFT_WINDOW
-# tokens alone when it drafts again, not caught up on all of them: while plain decoding wins, the
-# draft costs a window's forward per return to drafting, not a forward every few rounds (about 3%
-# of a round at 16 rows, the head's share of the compute). RoPE is relative, so the rebuilt rows
-# attend as a window of the sequence would; only the context the draft sees is shorter.
+# A row's draft left behind by more than its window of tokens is rebuilt from its last ones alone
+# when it drafts again, not caught up on all of them: while plain decoding wins, the draft costs a
+# window's forward per return to drafting, not a forward every few rounds (about 3% of a round at
+# 16 rows, the head's share of the compute). RoPE is relative, so the rebuilt rows attend as a
+# window of the sequence would; only the context the draft sees is shorter, and the draft accepts
+# less: beside the Q4_1 target, a tree round after 40 plain rounds accepted 0.40 drafts rebuilt
+# from 32 pairs, 0.69 caught up on all (0.71 after 16), and the live choice, which measures trees
+# by such rounds, took them for worse than they are. So the window is DRAFT_PAIRS over the batch's
+# rows (a whole 64-token call and its prompt at one row, where a catch-up of 256 pairs costs 2-3
+# plain steps), never below DRAFT_WINDOW.
 DRAFT_WINDOW = 32
+DRAFT_PAIRS = 256
+
+
+def window(rows: int) -> int:
+    """The pairs a row's draft is kept behind by, at most, in a batch of up to ``rows`` rows."""
+    return max(DRAFT_WINDOW, DRAFT_PAIRS // max(rows, 1))
 
 
 class Pending(NamedTuple):
@@ -33,22 +44,23 @@ class Pending(NamedTuple):
 
 
 class DraftLag:
-    """Row b's last DRAFT_WINDOW pairs the draft has not run, in a ring (pair i of the row at
-    column i % DRAFT_WINDOW), and how many it is behind (``behind[b]``). The rounds deferred since
+    """Row b's last ``window`` pairs the draft has not run, in a ring (pair i of the row at
+    column i % window), and how many it is behind (``behind[b]``). The rounds deferred since
     the ring was last written are held as they came (``_deferred``) and written in one call when
-    the ring is next read or its rows move, at the latest every DRAFT_WINDOW rounds: a plain round
+    the ring is next read or its rows move, at the latest every ``window`` rounds: a plain round
     of a drafting call appends to a list instead of making four tensor calls."""
 
-    def __init__(self, batch: int):
-        self.tokens: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW], made by the first use
-        self.features: Optional[torch.Tensor] = None  # [B, DRAFT_WINDOW, H]
+    def __init__(self, batch: int, window: int):
+        self.window = window
+        self.tokens: Optional[torch.Tensor] = None  # [B, window], made by the first use
+        self.features: Optional[torch.Tensor] = None  # [B, window, H]
         self.behind: List[int] = [0] * batch
         self._deferred: list = []  # (tokens [B, 1], features [B, 1, H], each row's behind before it)
 
     @property
     def rebuild(self) -> List[bool]:
-        """Which rows' drafts are behind by more than DRAFT_WINDOW pairs (rebuilt when they catch up)."""
-        return [n > DRAFT_WINDOW for n in self.behind]
+        """Which rows' drafts are behind by more than the window (rebuilt when they catch up)."""
+        return [n > self.window for n in self.behind]
 
     def select(self, rows: List[int], index: Optional[torch.Tensor]) -> None:
         """The rows become ``rows`` (indices of the current ones; -1: a new one, not behind);
@@ -68,7 +80,7 @@ class DraftLag:
         round's own tensors, kept until written: not to be written to after)."""
         self._deferred.append((tokens, features, self.behind))
         self.behind = [n + 1 for n in self.behind]
-        if len(self._deferred) == DRAFT_WINDOW:
+        if len(self._deferred) == self.window:
             self._write_deferred()
 
     def _write_deferred(self) -> None:
@@ -78,7 +90,7 @@ class DraftLag:
         tokens = torch.cat([t for t, _, _ in self._deferred], 1)  # [B, n]
         features = torch.cat([f for _, f, _ in self._deferred], 1)  # [B, n, H]
         self._make(features)
-        W = DRAFT_WINDOW
+        W = self.window
         columns = [[before[b] % W for _, _, before in self._deferred] for b in range(tokens.shape[0])]
         column = ops.to_device(torch.tensor(columns), tokens.device)  # (n <= W: a row's columns distinct)
         self.tokens.scatter_(1, column, tokens)
@@ -87,10 +99,10 @@ class DraftLag:
 
     def remember(self, b: int, tokens: torch.Tensor, features: torch.Tensor) -> None:
         """Row ``b``'s draft (empty) is behind by the pairs ``tokens`` [n], ``features`` [n, H]:
-        the last DRAFT_WINDOW of them kept."""
+        the last ``window`` of them kept."""
         self._write_deferred()
         self._make(features)
-        n, W = tokens.numel(), DRAFT_WINDOW
+        n, W = tokens.numel(), self.window
         column = ops.to_device(torch.arange(max(n - W, 0), n) % W, tokens.device)
         self.tokens[b, column] = tokens[-W:]
         self.features[b, column] = features[-W:].to(self.features.dtype)
@@ -98,7 +110,7 @@ class DraftLag:
 
     def _make(self, features: torch.Tensor) -> None:
         if self.tokens is None:
-            B, W = len(self.behind), DRAFT_WINDOW
+            B, W = len(self.behind), self.window
             self.tokens = torch.zeros(B, W, dtype=torch.int64, device=features.device)
             self.features = features.new_zeros(B, W, features.shape[-1])
 
@@ -106,7 +118,7 @@ class DraftLag:
         """What the busy rows' drafts are to run to catch up (None: nothing), every row then
         counted as up to date."""
         self._write_deferred()
-        W = DRAFT_WINDOW
+        W = self.window
         behind = [n if b else 0 for n, b in zip(self.behind, busy)]
         self.behind = [0] * len(self.behind)
         counts = [min(n, W) for n in behind]

@@ -51,7 +51,8 @@ class Drafter:
     and come in as arguments. With a method that drafts nothing (plain decoding) it drafts the
     one-node tree, the root alone."""
 
-    def __init__(self, head: Optional[Head], method: Method, tree):
+    def __init__(self, head: Optional[Head], method: Method, tree, rows: int = 1):
+        """``rows``: the most batch rows it drafts for (the draft's catch-up window, :func:`draft_lag.window`)."""
         self.head, self.method, self.tree = head, method, tree
         self.forwards = 0
         self._plan: Optional[list] = None  # a static tree's index tensors (_static_plan)
@@ -65,10 +66,11 @@ class Drafter:
                                         getattr(head.config, "num_mlp_heads", 0)) if self.drafts else ()
         # Beyond the committed tokens, a tree layer's rows need scratch slots (at most the
         # frontier: top_k nodes, or a whole static layer), a catch-up after a round at most the
-        # tree, and one on what plain rounds left behind DRAFT_WINDOW pairs: one forward (in
+        # tree, and one on what plain rounds left behind, up to a window of pairs: one forward (in
         # forwards of a small tree's width, 32 pairs beside the Q4_1 target took 8 and 12 ms).
         self.max_nodes = tree.max_nodes_for(method) if self.drafts else 1  # a round's nodes, the root's included
-        self.scratch = max(tree.top_k, self.max_nodes, draft_lag.DRAFT_WINDOW) if self.drafts else 0
+        self.window = draft_lag.window(rows)
+        self.scratch = max(tree.top_k, self.max_nodes, self.window) if self.drafts else 0
 
     @staticmethod
     def check(head: Optional[Head], method: Method, tree) -> bool:

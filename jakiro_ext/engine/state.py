@@ -39,7 +39,7 @@ class BatchState:
         self.draft_kv = drafter.new_cache(batch, room, bound)
         self.drafter, self.scratch = drafter, drafter.scratch
         self.root_step: Optional[DraftStep] = None  # [B, 1, ...], made by the first load
-        self.lag = DraftLag(batch)  # what each row's draft has not run yet (rounds that drafted nothing)
+        self.lag = DraftLag(batch, drafter.window)  # what each row's draft has not run yet (rounds that drafted nothing)
 
     @property
     def seqs(self) -> List[DecodeSequence]:

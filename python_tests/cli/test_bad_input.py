@@ -267,7 +267,7 @@ def test_caches_start_small_whatever_max_new_tokens_and_total_tokens_say(target,
     # The prompt runs alone in caches of its own size (target, then draft, with the drafting
     # scratch: an 11-node tree, or the pairs a catch-up after plain rounds runs at once), then the
     # generation's growing caches (target, draft) take it.
-    scratch = max(11, draft_lag.DRAFT_WINDOW)
+    scratch = max(11, draft_lag.window(1))  # (one prompt: a batch of one row)
     assert [(layers, start) for layers, start, bound in made if start == bound] == [(2, 13), (1, 13 + scratch)]
     (target_layers, target_start, target_bound), (draft_layers, draft_start, draft_bound) = [
         m for m in made if m[1] < m[2]]

@@ -264,13 +264,13 @@ def test_candidates_must_include_plain_decoding():
         TreeChooser(candidates()[:3], batch=1)
 
 
-def started_batch(target, head, drafter, ids, rows):
+def started_batch(target, head, drafter, ids, rows, room=24):
     """A batch state of ``rows`` copies of ``ids``'s sequence (stand-ins for the sequences), started as
-    the engine starts one."""
+    the engine starts one, with ``room`` positions for more."""
     one = target.new_cache(1, ids.numel())
     _, hidden = target(ids.unsqueeze(0), one)
     one.commit(ids.numel())
-    state = BatchState(target, drafter, rows, ids.numel() + 24)
+    state = BatchState(target, drafter, rows, ids.numel() + room)
     started = Started(one, *drafter.prefill(torch.cat([ids[1:], ids[:1]]), hidden[0]))
     for b in range(rows):
         state.load(b, object(), Started(started.target_kv, started.draft_kv, started.root_step))
@@ -348,6 +348,7 @@ def test_a_draft_far_behind_is_rebuilt_from_its_last_window(monkeypatch):
     # Behind by more than DRAFT_WINDOW: emptied and run over its last DRAFT_WINDOW pairs, exactly
     # a fresh draft prefill over them; a row behind by less beside it is caught up exactly.
     monkeypatch.setattr(draft_lag, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(draft_lag, "DRAFT_PAIRS", 0)  # (the window DRAFT_WINDOW at any rows)
     target, drafter = jakiro_drafter()
     ids = prompt(9)
     state, reference = (started_batch(target, drafter.head, drafter, ids, 2) for _ in range(2))
@@ -375,6 +376,7 @@ def test_a_prompt_admitted_without_its_draft_prefill(monkeypatch, length):
     # Its pairs wait in the row; the catch-up before drafting runs them: the draft prefill itself
     # (a short prompt), or a rebuild from its last DRAFT_WINDOW pairs (a long one).
     monkeypatch.setattr(draft_lag, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(draft_lag, "DRAFT_PAIRS", 0)  # (the window DRAFT_WINDOW at any rows)
     target, drafter = jakiro_drafter()
     ids = prompt(length)
     one = target.new_cache(1, length)
@@ -388,6 +390,28 @@ def test_a_prompt_admitted_without_its_draft_prefill(monkeypatch, length):
     kept = slice(max(length - 4, 0), length)
     own, step = drafter.prefill(pairs[0][kept], pairs[1][kept])
     assert_same_draft(state, own.kv, [min(length, 4)], step, [1])
+
+
+def test_the_window_is_a_budget_of_pairs_over_the_rows():
+    # One row keeps a whole short call and its prompt (the draft's context whole when drafting
+    # resumes); a batch shares DRAFT_PAIRS, each row at least DRAFT_WINDOW; the drafting scratch
+    # and the lag's ring are the window of the batch's most rows.
+    assert [draft_lag.window(r) for r in (1, 2, 4, 8, 16, 64)] == [256, 128, 64, 32, 32, 32]
+    target, drafter = jakiro_drafter()
+    for rows in (1, 4, 16):
+        wide = Drafter(drafter.head, METHODS["jakiro"], drafter.tree, rows)
+        state = BatchState(target, wide, 2, 8)
+        assert wide.window == state.lag.window == draft_lag.window(rows) and wide.scratch >= wide.window
+    # Behind by 40 pairs at one row: caught up on all of them, exactly as a draft that ran them.
+    ids = prompt(9)
+    state, reference = (started_batch(target, drafter.head, drafter, ids, 1, room=48) for _ in range(2))
+    tokens, features = plain_rounds([state], 40, hidden=target.config.hidden_size)
+    assert state.lag.rebuild == [False] and state.catch_up_pending()
+    step = drafter.catch_up(reference.draft_kv, tokens, features)
+    assert state.draft_kv.host_lengths == [9 + 40]
+    torch.testing.assert_close(state.draft_kv.kv[:, :, 0, :, :49], reference.draft_kv.kv[:, :, 0, :, :49],
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state.root_step.feature[0, 0], step.feature[0, -1], atol=1e-5, rtol=1e-5)
 
 
 def test_a_catch_up_stays_within_the_draft_caches_bound():
@@ -421,6 +445,7 @@ def test_a_long_wait_then_drafting_gives_plain_decodings_tokens(tmp_path, monkey
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
     monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
     monkeypatch.setattr(draft_lag, "DRAFT_WINDOW", 4)
+    monkeypatch.setattr(draft_lag, "DRAFT_PAIRS", 0)  # (the window DRAFT_WINDOW at any rows)
     target = tiny_target()
     head = copy_head(target, "jakiro")
     head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],

@@ -353,7 +353,7 @@ def test_the_draft_lag_keeps_each_rows_last_pairs():
     from jakiro_ext.engine.draft_lag import DRAFT_WINDOW, DraftLag
 
     g = torch.Generator().manual_seed(0)
-    lag, pairs = DraftLag(2), {0: [], 1: []}
+    lag, pairs = DraftLag(2, DRAFT_WINDOW), {0: [], 1: []}
 
     def defer(rounds):
         for _ in range(rounds):

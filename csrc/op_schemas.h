@@ -10,7 +10,7 @@ namespace jakiro {
 // The version of the schemas below, as the library reports it (jakiro_ext.ops.schema_version()),
 // for the projects that call the ops: raised whenever a schema changes (an argument, its type, its
 // default, a result), which python_tests/ops/test_schema_version.py enforces.
-inline constexpr int kSchemaVersion = 1;
+inline constexpr int kSchemaVersion = 2;
 
 inline void define_ops(torch::Library& m) {
   // Tree attention over a KV cache, split-KV (FlashDecoding-style): partial results per split,
@@ -64,6 +64,9 @@ inline void define_ops(torch::Library& m) {
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   // y = x @ weight^T (+ bias) for x [..., K], weight [N, K]: the weight streamed once at decoding sizes.
   m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // Rows `rows` (int64, any shape) of a packed quantized weight [N / 16, K / 32, 16 B] (jakiro/quant.h),
+  // dequantized as GGML does: float32 [*rows.shape, K]. A quantized embedding table's lookup.
+  m.def("dequantize_rows(Tensor packed, Tensor rows) -> Tensor");
   // Gumiho's parallel MLP heads on one input x [..., K]: head j is h = SiLU(x W_in[j]^T + b_in[j]),
   // then per block b, h = h + SiLU(h W_blocks[j, b]^T + b_blocks[j, b]); out [..., J, H].
   m.def("mlp_heads(Tensor x, Tensor w_in, Tensor b_in, Tensor w_blocks, Tensor b_blocks) -> Tensor");

@@ -144,6 +144,11 @@ void check_compact_kv(const at::Tensor& cache, const at::Tensor& prefix_lens, co
 int64_t default_num_splits(int64_t batch, int64_t kv_heads, int64_t max_kv_len, int64_t workers,
                            int64_t min_split_len);
 
+// packed: a packed quantized weight, uint8 [N / 16, K / 32, 16 B] (jakiro/quant.h), contiguous;
+// rows int64 of any shape on its device, each in [0, N) (read on the host where it can be; a GPU
+// kernel reports kBadRows instead). Returns K.
+int64_t check_dequantize_rows(const at::Tensor& packed, const at::Tensor& rows);
+
 }  // namespace jakiro
 
 // Dispatch over the two dtypes every floating-point op supports.

@@ -517,6 +517,28 @@ void check_compact_kv(const at::Tensor& cache, const at::Tensor& prefix_lens, co
   }
 }
 
+int64_t check_dequantize_rows(const at::Tensor& packed, const at::Tensor& rows) {
+  const char* op = "jakiro::dequantize_rows";
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 &&
+                  quant_format_of_chunk(packed.size(2)) != QuantFormat::kNone,
+              op, ": packed must be a packed quantized weight, uint8 [N / 16, K / 32, 16 B] with 16 B = 288 (Q4_0), ",
+              "320 (Q4_1) or 544 (Q8_0) (jakiro_ext.ops.quantized.pack), got ", packed.scalar_type(), " of shape ",
+              packed.sizes());
+  TORCH_CHECK(packed.is_contiguous(), op, ": packed must be contiguous (as jakiro_ext.ops.quantized.pack makes it), ",
+              "got strides ", packed.strides());
+  check_dtype(op, "rows", rows, {at::kLong});
+  check_same_device(op, "rows", rows, packed);
+  const int64_t N = packed.size(0) * kQuantLanes;
+  if (host_readable(rows) && rows.numel() > 0) {
+    const auto r = rows.contiguous();
+    const int64_t* p = r.data_ptr<int64_t>();
+    const auto [lo, hi] = std::minmax_element(p, p + r.numel());
+    TORCH_CHECK_INDEX(*lo >= 0 && *hi < N, op, ": rows must be in [0, ", N, ") (the weight's rows, packed.shape[0] * 16), ",
+                      "got values in [", *lo, ", ", *hi, "]");
+  }
+  return packed.size(1) * kQuantBlock;
+}
+
 int64_t default_num_splits(int64_t batch, int64_t kv_heads, int64_t max_kv_len, int64_t workers,
                            int64_t min_split_len) {
   const int64_t tasks = std::max<int64_t>(1, batch * kv_heads);

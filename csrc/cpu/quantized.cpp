@@ -27,12 +27,6 @@ namespace {
 // of the 32 vector registers beside the 8 code vectors).
 constexpr int kRowTile = 8;
 
-float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
-
 // One block of 32 activations quantized as GGML's quantize_row_q8_0: d = max |x| / 127, the
 // codes x / d rounded to nearest (ties to even, as its vector code rounds), d kept as float16.
 // False (nothing written) if a value is not finite. Both forms give the same bits.
@@ -77,18 +71,6 @@ bool quantize_block_avx512(const float* v, int8_t* q, float* scale, int32_t* sum
 #pragma GCC pop_options
 #endif
 
-// Weight e (< 32) of lane `lane`'s block in a chunk's codes, as the unsigned code.
-template <QuantFormat F>
-int32_t weight_code(const uint8_t* codes, int64_t lane, int64_t e) {
-  if constexpr (F == QuantFormat::kQ8_0) {
-    return codes[64 * (e / 4) + 4 * lane + e % 4];
-  } else {
-    const int64_t i = e % 16;
-    const uint8_t byte = codes[64 * (i / 4) + 4 * lane + i % 4];
-    return e < 16 ? byte & 0x0F : byte >> 4;
-  }
-}
-
 // The portable kernel: rows [m0, m1) of the 16 outputs of one group.
 template <QuantFormat F>
 void group_rows_portable(const QuantizedRows& xq, int64_t m0, int64_t m1, const uint8_t* group, float* y,
@@ -103,11 +85,11 @@ void group_rows_portable(const QuantizedRows& xq, int64_t m0, int64_t m1, const 
         const uint8_t* c = group + b * chunk;
         const int8_t* a = xq.codes.data() + m * K + b * kQuantBlock;
         int32_t dot = 0;
-        for (int64_t e = 0; e < kQuantBlock; ++e) dot += weight_code<F>(c + scales, lane, e) * a[e];
+        for (int64_t e = 0; e < kQuantBlock; ++e) dot += quant_code<F>(c + scales, lane, e) * a[e];
         dot -= offset * xq.sum[m * nb + b];
-        const float t = static_cast<float>(dot) * half_at(c + 2 * lane);
+        const float t = static_cast<float>(dot) * quant_half(c + 2 * lane);
         acc = std::fma(t, xq.scale[m * nb + b], acc);
-        if constexpr (F == QuantFormat::kQ4_1) acc = std::fma(half_at(c + 32 + 2 * lane), xq.scaled_sum[m * nb + b], acc);
+        if constexpr (F == QuantFormat::kQ4_1) acc = std::fma(quant_half(c + 32 + 2 * lane), xq.scaled_sum[m * nb + b], acc);
       }
       y[(m - m0) * ldy + lane] = acc;
     }

@@ -155,6 +155,7 @@ enum DeviceError : int32_t {
   kBadParents = 8,     // verify_tree: parents not a tree in topological order
   kBadTokens = 16,     // verify_tree: a draft token id outside the vocabulary
   kBadUniforms = 32,   // verify_tree: a uniform outside [0, 1)
+  kBadRows = 64,       // dequantize_rows: a row outside the weight: its values NaN
 };
 JAKIRO_DEVICE void report_error(int32_t* word, DeviceError e) { atomicOr(word, static_cast<int32_t>(e)); }
 

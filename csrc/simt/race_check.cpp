@@ -15,6 +15,7 @@
 
 #include "cuda/kernels/compact_kv.cuh"
 #include "cuda/kernels/contrastive_topk.cuh"
+#include "cuda/kernels/dequantize_rows.cuh"
 #include "cuda/kernels/linear.cuh"
 #include "cuda/kernels/mlp_heads.cuh"
 #include "cuda/kernels/moe_top2.cuh"
@@ -106,6 +107,19 @@ void compaction() {
                                     D * static_cast<int64_t>(sizeof(float)), 4, &device_errors},
                     nullptr);
   report("compact_kv", checksum(cache));
+}
+
+void dequantization() {
+  Random rng{9};
+  const int64_t groups = 2, blocks = 3, chunk = kQuantLanes * quant_block_bytes(QuantFormat::kQ4_1);
+  std::vector<uint8_t> packed(groups * blocks * chunk);
+  for (auto& b : packed) b = static_cast<uint8_t>(rng.next() * 60.f + 60.f);  // (float16 scales of moderate size)
+  std::vector<int64_t> rows{0, 17, 31, 5};
+  std::vector<float> out(rows.size() * blocks * kQuantBlock);
+  launch_dequantize_rows(DequantizeRowsParams{packed.data(), rows.data(), out.data(), static_cast<int64_t>(rows.size()),
+                                              groups, blocks, QuantFormat::kQ4_1, &device_errors},
+                         nullptr);
+  report("dequantize_rows Q4_1", checksum(out));
 }
 
 template <typename elem_t>
@@ -270,6 +284,7 @@ int main(int argc, char** argv) {
   attention<bf16>("tree_attention bfloat16");
   attention_tensor_cores();
   compaction();
+  dequantization();
   linear<float>("linear float32");
   linear<bf16>("linear bfloat16");
   mlp_heads<float>("mlp_heads float32");

@@ -1,4 +1,5 @@
-"""A decoder layer's ops: ``linear``, ``silu_mul``, ``rms_norm``, ``rope_kv_write``, and the layer
+"""A decoder layer's ops: ``linear``, ``dequantize_rows`` (a quantized embedding's lookup),
+``silu_mul``, ``rms_norm``, ``rope_kv_write``, and the layer
 (``decoder_layer``) and a model's layers (``decoder_layers``) in one call."""
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ def linear(x, weight, bias=None):
     (up to 64 rows) the weight is streamed once and each row is computed in the same order
     whatever the number of rows; more rows go to BLAS. Accumulates in float32."""
     return kernel("linear")(x, weight, bias)
+
+
+def dequantize_rows(packed, rows):
+    """Rows ``rows`` (int64, any shape) of a packed quantized weight [N / 16, K / 32, 16 B]
+    (:mod:`jakiro_ext.ops.quantized`), dequantized as GGML does (d (c - offset), or d c + m for
+    Q4_1): float32 [*rows.shape, K]. A quantized embedding table's lookup: only the rows' bytes read."""
+    return kernel("dequantize_rows")(packed, rows)
 
 
 def silu_mul(gate_up):
@@ -78,6 +86,11 @@ if compiled_available():  # the fakes (meta implementations), beside their ops
     def _linear_fake(x, weight, bias=None):
         same_device("linear", x=x, weight=weight, bias=bias)
         return x.new_empty((*x.shape[:-1], weight.shape[0] * (quantized.LANES if quantized.is_packed(weight) else 1)))
+
+    @torch.library.register_fake("jakiro::dequantize_rows")
+    def _dequantize_rows_fake(packed, rows):
+        same_device("dequantize_rows", packed=packed, rows=rows)
+        return packed.new_empty((*rows.shape, quantized.matrix_shape(packed)[1]), dtype=torch.float32)
 
     @torch.library.register_fake("jakiro::silu_mul")
     def _silu_mul_fake(gate_up):

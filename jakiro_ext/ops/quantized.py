@@ -14,15 +14,9 @@ so the products are those of the quantized model, not of its float32 dequantizat
 """
 from __future__ import annotations
 
-import collections
-import functools
-import threading
-import weakref
 from typing import NamedTuple, Optional, Tuple
 
-import numpy as np
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 BLOCK = 32  # weights per block, along K
 LANES = 16  # rows interleaved in a packed chunk
@@ -154,14 +148,17 @@ def select_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def dequantize(packed: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 weights [N, K] of a packed weight (GGML's: d (c - offset), or d c + m for Q4_1),
-    or only ``rows`` (int64 indices: [len(rows), K]; an embedding's lookup)."""
+    or only ``rows`` (integer indices of any shape: [*rows.shape, K], only their bytes read, by
+    ``jakiro::dequantize_rows``; an embedding's lookup)."""
     f = FORMATS[format_of(packed)]
     if rows is not None:
-        return _dequantize_rows(packed, f, rows.reshape(-1))
-    G, nb, _ = packed.shape
+        from jakiro_ext.ops.backends import kernel  # (the ops' modules import this one)
+        return kernel("dequantize_rows")(packed, rows.long())
+    G, nb, C = packed.shape
     d = packed[..., :2 * LANES].contiguous().view(torch.float16).float()  # [G, nb, 16]
     scale_bytes = (2 if f.has_min else 1) * 2 * LANES
-    parts = packed[..., scale_bytes:].reshape(G, nb, -1, LANES, 4).transpose(2, 3)  # [G, nb, 16, P, 4]
+    P = (C - scale_bytes) // (4 * LANES)  # the codes' 64-byte vectors
+    parts = packed[..., scale_bytes:].reshape(G, nb, P, LANES, 4).transpose(2, 3)  # [G, nb, 16, P, 4]
     if f.code_bits == 8:
         codes = parts.reshape(G, nb, LANES, BLOCK).float()
     else:
@@ -175,111 +172,11 @@ def dequantize(packed: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tor
     return w.transpose(1, 2).reshape(G * LANES, nb * BLOCK)  # [G, 16, nb, 32]
 
 
-@functools.lru_cache(maxsize=None)
-def _lane_bytes(f: Format) -> np.ndarray:
-    """[16, B]: where in a chunk each lane's block lies, byte by byte in GGML's block order (its
-    float16 scale, Q4_1's minimum, then its codes)."""
-    lane = np.arange(LANES)[:, None]
-    scales = [2 * lane + np.arange(2)] + ([2 * LANES + 2 * lane + np.arange(2)] if f.has_min else [])
-    start = len(scales) * 2 * LANES
-    code_bytes = f.block_bytes - 2 * len(scales)
-    j = np.arange(code_bytes)  # code byte j of a lane lies in vector j // 4, at byte j % 4
-    return np.concatenate(scales + [start + (j // 4) * 4 * LANES + 4 * lane + j % 4], 1)
-
-
-def _dequantize_rows(packed: torch.Tensor, f: Format, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` of a packed weight (on the CPU, as every packed weight the kernels read),
-    float32 [len(rows), K]: only their bytes read (an embedding's lookup: a few rows of a large
-    table, every decoding step). In NumPy: its operations cost a microsecond where torch's cost
-    four, and the step's lookup of a row in the default model's Q8_0 table took 45 us in torch."""
-    if packed.device.type != "cpu" or rows.device.type != "cpu":
-        raise ValueError(f"rows of a packed weight are read on the CPU (where the kernels that read packed weights "
-                         f"run), got the weight on {packed.device} and the rows on {rows.device}")
-    G, nb, C = packed.shape
-    ids = rows.numpy().astype(np.int64, copy=False)
-    n = ids.size
-    if n and (ids.min() < 0 or ids.max() >= G * LANES):
-        raise IndexError(f"rows must be in [0, {G * LANES}), got {ids.min()} .. {ids.max()}")
-    lanes = _lane_bytes(f)[ids % LANES][:, None]  # [n, 1, B]
-    at = (ids // LANES * (nb * C))[:, None, None] + (np.arange(nb) * C)[None, :, None] + lanes
-    blocks = packed.numpy().reshape(-1)[at]  # [n, nb, B]: each row's blocks as GGML stores them (Q8_0's codes + 128)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)  # [n, nb, 1]
-    codes = blocks[..., 4 if f.has_min else 2:]
-    if f.code_bits == 4:
-        codes = np.concatenate([codes & 0x0F, codes >> 4], -1)
-    if f.has_min:
-        w = codes * d + blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
-    else:
-        w = (codes.astype(np.float32) - f.offset) * d
-    return torch.from_numpy(w.reshape(n, nb * BLOCK))
-
-
-# The dequantized rows a packed embedding table last gave, per table tensor (as long as it lives),
-# EMBEDDING_ROWS of them at most (9.4 MB of the default model's).
-EMBEDDING_ROWS = 4096
-_row_caches = WeakTensorKeyDictionary()
-
-
-class _RowCache:
-    """A packed table's recently read rows (token -> float32 [H]), least recently read dropped
-    first; emptied when the table changes (its storage or version). Decoding reads a row or a
-    few a step, mostly tokens read before: a dict lookup instead of dequantizing, which in a
-    decoding step (after the weights' stream, every small host op slowed) took 110 us a token
-    of the default model against 17-19 us from here."""
-
-    def __init__(self):
-        self.rows: "collections.OrderedDict[int, torch.Tensor]" = collections.OrderedDict()
-        self.key = None
-        self.lock = threading.Lock()  # (two threads decoding with one model)
-
-    def read(self, table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        ids = tokens.reshape(-1).tolist()
-        if not ids:
-            return dequantize(table, tokens.reshape(-1))
-        with self.lock:
-            key = (table.data_ptr(), table._version)
-            if key != self.key:
-                self.rows.clear()
-                self.key = key
-            new = [t for t in dict.fromkeys(ids) if t not in self.rows]
-            if new:  # (dequantize checks the ids' range; each row its own copy: no view keeps a batch's rows alive)
-                for t, row in zip(new, dequantize(table, torch.tensor(new, dtype=torch.int64)).unbind(0)):
-                    self.rows[t] = row.clone()
-            for t in ids:
-                self.rows.move_to_end(t)
-            rows = torch.stack([self.rows[t] for t in ids])
-            while len(self.rows) > EMBEDDING_ROWS:
-                self.rows.popitem(last=False)
-        return rows
-
-
-# The table last looked up and its rows, both weakly referenced (gone with the table): the same
-# table step after step found without the dictionary's weak key (15 us of a decoding step's host
-# work, after the weights' stream).
-_last_table: Tuple[Optional[weakref.ref], Optional[weakref.ref]] = (None, None)
-
-
-def _row_cache(table: torch.Tensor) -> _RowCache:
-    global _last_table
-    table_ref, cache_ref = _last_table
-    cache = cache_ref() if table_ref is not None and table_ref() is table else None
-    if cache is None:
-        cache = _row_caches.get(table)
-        if cache is None:
-            cache = _row_caches[table] = _RowCache()
-        _last_table = (weakref.ref(table), weakref.ref(cache))
-    return cache
-
-
 def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Rows ``tokens`` of an embedding table [V, H], dense or packed (dequantized as they are read;
-    the last EMBEDDING_ROWS rows read kept dequantized, a new tensor returned each call)."""
-    if is_packed(table) and table.device.type == tokens.device.type == "cpu":  # (elsewhere dequantize says why not)
-        rows = _row_cache(table).read(table, tokens)
-        return rows.view(*tokens.shape, rows.shape[-1])
+    """Rows ``tokens`` of an embedding table [V, H], dense or packed (its rows dequantized as they
+    are read: ``jakiro::dequantize_rows``)."""
     if is_packed(table):
-        rows = dequantize(table, tokens.reshape(-1))
-        return rows.view(*tokens.shape, rows.shape[-1])
+        return dequantize(table, tokens)
     return torch.nn.functional.embedding(tokens, table)
 
 

@@ -166,6 +166,17 @@ def linear(x, weight, bias=None):
     return y.to(x.dtype)
 
 
+def dequantize_rows(packed, rows):
+    N, K = quantized.matrix_shape(packed)
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= N):
+        raise IndexError(f"jakiro::dequantize_rows: rows must be in [0, {N}), got values in "
+                         f"[{int(rows.min())}, {int(rows.max())}]")
+    flat = rows.reshape(-1)
+    # The 16-row groups holding the rows, dequantized as a packed weight of their own; each row its lane.
+    groups = quantized.dequantize(packed[flat // quantized.LANES]).view(-1, quantized.LANES, K)
+    return groups[torch.arange(flat.numel()), flat % quantized.LANES].reshape(*rows.shape, K)
+
+
 def silu_mul(gate_up):
     gate, up = gate_up.float().chunk(2, dim=-1)
     return (F.silu(gate) * up).to(gate_up.dtype)

@@ -50,6 +50,7 @@ DEVICE_ERRORS = {
        "0 <= parents[b, i] < i)",
     16: "jakiro::verify_tree: a draft token id outside the vocabulary [0, target_logits.shape[2])",
     32: "jakiro::verify_tree: a uniform outside [0, 1)",
+    64: "jakiro::dequantize_rows: a row outside the packed weight's [0, N) (its values were set to NaN)",
 }
 
 

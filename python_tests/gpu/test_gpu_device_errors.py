@@ -8,7 +8,7 @@ import torch
 
 from conftest import randn
 from jakiro_ext import ops
-from jakiro_ext.ops import reference
+from jakiro_ext.ops import quantized, reference
 
 
 def test_device_errors_matches_reference():
@@ -32,8 +32,8 @@ def test_device_errors_bad_input_errors():
     for bit, message in ops.DEVICE_ERRORS.items():
         with pytest.raises(RuntimeError, match=r"the GPU kernels met bad input values: " + message.split(":")[0]):
             ops.raise_device_errors(bit)
-    with pytest.raises(RuntimeError, match=r"rope_kv_write.*; jakiro::verify_tree: a uniform.*; unknown error bits 0x40"):
-        ops.raise_device_errors(2 | 32 | 64)
+    with pytest.raises(RuntimeError, match=r"rope_kv_write.*; jakiro::verify_tree: a uniform.*; unknown error bits 0x80"):
+        ops.raise_device_errors(2 | 32 | 128)
     ops.raise_device_errors(0)
 
 
@@ -48,6 +48,7 @@ def _cases():
     cache = randn(2, 2, 1, 6, 8, seed=11)
     kv = randn(2, 2, 1, 12, 4, seed=12)
     u = torch.rand(1, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    packed = quantized.from_float(randn(32, 64, seed=13), "Q4_1")
     return [
         ("tree_attention prefix beyond the cache", "tree_attention", (q, k, v, torch.tensor([9]), mask), 1, None),
         ("tree_attention negative prefix", "tree_attention", (q, k, v, torch.tensor([-3]), mask), 1, None),
@@ -68,6 +69,8 @@ def _cases():
                                                       1.0), 32, None),
         ("verify_tree a NaN uniform", "verify_tree", (parents, tokens, logits, u.index_fill(1, torch.tensor([4]),
                                                                                            float("nan")), 1.0), 32, None),
+        ("dequantize_rows a row beyond the weight", "dequantize_rows", (packed, torch.tensor([3, 32])), 64, None),
+        ("dequantize_rows a negative row", "dequantize_rows", (packed, torch.tensor([[-1]])), 64, None),
     ]
 
 
@@ -95,9 +98,19 @@ def test_gpu_device_errors_matches_reference(gpu_backend, case):
                                      torch.tensor([2, 2]).to(a[0].device)),
             "verify_tree": lambda a: (torch.tensor([[-1, 0, 0, 1]]).to(a[0].device), torch.tensor([[3, 1, 2, 4]]).to(
                 a[0].device), a[2], *([torch.full((1, 5), 0.5, dtype=torch.float64).to(a[0].device), 1.0]
-                                      if len(a) > 3 else []))}[op]
+                                      if len(a) > 3 else [])),
+            "dequantize_rows": lambda a: (a[0], torch.tensor([0, 31]).to(a[0].device))}[op]
     getattr(gpu_backend.ops, op)(*good(args))
     assert gpu_backend.ops.device_errors(like).tolist() == [0]
+
+
+def test_gpu_dequantize_rows_bad_row_is_nan_and_its_neighbours_exact(gpu_backend):
+    """A bad row among good ones: its weights NaN (none read), the others the reference's bits."""
+    packed = quantized.from_float(randn(32, 64, seed=14), "Q8_0")
+    out = gpu_backend.run("dequantize_rows", packed, torch.tensor([5, 40, 31]))
+    assert gpu_backend.ops.device_errors(gpu_backend.to_device(packed)).tolist() == [64]
+    assert bool(out[1].isnan().all())
+    assert torch.equal(out[[0, 2]], reference.dequantize_rows(packed, torch.tensor([5, 31])))
 
 
 @pytest.mark.parametrize("bad", ["prefix beyond the cache", "negative prefix"])

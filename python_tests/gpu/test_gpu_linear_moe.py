@@ -1,11 +1,22 @@
-"""GPU kernels of linear and moe_top2 (csrc/cuda) against the references, run by the
+"""GPU kernels of linear, dequantize_rows and moe_top2 (csrc/cuda) against the references, run by the
 `gpu_backend` fixture: under the SIMT emulator (warp widths 32 and 64) and on CUDA when present."""
 import pytest
 import torch
 
 from conftest import TOL, randn
-from jakiro_ext.ops import reference
+from jakiro_ext.ops import quantized, reference
 from op_cases.linear_moe import LINEAR_SHAPES, MOE_SHAPES, assert_moe_close, make_moe
+
+
+# ----------------------------------------------------------------------------- dequantize_rows
+@pytest.mark.parametrize("format", list(quantized.FORMATS))
+@pytest.mark.parametrize("shape", [(1,), (2, 3), (0,)])
+def test_gpu_dequantize_rows_matches_reference(gpu_backend, format, shape):
+    # The same arithmetic as the CPU kernel (jakiro/quant.h): the reference's bits.
+    packed = quantized.from_float(randn(48, 96, seed=15), format)
+    rows = torch.tensor([47, 0, 16, 16, 31, 2][: int(torch.tensor(shape).prod())], dtype=torch.int64).reshape(shape)
+    got = gpu_backend.run("dequantize_rows", packed, rows)
+    assert got.shape == (*shape, 96) and torch.equal(got, reference.dequantize_rows(packed, rows))
 
 
 # ----------------------------------------------------------------------------- linear

@@ -10,7 +10,7 @@ import torch
 
 import jakiro_ext as J
 from conftest import randn
-from jakiro_ext.ops import reference
+from jakiro_ext.ops import quantized, reference
 from op_cases.decoder_layer import Layer, Layers
 from op_cases.mlp_heads import make_mlp_heads
 from op_cases.norm_rope import rope_case
@@ -334,6 +334,7 @@ def _op_calls():
         "moe_top2": (x,) + moe,
         "contrastive_topk": (x, None, None, randn(50, 16, seed=28), 3),
         "linear": (x, randn(10, 16, seed=29)),
+        "dequantize_rows": (quantized.from_float(randn(32, 64, seed=41), "Q4_1"), torch.tensor([1, 2])),
         "mlp_heads": (x, randn(2, 8, 16, seed=37), randn(2, 8, seed=38), randn(2, 1, 8, 8, seed=39),
                       randn(2, 1, 8, seed=40)),
         "rms_norm": (x, randn(16, seed=31), 1e-6, randn(2, 16, seed=32)),

@@ -2,9 +2,6 @@
 layer ops: the layout's round trip, the products against their pure-PyTorch specification, every
 row independent of the others, the 512-bit VNNI kernel and the portable one bit for bit, and the
 errors for weights that are not packed as the kernels read them."""
-import gc
-import weakref
-
 import pytest
 import torch
 
@@ -84,50 +81,90 @@ def test_from_float_quantizes_as_ggml(format):
     assert error < (0.02 if format == "Q8_0" else 0.3) * w.abs().max(), error
 
 
-def test_a_packed_embedding_keeps_the_rows_it_read(monkeypatch):
-    """quantized.embedding keeps the last EMBEDDING_ROWS rows a packed table gave: every call's rows
-    equal dequantizing them (hits, misses, repeats, an empty call), the cache holds no more rows
-    than its bound (least recently read dropped), a table changed in place is read anew, a caller
-    writing into what it got leaves the cache alone, a bad token id is still an error, and two tables read in turn give their own rows."""
+# ----------------------------------------------------------------------------- dequantize_rows
+@pytest.mark.parametrize("format", FORMATS)
+@pytest.mark.parametrize("shape", [(), (1,), (3,), (2, 3), (0,), (4, 0, 2)])
+@pytest.mark.covers("dequantize_rows", "adversarial_shapes")
+def test_dequantize_rows_matches_reference(format, shape):
+    # Any shape of rows (a scalar, empty ones, 3-D), the first and last row of the weight, rows
+    # of the same 16-row group and repeats: the reference's bits, and the full matrix's rows.
+    packed = packed_weight(48, 96, format, seed=7)
+    n = int(torch.tensor(shape).prod()) if shape else 1
+    rows = torch.tensor([0, 47, 15, 16, 16, 31, 2, 47][:n] + [5] * max(0, n - 8), dtype=torch.int64).reshape(shape)
+    got = ops.dequantize_rows(packed, rows)
+    assert got.shape == (*shape, 96) and got.dtype == torch.float32
+    assert torch.equal(got, reference.dequantize_rows(packed, rows))
+    assert torch.equal(got, quantized.dequantize(packed)[rows])
+    one = packed_weight(16, 32, format, seed=8)  # one group of one block: the smallest weight
+    assert torch.equal(ops.dequantize_rows(one, torch.arange(16)), quantized.dequantize(one))
+
+
+def test_dequantize_rows_is_the_embedding_of_a_packed_table():
     packed = packed_weight(64, 64, "Q8_0", seed=3)
     w = quantized.dequantize(packed)
-    monkeypatch.setattr(quantized, "EMBEDDING_ROWS", 8)
-    calls = []
-    real = quantized.dequantize
-    monkeypatch.setattr(quantized, "dequantize", lambda t, rows=None: (calls.append(rows), real(t, rows))[1])
-    for tokens in ([[3, 5, 3]], [[5]], [[7, 3, 9, 11, 13, 15, 17, 19, 21]], [[3, 5]], [[21, 21]]):
+    for tokens in ([[3, 5, 3]], [[5]], [[7, 3, 9, 11]]):
         tokens = torch.tensor(tokens)
         got = quantized.embedding(packed, tokens)
         assert torch.equal(got, w[tokens]) and got.shape == (*tokens.shape, 64)
-        assert len(quantized._row_caches[packed].rows) <= max(8, len(set(tokens.flatten().tolist())))
-    # (the third call's 8 new rows dropped the least recently read, 5 and 7; 3 it read again)
-    assert [r.tolist() for r in calls[:3]] == [[3, 5], [7, 9, 11, 13, 15, 17, 19, 21], [5]]
-    assert len(calls) == 3  # (the last call read row 21, kept)
-    assert quantized.embedding(packed, torch.zeros(0, 2, dtype=torch.int64)).shape == (0, 2, 64)
     got = quantized.embedding(packed, torch.tensor([21]))
     got.zero_()  # (the caller's own tensor)
     assert torch.equal(quantized.embedding(packed, torch.tensor([21])), w[[21]])
-    with torch.no_grad():  # the table changed in place: its rows read anew
+    with torch.no_grad():  # the table changed in place: its rows as they are now
         packed[1, 0, :32] = 0
-    assert torch.equal(quantized.embedding(packed, torch.tensor([21])), real(packed)[[21]])
-    assert not torch.equal(real(packed)[21], w[21])  # (the check can fail)
-    with pytest.raises(IndexError, match=r"rows must be in \[0, 64\)"):
-        quantized.embedding(packed, torch.tensor([64]))
-    other = packed_weight(64, 64, "Q8_0", seed=4)  # two tables in turn: each its own rows
-    for table in (other, packed, other):
-        tokens = torch.tensor([[21, 2]])
-        assert torch.equal(quantized.embedding(table, tokens), real(table)[tokens])
+    assert torch.equal(quantized.embedding(packed, torch.tensor([21])), quantized.dequantize(packed)[[21]])
+    assert not torch.equal(quantized.dequantize(packed)[21], w[21])  # (the check can fail)
 
 
-def test_a_packed_embeddings_rows_go_with_its_table():
-    """The rows a table keeps (and the memo of the table last looked up) do not outlive it."""
-    packed = packed_weight(64, 64, "Q8_0", seed=5)
-    quantized.embedding(packed, torch.tensor([1, 2]))
-    kept = weakref.ref(quantized._row_caches[packed])
-    assert kept() is not None and len(kept().rows) == 2
-    del packed
-    gc.collect()
-    assert kept() is None
+@pytest.mark.covers("dequantize_rows", "nonfinite")
+@pytest.mark.parametrize("format", FORMATS)
+def test_dequantize_rows_nonfinite_scales_stay_in_their_block(format):
+    # A block whose float16 scale (or Q4_1 minimum) is NaN or infinite: its row's 32 weights are
+    # what GGML's arithmetic makes of it (NaN, or +-inf, or NaN where the code times inf is 0 * inf),
+    # every other weight as before.
+    raw = random_blocks(32, 64, format, seed=9)
+    f = quantized.FORMATS[format]
+    raw = raw.reshape(32, 2, f.block_bytes)
+    raw[3, 1, 0:2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    raw[20, 0, 0:2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.uint8)
+    if f.has_min:
+        raw[7, 0, 2:4] = torch.tensor([float("-inf")], dtype=torch.float16).view(torch.uint8)
+    packed = quantized.pack(raw.reshape(32, -1), format)
+    rows = torch.arange(32)
+    got = ops.dequantize_rows(packed, rows)
+    want = reference.dequantize_rows(packed, rows)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert got[3, 32:].isnan().all() and torch.isfinite(got[3, :32]).all() and not torch.isfinite(got[20, :32]).any()
+    bad = {3, 20, 7} if f.has_min else {3, 20}
+    assert torch.isfinite(got[[r for r in range(32) if r not in bad]]).all()
+
+
+def test_dequantize_rows_opcheck():
+    packed = packed_weight(32, 64, "Q4_1", seed=10)
+    torch.library.opcheck(torch.ops.jakiro.dequantize_rows.default, (packed, torch.tensor([[1, 31], [16, 0]])))
+
+
+def test_dequantize_rows_bad_input_errors(any_backend):
+    packed = packed_weight(32, 64, "Q8_0", seed=11)
+    rows = torch.tensor([1, 2])
+    cases = [
+        ((packed.view(-1), rows), r"packed must be a packed quantized weight, uint8 \[N / 16, K / 32, 16 B\]"),
+        ((packed[..., :100], rows), r"packed must be a packed quantized weight.*got Byte of shape \[2, 2, 100\]"),
+        ((packed.float(), rows), r"packed must be a packed quantized weight.*got Float"),
+        ((packed.transpose(0, 1), rows), "packed must be contiguous"),
+        ((packed, rows.int()), "rows must have dtype"),
+        ((packed, rows.float()), "rows must have dtype"),
+    ]
+    for args, match in cases:
+        with pytest.raises((RuntimeError, ValueError), match=match):
+            any_backend.run("dequantize_rows", *args)
+    if any_backend.name == "cpu":  # (on the GPU a bad row is a device error: test_gpu_dequantize_rows_*)
+        for bad in ([32], [-1], [0, 5, 99]):
+            with pytest.raises(IndexError, match=r"rows must be in \[0, 32\)"):
+                ops.dequantize_rows(packed, torch.tensor(bad))
+        with pytest.raises(IndexError, match=r"rows must be in \[0, 32\)"):
+            reference.dequantize_rows(packed, torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match="every tensor must be on one device"):
+        ops.dequantize_rows(packed.to("meta"), rows)
 
 
 def test_q8_0_from_float_gives_gguf_reference_bytes():

@@ -8,7 +8,8 @@ import torch
 from jakiro_ext import ops
 
 # version -> sha256 of every op's schema, one a line, sorted by name (the library's registration).
-FINGERPRINTS = {1: "9f6017f00f994c982c1abf64a56e010b1f96e1ac8eac0332cfaf3dbeec1e87f5"}
+FINGERPRINTS = {1: "9f6017f00f994c982c1abf64a56e010b1f96e1ac8eac0332cfaf3dbeec1e87f5",
+                2: "9fbd4a70c8f10bf62e3250ddc2fa28ddd0acc0e17139cff399433c560c94aa9c"}  # 2: dequantize_rows
 
 
 def schemas() -> str:

@@ -3,6 +3,7 @@
 // GPUs, where no ROCm build of torch is at hand for the glue).
 #include "cuda/kernels/compact_kv.cuh"
 #include "cuda/kernels/contrastive_topk.cuh"
+#include "cuda/kernels/dequantize_rows.cuh"
 #include "cuda/kernels/linear.cuh"
 #include "cuda/kernels/mlp_heads.cuh"
 #include "cuda/kernels/moe_top2.cuh"

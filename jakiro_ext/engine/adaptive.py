@@ -355,8 +355,6 @@ class TreeChooser:
         if candidate is self.plain and candidate.last_round != self.round - 1 and not settling:
             candidate.restart(rows)  # (back after trees: its older rounds are another stretch's)
         candidate.add(rows, None if settling else seconds, tokens_per_sequence)
-        if candidate is not self.plain:  # (what a kept tree ratio's age is read from)
-            candidate.measured_at = time.time()
         if candidate is self.plain and self.kept_plain is not None and rows == self.kept_plain[0] \
                 and candidate.samples(rows) >= WINDOW:  # the kept ratios' machine against this one
             # (on WINDOW rounds: a new chooser's first ones run slow, see SETTLE_ROUNDS, and dropped what was kept)
@@ -365,9 +363,9 @@ class TreeChooser:
                     if not c.seconds:
                         c.remembered_ratio, c.switch_cost = None, 0.0
             self.kept_plain = None
-        if candidate is not self.plain:
+        if candidate is not self.plain:  # (a tree's wall time: what a kept ratio's age is read from)
+            candidate.measured_at = self.accepted_at = time.time()
             self.accepted.append((tokens_per_sequence - 1.0, candidate.expected_tokens - 1.0))
-            self.accepted_at = candidate.measured_at
             self.scale = self.pooled_scale()
         candidate.last_round = self.round
         self.round += 1

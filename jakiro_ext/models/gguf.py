@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from jakiro_ext import ops
 from jakiro_ext.memory import move_to_huge_pages
 from jakiro_ext.models.llama import LlamaConfig, LlamaModel
 from jakiro_ext.ops import quantized
@@ -35,7 +36,7 @@ class PackedEmbedding(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return quantized.embedding(self.weight, tokens)
+        return ops.embedding(self.weight, tokens)
 
 
 def _field(reader, key: str, default=None):

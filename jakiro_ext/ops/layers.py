@@ -1,4 +1,4 @@
-"""A decoder layer's ops: ``linear``, ``dequantize_rows`` (a quantized embedding's lookup),
+"""A decoder layer's ops: ``linear``, ``dequantize_rows`` (a quantized embedding's lookup: ``embedding``),
 ``silu_mul``, ``rms_norm``, ``rope_kv_write``, and the layer
 (``decoder_layer``) and a model's layers (``decoder_layers``) in one call."""
 from __future__ import annotations
@@ -25,6 +25,14 @@ def dequantize_rows(packed, rows):
     (:mod:`jakiro_ext.ops.quantized`), dequantized as GGML does (d (c - offset), or d c + m for
     Q4_1): float32 [*rows.shape, K]. A quantized embedding table's lookup: only the rows' bytes read."""
     return kernel("dequantize_rows")(packed, rows)
+
+
+def embedding(table, tokens):
+    """Rows ``tokens`` of an embedding table [V, H]: dense (``torch.nn.functional.embedding``) or
+    packed quantized (:func:`dequantize_rows`: only the rows' bytes read and dequantized)."""
+    if quantized.is_packed(table):
+        return dequantize_rows(table, tokens)
+    return torch.nn.functional.embedding(tokens, table)
 
 
 def silu_mul(gate_up):

@@ -7,8 +7,7 @@ so the products are those of the quantized model, not of its float32 dequantizat
 
 - :func:`pack` makes one from a GGUF file's tensor bytes (GGML's rows of blocks), :func:`unpack`
   gives them back, :func:`select_rows` packs some of its rows, :func:`from_float` quantizes a
-  float weight as GGML does; :func:`dequantize` gives the float32 matrix (or some of its rows),
-  :func:`embedding` rows of a table;
+  float weight as GGML does; :func:`dequantize` gives the float32 matrix (or some of its rows);
 - :func:`quantize_rows` and :func:`linear` are the pure-PyTorch specification of the kernels'
   activations and products (``jakiro_ext.ops.reference.linear`` uses them).
 """
@@ -148,12 +147,19 @@ def select_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def dequantize(packed: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The float32 weights [N, K] of a packed weight (GGML's: d (c - offset), or d c + m for Q4_1),
-    or only ``rows`` (integer indices of any shape: [*rows.shape, K], only their bytes read, by
-    ``jakiro::dequantize_rows``; an embedding's lookup)."""
+    or only ``rows`` (integer indices of any shape: [*rows.shape, K]; an IndexError outside [0, N)):
+    the specification of ``jakiro::dequantize_rows``, which an embedding's lookup runs
+    (:func:`jakiro_ext.ops.embedding`)."""
     f = FORMATS[format_of(packed)]
     if rows is not None:
-        from jakiro_ext.ops.backends import kernel  # (the ops' modules import this one)
-        return kernel("dequantize_rows")(packed, rows.long())
+        N, K = matrix_shape(packed)
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= N):
+            raise IndexError(f"jakiro::dequantize_rows: rows must be in [0, {N}), got values in "
+                             f"[{int(rows.min())}, {int(rows.max())}]")
+        flat = rows.reshape(-1).long()
+        # The 16-row groups holding the rows, dequantized as a packed weight of their own; each row its lane.
+        groups = dequantize(packed[flat // LANES]).view(-1, LANES, K)
+        return groups[torch.arange(flat.numel()), flat % LANES].reshape(*rows.shape, K)
     G, nb, C = packed.shape
     d = packed[..., :2 * LANES].contiguous().view(torch.float16).float()  # [G, nb, 16]
     scale_bytes = (2 if f.has_min else 1) * 2 * LANES
@@ -170,14 +176,6 @@ def dequantize(packed: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tor
     else:
         w = (codes - f.offset) * d.unsqueeze(-1)
     return w.transpose(1, 2).reshape(G * LANES, nb * BLOCK)  # [G, 16, nb, 32]
-
-
-def embedding(table: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Rows ``tokens`` of an embedding table [V, H], dense or packed (its rows dequantized as they
-    are read: ``jakiro::dequantize_rows``)."""
-    if is_packed(table):
-        return dequantize(table, tokens)
-    return torch.nn.functional.embedding(tokens, table)
 
 
 def quantize_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

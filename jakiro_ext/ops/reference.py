@@ -167,14 +167,7 @@ def linear(x, weight, bias=None):
 
 
 def dequantize_rows(packed, rows):
-    N, K = quantized.matrix_shape(packed)
-    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= N):
-        raise IndexError(f"jakiro::dequantize_rows: rows must be in [0, {N}), got values in "
-                         f"[{int(rows.min())}, {int(rows.max())}]")
-    flat = rows.reshape(-1)
-    # The 16-row groups holding the rows, dequantized as a packed weight of their own; each row its lane.
-    groups = quantized.dequantize(packed[flat // quantized.LANES]).view(-1, quantized.LANES, K)
-    return groups[torch.arange(flat.numel()), flat % quantized.LANES].reshape(*rows.shape, K)
+    return quantized.dequantize(packed, rows)
 
 
 def silu_mul(gate_up):

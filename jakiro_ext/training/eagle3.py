@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from jakiro_ext import ops
 from jakiro_ext.models.heads.eagle3 import Eagle3Head
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.rope import rope_cos_sin, rotary
-from jakiro_ext.ops import quantized
 from jakiro_ext.profiling import scope
 from jakiro_ext.training.head_forward import unrolled_attention
 
@@ -37,7 +37,7 @@ def train_forward(head: Eagle3Head, tokens: torch.Tensor, features: torch.Tensor
     h = features.to(head.fc.weight.dtype)
     if h.shape[-1] == 3 * c.hidden_size:
         h = head.fc(h)
-    x = torch.cat([head.input_layernorm(quantized.embedding(head.embed_weight, tokens).to(h.dtype)),
+    x = torch.cat([head.input_layernorm(ops.embedding(head.embed_weight, tokens).to(h.dtype)),
                    head.hidden_norm(h)], -1)
     positions = torch.arange(step, T + step, device=tokens.device).unsqueeze(0)
     cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, x.dtype)

@@ -52,11 +52,11 @@ def test_pack_unpack_and_dequantize(format):
     assert w.shape == (48, 96) and quantized.matrix_shape(packed) == (48, 96)
     rows = torch.tensor([0, 17, 47, 17])
     assert torch.equal(quantized.dequantize(packed, rows), w[rows])
-    assert torch.equal(quantized.embedding(packed, rows.view(2, 2)), w[rows].view(2, 2, 96))
+    assert torch.equal(ops.embedding(packed, rows.view(2, 2)), w[rows].view(2, 2, 96))
     assert quantized.dequantize(packed, rows[:0]).shape == (0, 96)
     assert torch.equal(quantized.dequantize(packed, rows.int()), w[rows])  # (int32 indices)
     grid = rows.view(2, 2).t()  # (a transposed view of the tokens)
-    assert torch.equal(quantized.embedding(packed, grid), w[grid])
+    assert torch.equal(ops.embedding(packed, grid), w[grid])
     some = torch.arange(47, -1, -3)  # 16 rows, in another order
     assert torch.equal(quantized.unpack(quantized.select_rows(packed, some)), raw[some])
     with pytest.raises(ValueError, match="a packed weight takes rows 16 at a time: got 15 rows"):
@@ -104,15 +104,17 @@ def test_dequantize_rows_is_the_embedding_of_a_packed_table():
     w = quantized.dequantize(packed)
     for tokens in ([[3, 5, 3]], [[5]], [[7, 3, 9, 11]]):
         tokens = torch.tensor(tokens)
-        got = quantized.embedding(packed, tokens)
+        got = ops.embedding(packed, tokens)
         assert torch.equal(got, w[tokens]) and got.shape == (*tokens.shape, 64)
-    got = quantized.embedding(packed, torch.tensor([21]))
+    got = ops.embedding(packed, torch.tensor([21]))
     got.zero_()  # (the caller's own tensor)
-    assert torch.equal(quantized.embedding(packed, torch.tensor([21])), w[[21]])
+    assert torch.equal(ops.embedding(packed, torch.tensor([21])), w[[21]])
     with torch.no_grad():  # the table changed in place: its rows as they are now
         packed[1, 0, :32] = 0
-    assert torch.equal(quantized.embedding(packed, torch.tensor([21])), quantized.dequantize(packed)[[21]])
+    assert torch.equal(ops.embedding(packed, torch.tensor([21])), quantized.dequantize(packed)[[21]])
     assert not torch.equal(quantized.dequantize(packed)[21], w[21])  # (the check can fail)
+    dense = randn(64, 8, seed=12)  # a dense table: torch's embedding
+    assert torch.equal(ops.embedding(dense, torch.tensor([[3, 63]])), dense[torch.tensor([[3, 63]])])
 
 
 @pytest.mark.covers("dequantize_rows", "nonfinite")

@@ -363,7 +363,7 @@ class DraftHead(nn.Module):
             if features.shape[-1] == 3 * self.config.hidden_size:
                 features = self.fuse(features) if train else project(self.fuse, features)
             features = self.hidden_norm(features)
-        x = torch.cat([quantized.embedding(self.embed_weight, tokens), features], -1)
+        x = torch.cat([ops.embedding(self.embed_weight, tokens), features], -1)
         if train:
             return self.fc(x)
         return ops.linear(x, (products or self.products()).fc, self.fc.bias)

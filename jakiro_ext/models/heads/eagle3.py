@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from jakiro_ext import ops
 from jakiro_ext.kv_cache import KVCache
 from jakiro_ext.models.heads.config import ACCEPTANCE_FILE, DraftConfig, default_feature_layers, write_head_files
 from jakiro_ext.models.heads.draft_head import DraftHead
@@ -36,7 +37,6 @@ from jakiro_ext.models.heads.formats import (ATTENTION, MLP, HeadFormat, check_l
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.heads import drafting
 from jakiro_ext.models.llama import LlamaModel, RMSNorm, as_target, project
-from jakiro_ext.ops import quantized
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -134,7 +134,7 @@ class Eagle3Head(nn.Module):
         h = features.to(self.fc.weight.dtype)
         if h.shape[-1] == 3 * self.config.hidden_size:
             h = project(self.fc, h)
-        x = torch.cat([self.input_layernorm(quantized.embedding(self.embed_weight, tokens)), self.hidden_norm(h)], -1)
+        x = torch.cat([self.input_layernorm(ops.embedding(self.embed_weight, tokens)), self.hidden_norm(h)], -1)
         u = h + drafting.attention(self, x, positions, cache, tree_mask, ancestors)
         out = u + drafting.mlp(self, self.post_attention_layernorm(u))
         return DraftStep(out, u, lm_input=self.norm(out))

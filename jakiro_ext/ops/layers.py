@@ -31,7 +31,7 @@ def embedding(table, tokens):
     """Rows ``tokens`` of an embedding table [V, H]: dense (``torch.nn.functional.embedding``) or
     packed quantized (:func:`dequantize_rows`: only the rows' bytes read and dequantized)."""
     if quantized.is_packed(table):
-        return dequantize_rows(table, tokens)
+        return dequantize_rows(table, tokens.long())  # (int32 tokens too, as torch's embedding takes them)
     return torch.nn.functional.embedding(tokens, table)
 
 

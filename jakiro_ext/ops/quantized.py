@@ -157,9 +157,11 @@ def dequantize(packed: torch.Tensor, rows: Optional[torch.Tensor] = None) -> tor
             raise IndexError(f"jakiro::dequantize_rows: rows must be in [0, {N}), got values in "
                              f"[{int(rows.min())}, {int(rows.max())}]")
         flat = rows.reshape(-1).long()
-        # The 16-row groups holding the rows, dequantized as a packed weight of their own; each row its lane.
-        groups = dequantize(packed[flat // LANES]).view(-1, LANES, K)
-        return groups[torch.arange(flat.numel()), flat % LANES].reshape(*rows.shape, K)
+        # The 16-row groups holding the rows (each once), dequantized as a packed weight of their own;
+        # each row its group's lane.
+        needed, group = torch.unique(flat // LANES, return_inverse=True)
+        groups = dequantize(packed[needed]).view(-1, LANES, K)
+        return groups[group, flat % LANES].reshape(*rows.shape, K)
     G, nb, C = packed.shape
     d = packed[..., :2 * LANES].contiguous().view(torch.float16).float()  # [G, nb, 16]
     scale_bytes = (2 if f.has_min else 1) * 2 * LANES

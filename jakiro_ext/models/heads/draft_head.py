@@ -218,7 +218,7 @@ class DraftHead(nn.Module):
         if quantized.is_packed(lm_head):  # a GGUF target's: its rows of the draft vocabulary dequantized,
             if draft_ids is None or draft_ids.numel() % quantized.LANES == 0:  # and as they are (drafting_products)
                 self.packed_lm_head = lm_head if draft_ids is None else quantized.select_rows(lm_head, draft_ids)
-            lm_head = quantized.dequantize(lm_head, draft_ids)
+            lm_head = quantized.dequantize(lm_head) if draft_ids is None else ops.dequantize_rows(lm_head, draft_ids)
         elif draft_ids is not None:
             lm_head = lm_head[draft_ids].contiguous()  # [V_draft, H], not a parameter
         self.lm_head_weight = lm_head

@@ -129,7 +129,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
     prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
     depths = tree_depths(head, method)
     weights = target.prepare()
-    widest = Drafter(head, METHODS[method], TreeConfig(64, max(depths), max(WIDTHS)))
+    widest = Drafter(head, METHODS[method], TreeConfig(64, max(depths), max(WIDTHS)), B)  # (the window of B rows)
 
     def batch_state(context: int) -> Tuple[BatchState, torch.Tensor]:
         """B copies of the prompt's first ``context`` tokens, the draft side started as the engine

@@ -66,6 +66,9 @@ class TreeChooser:
         self.carried: Dict[bool, tuple] = {}
         self.accepted_at = 0.0  # wall time of the pool's last round
         self._rates: Optional[dict] = None  # (id(candidate), rows) -> rate, while :meth:`choose` runs
+        # A tree's switch round just ran (:meth:`record`): (the tree, its rows, whether it was a
+        # probe, whether it had no live seconds), its next round due at those rows.
+        self.confirm: Optional[tuple] = None
 
     def new_call(self, sampling: bool = False) -> None:
         """A new call, new texts (``sampling``: at a temperature above 0): the seconds measured stay
@@ -77,6 +80,7 @@ class TreeChooser:
             c.tokens.clear()
             c.probe_every = PROBE_EVERY
         self.left, self.quiet_until, self.settle_until = None, -1, self.round + SETTLE_ROUNDS
+        self.confirm = None
         self.carried = self.acceptance_by_kind()
         self.sampling = sampling
         kept = self.carried.get(sampling)
@@ -276,6 +280,8 @@ class TreeChooser:
 
     def choose(self, rows: int) -> Candidate:
         """The candidate for a round of ``rows`` batch rows."""
+        if self.confirm is not None and self.confirm[1] == rows:  # (a switch round's tree: its first timed round)
+            return self.confirm[0]
         if self.round < self.quiet_until and rows == self.quiet_rows:
             return self.plain
         overdue = [c for c in self.candidates if c.seconds and self.round - c.last_round >= c.forget_after]
@@ -344,17 +350,27 @@ class TreeChooser:
         self.left = left
         if candidate is not self.plain:
             self.quiet_until = -1
-        fresh = not candidate.seconds
+        confirmed, self.confirm = self.confirm, None
+        switched = candidate.last_round != self.round - 1
+        if confirmed is not None and confirmed[:2] == (candidate, rows):  # (the round after its switch round)
+            probe, fresh = confirmed[2:]
+        else:
+            probe, fresh = self.round - candidate.last_round >= candidate.probe_every, not candidate.seconds
         # Switched to from plain decoding (from a tree nothing is caught up): what that cost, against the best.
-        if candidate.last_round != self.round - 1 and (candidate is self.plain or self.plain.last_round == self.round - 1):
+        if switched and (candidate is self.plain or self.plain.last_round == self.round - 1):
             best = self.best(rows)
             lost = 0.0 if best is candidate else seconds - tokens_per_sequence / self.rate(best, rows)
             candidate.switch_cost = catch_up_seconds + max(0.0, lost)
-        probe = self.round - candidate.last_round >= candidate.probe_every
         settling = self.round < self.settle_until and candidate.measured(rows)  # (its seconds: see SETTLE_ROUNDS)
-        if candidate is self.plain and candidate.last_round != self.round - 1 and not settling:
+        if candidate is self.plain and switched and not settling:
             candidate.restart(rows)  # (back after trees: its older rounds are another stretch's)
-        candidate.add(rows, None if settling else seconds, tokens_per_sequence)
+        # A tree's first round after plain decoding is not its rate: the draft's weights and LM
+        # head rows come cold from plain rounds (a 3-token tree's first round took 1.08-1.13x its
+        # later ones beside the Q4_1 file: at one row as much as the tree gains, and probes timed
+        # so kept it behind for good); its excess is in the switch cost above, and the next round
+        # runs the tree again and times it.
+        cold = candidate is not self.plain and self.plain.last_round == self.round - 1
+        candidate.add(rows, None if settling or cold else seconds, tokens_per_sequence)
         if candidate is self.plain and self.kept_plain is not None and rows == self.kept_plain[0] \
                 and candidate.samples(rows) >= WINDOW:  # the kept ratios' machine against this one
             # (on WINDOW rounds: a new chooser's first ones run slow, see SETTLE_ROUNDS, and dropped what was kept)
@@ -369,6 +385,9 @@ class TreeChooser:
             self.scale = self.pooled_scale()
         candidate.last_round = self.round
         self.round += 1
+        if cold:
+            self.confirm = (candidate, rows, probe, fresh)
+            return
         if fresh and candidate.tree is not None:  # (re)measured from scratch
             behind = self.rate(candidate, rows) < COMPETITIVE * self.rate(self.best(rows), rows)
             candidate.forget_after = min(2 * candidate.forget_after, MAX_FORGET_AFTER) if behind else FORGET_AFTER

@@ -53,7 +53,28 @@ def test_a_stretch_of_slow_plain_rounds_does_not_keep_a_slower_tree_running():
     busy = run(chooser, 10, lambda c: 0.040 if c.tree is None else 0.032)
     after = run(chooser, 100)
     assert BIG in busy + after[:2]  # (the tree ran while plain decoding looked slow)
-    assert after[adaptive.PROBE_EVERY:].count(None) >= len(after[adaptive.PROBE_EVERY:]) - 3  # (BIG probed)
+    assert after[adaptive.PROBE_EVERY:].count(None) >= len(after[adaptive.PROBE_EVERY:]) - 4  # (BIG probed: 2 rounds a probe)
+
+
+def test_a_trees_first_round_after_plain_decoding_is_not_its_rate():
+    """The draft's weights come cold from plain rounds: a tree's first round after them takes
+    longer than its later ones (beside the Q4_1 file 1.08-1.13x). Timed as its rate, a tree 1.27x
+    ahead of plain decoding per round read 0.95x at every probe and never ran. Its first round's
+    excess goes to the switch cost, the round after it runs the tree again and times it, and the
+    tree runs from its first probe on."""
+    small, plain = Candidate(SMALL, 1.9, 0.020), Candidate(None, 1.0, 0.010)  # (the model: 0.95x)
+    chooser = TreeChooser([small, plain], batch=1)
+    ran, switch_costs = [], []
+    for _ in range(100):
+        c = chooser.choose(1)
+        cold = c.tree is not None and (not ran or ran[-1] is None)
+        chooser.record(c, 1, 0.020 if cold else 0.015 if c.tree else 0.010, c.expected_tokens)
+        ran.append(c.tree)
+        switch_costs.append(small.switch_cost)
+    first = ran.index(SMALL)
+    assert first == adaptive.PROBE_EVERY - 1 and ran[first:].count(None) <= 2  # (plain decoding's own probe)
+    assert small.median_seconds(1) == pytest.approx(0.015)
+    assert switch_costs[first] == pytest.approx(0.020 - 1.9 * 0.010)  # (its first round against plain decoding's)
 
 
 def test_a_calls_first_rounds_are_not_timed():
@@ -67,7 +88,7 @@ def test_a_calls_first_rounds_are_not_timed():
         chooser.new_call()
         start = chooser.round
         ran = run(chooser, 30, lambda c: c.expected_seconds * (2 if chooser.round < start + adaptive.SETTLE_ROUNDS else 1))
-        assert ran.count(BIG) <= 1, ran  # (its probe at most)
+        assert ran.count(BIG) <= 2, ran  # (its probe at most: a switch round and a timed one)
 
 
 def test_falls_back_to_plain_decoding_when_speculation_is_slower():
@@ -165,7 +186,7 @@ def test_follows_a_change_within_a_window_of_rounds():
     chooser = TreeChooser(candidates(), batch=1)
     run(chooser, 40, lambda c: c.expected_seconds)
     ran = run(chooser, 30, lambda c: c.expected_seconds, tokens_of=lambda c: 1.0)  # a prompt nothing is accepted on
-    assert ran[-15:].count(None) >= 14  # (a probe at most)
+    assert ran[-15:].count(None) >= 13  # (a probe at most: two rounds)
     # Acceptance back: the close trees are probed, the others measured again when forgotten.
     ran = run(chooser, 140, lambda c: c.expected_seconds)
     assert ran[-20:].count(BIG) >= 17
@@ -576,5 +597,5 @@ def test_plain_decoding_ahead_is_chosen_without_a_look_for_a_few_rounds(monkeypa
         return run(chooser, 400, seconds, catch_up=0.004), len(set(looks))
     quiet, looks = ran(8)
     every, all_looks = ran(0)
-    assert quiet == every and quiet.count(BIG) == (1 if factor == 1.5 else 5)  # (explored; probed 4 times)
+    assert quiet == every and quiet.count(BIG) == 2 * (1 if factor == 1.5 else 5)  # (explored; probed 4 times; 2 rounds each)
     assert all_looks >= 390 and looks <= 400 / 8 + 2 * quiet.count(BIG) + 10

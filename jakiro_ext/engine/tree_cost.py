@@ -26,6 +26,7 @@ depends on the machine (the c_*) and on the head (E):
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -35,7 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -97,9 +98,21 @@ def _seconds(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    return statistics.median(_seconds(fn) for _ in range(repeats))
+def _interleaved_medians(parts: Dict[str, Callable[[], object]], repeats: int, step: Callable[[], None]) -> Dict[str, float]:
+    """Each part's median seconds over ``repeats`` passes, every pass timing each part once in
+    turn (after a warm-up pass; ``step`` called after each part run): the machine drifts by a
+    quarter within minutes, and parts timed one after the other took their drift into the costs'
+    ratios (a 3-token forward measured at 1.57x a one-token one, 1.04-1.20x in other runs; the
+    live choice then found a tree's rounds at 0.6x their cost and threw the costs away)."""
+    for fn in parts.values():
+        fn()
+        step()
+    seconds: Dict[str, List[float]] = {name: [] for name in parts}
+    for _ in range(repeats):
+        for name, fn in parts.items():
+            seconds[name].append(_seconds(fn))
+            step()
+    return {name: statistics.median(times) for name, times in seconds.items()}
 
 
 def tree_depths(head, method: str) -> List[int]:
@@ -146,12 +159,9 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
         return state, hidden
 
     sizes = [n for n in SIZES if B * n <= MAX_VERIFY_ROWS]
-    bar = tqdm(total=2 + len(sizes) + len(WIDTHS) * len(depths) + 8, desc="measuring round costs", unit="part",
+    parts_measured = len(sizes) + len(WIDTHS) * len(depths) + 8
+    bar = tqdm(total=2 + (repeats + 1) * parts_measured, desc="measuring round costs", unit="part",
                file=sys.stderr, disable=not progress, leave=False)
-
-    def timed(seconds: float) -> float:
-        bar.update()
-        return seconds
 
     state, hidden = batch_state(CONTEXT)
     short, _ = batch_state(SHORT_CONTEXT)
@@ -168,19 +178,20 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
     verify_once(1), verify_once(1, short)  # warm-up
     pairs = [(_seconds(lambda: verify_once(1)), _seconds(lambda: verify_once(1, short))) for _ in range(max(repeats, 5))]
     context_slope = max(0.0, statistics.median(a - b for a, b in pairs) / (CONTEXT - SHORT_CONTEXT))
-    verify = capped_by_larger({str(n): timed(_median_seconds(lambda: verify_once(n), repeats)) for n in sizes})
-    draft, catch_up = {}, {}
     roots = prompt[:1].expand(B)
+    parts = {f"verify {n}": functools.partial(verify_once, n) for n in sizes}
     for k in WIDTHS:
         for d in depths:
             drafter = Drafter(head, METHODS[method], TreeConfig(max(2, min(64, 1 + d * k)), d, k))
-            draft[f"{d},{k}"] = timed(_median_seconds(lambda: drafter.draft(roots, state.draft_kv, state.root_step),
-                                                      repeats))
-    for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing)
-        catch_up[str(n)] = timed(_median_seconds(
-            lambda: widest.catch_up(state.draft_kv, prompt[:n].expand(B, n), hidden[:, :n].expand(B, n, -1)), repeats))
-    catch_up = capped_by_larger(catch_up)
+            parts[f"draft {d},{k}"] = functools.partial(drafter.draft, roots, state.draft_kv, state.root_step)
+    for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing; so do the others)
+        parts[f"catch_up {n}"] = functools.partial(widest.catch_up, state.draft_kv, prompt[:n].expand(B, n),
+                                                   hidden[:, :n].expand(B, n, -1))
+    seconds = _interleaved_medians(parts, repeats, bar.update)
     bar.close()
+    table = {kind: {name.split(" ", 1)[1]: s for name, s in seconds.items() if name.startswith(kind + " ")}
+             for kind in ("verify", "draft", "catch_up")}
+    verify, draft, catch_up = capped_by_larger(table["verify"]), table["draft"], capped_by_larger(table["catch_up"])
     return dict(verify=verify, draft=draft, catch_up=catch_up, context=CONTEXT, context_slope=context_slope, batch=B)
 
 

@@ -348,6 +348,14 @@ class TreeChooser:
         ``context``: the mean committed tokens of its sequences (None: the cost model's);
         ``left``: the new tokens its sequences have left after it, the most of them (None: not known)."""
         self.left = left
+        if (candidate is self.plain and self.round < self.quiet_until and rows == self.quiet_rows
+                and candidate.last_round == self.round - 1 and self.kept_plain is None):
+            # Plain decoding again while it is chosen without a look (:meth:`quiet`): its seconds
+            # are all that moves (and are judged against the cached costs at the next look).
+            candidate.add(rows, None if self.round < self.settle_until else seconds, tokens_per_sequence)
+            candidate.last_round = self.round
+            self.round += 1
+            return
         if candidate is not self.plain:
             self.quiet_until = -1
         confirmed, self.confirm = self.confirm, None

@@ -12,13 +12,13 @@ the one-node tree) and observes what each round did (a :class:`RoundResult`). Th
 """
 from __future__ import annotations
 
-import functools
+import copy
 import json
 import sys
 import weakref
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, Dict, List, Optional, Protocol
 
 from jakiro_ext import atomic
 from jakiro_ext.config import CPU_TREE, GPU_TREE, TreeConfig, brief
@@ -153,20 +153,8 @@ def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = Fal
     if (path, id(target)) in kept:
         kept[path, id(target)].new_call(sampling)
         return kept[path, id(target)]
-    costs = load_costs(target, head, method, batch=batch)
-    ranked = ranked_trees(json.dumps(costs, sort_keys=True), json.dumps(profile, sort_keys=True), method)
-    # One tree of each size (trees of one size and other depths or widths cost and accept about
-    # the same: measuring several of them live buys nothing).
-    sizes = {}
-    for row in ranked:
-        sizes.setdefault(row[2], row)
-    best = list(sizes.values())
-    picked = best[:CANDIDATES] + [next((row for row in best if row[2] <= SMALL_TREE), best[0])]
-    candidates = []
-    for _, accepted, n, depth, top_k in dict.fromkeys(picked):
-        candidates.append(Candidate(TreeConfig(n, depth, top_k), 1 + accepted,
-                                    round_seconds(costs, n, depth, top_k, accepted)))
-    candidates.append(Candidate(None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
+    costs = load_costs(target, head, method, batch=batch, path=path)
+    candidates = [Candidate(*spec) for spec in candidate_specs(path, costs, profile, method)]
     live = live_path(path)
     chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path),
                                                     lambda measured: keep_live(live, measured), costs["context"],
@@ -178,11 +166,31 @@ def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = Fal
     return chooser
 
 
-@functools.lru_cache(maxsize=16)
-def ranked_trees(costs: str, profile: str, method: str) -> list:
-    """:func:`choose_tree`'s ranking for the costs and profile as JSON: computed once per process
-    (5 ms, paid by every new head's first call otherwise: a few percent of a short call)."""
-    return choose_tree(json.loads(costs), json.loads(profile), method)[1]
+# cost file -> (its costs as read, the profile, the method, the candidates' specs): made again
+# only when the costs are read anew or the profile or method differ (5 ms, paid by every new
+# head's first call otherwise: a few percent of a short call).
+_SPECS: Dict[Path, tuple] = {}
+
+
+def candidate_specs(path: Path, costs: dict, profile: dict, method: str) -> List[tuple]:
+    """The live choice's candidates as (tree, expected new tokens, expected seconds): the cost
+    model's best trees of CANDIDATES distinct sizes and its best of at most SMALL_TREE nodes by
+    ``costs`` (read from ``path``) and ``profile``, then plain decoding (tree None). One tree of
+    each size: trees of one size and other depths or widths cost and accept about the same, and
+    measuring several of them live buys nothing."""
+    known = _SPECS.get(path)
+    if known is not None and known[0] is costs and known[1] == profile and known[2] == method:
+        return known[3]
+    sizes = {}
+    for row in choose_tree(costs, profile, method)[1]:
+        sizes.setdefault(row[2], row)
+    best = list(sizes.values())
+    picked = best[:CANDIDATES] + [next((row for row in best if row[2] <= SMALL_TREE), best[0])]
+    specs = [(TreeConfig(n, depth, top_k), 1 + accepted, round_seconds(costs, n, depth, top_k, accepted))
+             for _, accepted, n, depth, top_k in dict.fromkeys(picked)]
+    specs.append((None, 1.0, round_seconds(costs, 1, 0, 0, 0.0)))
+    _SPECS[path] = (costs, copy.deepcopy(profile), method, specs)
+    return specs
 
 
 def forget_cost_file(path: Path) -> Callable[[str], None]:
@@ -250,15 +258,22 @@ def check_live(measured) -> dict:
                 acceptance=_pairs("acceptance", measured.get("acceptance", {}), CALL_KINDS))
 
 
+_LIVE_READ: Dict[Path, tuple] = {}  # path -> (its text, its checked measurements, their build)
+
+
 def load_live(path: Path) -> Optional[dict]:
     """The live measurements kept at ``path`` (:func:`keep_live`); None when there are none, they
     were measured with another build, or the file is damaged in syntax or in value
-    (:func:`check_live`; a cache: a warning, and written again)."""
+    (:func:`check_live`; a cache: a warning, and written again). Parsed and checked again only
+    when its text changed (a new head's first call reads it)."""
     atomic.wait_for_writes_behind()  # (what a chooser of this process kept last)
     try:
-        measured = json.loads(path.read_text())
-        checked = check_live(measured)
-        return checked if measured.get("build") == build_id() else None
+        text = path.read_text()
+        known = _LIVE_READ.get(path)
+        if known is None or known[0] != text:
+            measured = json.loads(text)
+            known = _LIVE_READ[path] = (text, check_live(measured), measured.get("build"))
+        return known[1] if known[2] == build_id() else None
     except FileNotFoundError:
         return None
     except (ValueError, UnicodeDecodeError, OSError) as exc:

@@ -289,27 +289,28 @@ def check_costs(costs) -> dict:
     return costs
 
 
-_READ: Dict[Path, tuple] = {}  # path -> ((mtime_ns, size), its checked costs)
+_READ: Dict[Path, tuple] = {}  # path -> (its text, its checked costs)
 
 
 def _read_costs(path: Path) -> dict:
-    """The checked costs at ``path`` (:func:`check_costs`), read again only when the file changed
-    (a new head's first call reads them: 0.6 ms, parsing and checking, of every short call)."""
-    stat = path.stat()
-    stamp = (stat.st_mtime_ns, stat.st_size)
+    """The checked costs at ``path`` (:func:`check_costs`), parsed and checked again only when its
+    text changed (a new head's first call reads them: 0.6 ms of every short call; the same object
+    while the text stays, which what is made from them keeps by)."""
+    text = path.read_text()
     known = _READ.get(path)
-    if known is None or known[0] != stamp:
-        known = _READ[path] = (stamp, check_costs(json.loads(path.read_text())))
+    if known is None or known[0] != text:
+        known = _READ[path] = (text, check_costs(json.loads(text)))
     return known[1]
 
 
 def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True,
-               batch: int = 1) -> dict:
+               batch: int = 1, path: Optional[Path] = None) -> dict:
     """The cached costs of this machine and setting for ``batch`` sequences (its
     :func:`batch_bucket`), measured (seconds to a minute) when missing, damaged in syntax or in
     value (:func:`check_costs`: a warning) or measured with another build (:func:`build_id`). A
-    cache that cannot be read or written is a warning: the call goes on with the costs measured."""
-    path = costs_path(target, head, method, batch, cache_dir)
+    cache that cannot be read or written is a warning: the call goes on with the costs measured.
+    ``path``: their :func:`costs_path`, where the caller has it (a new head's every call asks)."""
+    path = path or costs_path(target, head, method, batch, cache_dir)
     batch = batch_bucket(batch)
     build = build_id()
     try:

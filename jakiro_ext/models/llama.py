@@ -248,11 +248,12 @@ class LlamaModel(nn.Module):
         the bytes read (the parameters stay, for BLAS and for whoever reads them). Made once and
         made again when a parameter changes (its version or storage); None: read the parameters
         (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``)."""
-        if not bf16_weights_enabled():
-            return None
+        head = self._modules["lm_head"]._parameters["weight"]
+        if not bf16_weights_enabled() or head.dtype != torch.float32 or head.device.type != "cpu":
+            return None  # (a GGUF file's packed weights, another dtype or device: read as they are; asked every call)
         kept = self.__dict__.get("_bf16_weights")
         params = [p for layer in self._modules["layers"]._modules.values() for p in layer.projections()]
-        params.append(self._modules["lm_head"]._parameters["weight"])
+        params.append(head)
         key = [(p.data_ptr(), p._version) for p in params]
         if kept is not None and kept[0] == key:
             return kept[1]

@@ -6,6 +6,7 @@ round trip, and damaged, foreign or unwritable files."""
 import json
 import math
 import time
+from pathlib import Path
 
 import pytest
 
@@ -206,6 +207,45 @@ def test_a_call_that_changes_nothing_kept_writes_nothing():
     second.record(big, 1, 1.2 * slow_big(big), 2.5)  # a round of BIG (its probe): measured anew, at the same ratio
     second.end_call()
     assert len(written) == 2 and written[1]["ratios"][tree_key(BIG)][1] > kept["ratios"][tree_key(BIG)][1]
+
+
+def test_the_file_is_parsed_again_only_when_its_text_changed(tmp_path, monkeypatch):
+    """Every new head's first call reads the kept file: its text unchanged, what was parsed and
+    checked from it is returned again (0.15 ms a call beside the Q4_1 file); any change in it,
+    whoever wrote it, is parsed and checked anew."""
+    path, checked = tmp_path / "costs.live.json", []
+    check = policy.check_live
+    monkeypatch.setattr(policy, "check_live", lambda measured: checked.append(1) or check(measured))
+    first = chooser()
+    run(first, 40, slow_big)
+    policy.keep_live(path, first.kept())
+    assert policy.load_live(path) == first.kept() and policy.load_live(path) == first.kept() and len(checked) == 1
+    changed = dict(first.kept(), plain_seconds=0.5, build=tree_cost.build_id())
+    path.write_text(json.dumps(changed))  # (in place: the same file, written again at once)
+    assert policy.load_live(path)["plain_seconds"] == 0.5 and len(checked) == 2
+    path.write_text(json.dumps(dict(changed, rows="16")))
+    assert policy.load_live(path) is None and len(checked) == 3  # (damaged: a warning)
+
+
+def test_a_new_heads_candidates_are_ranked_again_only_when_the_costs_or_profile_change(monkeypatch):
+    """Ranking the trees (5 ms) is done once for the costs as read and the head's profile: a new
+    head with the same profile gets the same candidates without it; another profile, or the costs
+    read anew, ranks again."""
+    ranked = []
+    choose = policy.choose_tree
+    monkeypatch.setattr(policy, "choose_tree", lambda *a: ranked.append(1) or choose(*a))
+    costs = tree_cost.check_costs({"verify": {"1": 0.01, "2": 0.012, "4": 0.015}, "catch_up": {"1": 0.001, "2": 0.0012},
+                                   "draft": {"1,1": 0.001, "1,2": 0.002, "2,2": 0.004}, "context": 256,
+                                   "context_slope": 1e-6, "batch": 1})
+    profile = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]], "contrastive_depth_rank": [[0.3, 0.2]] * 3}
+    path = Path("/nowhere/costs.json")
+    first = policy.candidate_specs(path, costs, profile, "jakiro")
+    assert policy.candidate_specs(path, costs, json.loads(json.dumps(profile)), "jakiro") is first and len(ranked) == 1
+    assert first[-1] == (None, 1.0, pytest.approx(tree_cost.round_seconds(costs, 1, 0, 0, 0.0)))
+    weaker = dict(profile, depth_rank=[[0.2, 0.1]] * 3)
+    assert policy.candidate_specs(path, costs, weaker, "jakiro") != first and len(ranked) == 2
+    policy.candidate_specs(path, json.loads(json.dumps(costs)), weaker, "jakiro")  # (read anew)
+    assert len(ranked) == 3
 
 
 def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):

@@ -242,15 +242,14 @@ class LlamaModel(nn.Module):
     def streamed_weights(self) -> Optional[list]:
         """What the streamed products (decoding, a tree's verification: at most STREAM_ROWS rows)
         read instead of the float32 parameters, on the CPU, where every projection and LM-head
-        weight is exactly a bf16 value (a bf16 checkpoint loaded in float32; not the default
-        model, dequantized from a Q4_1 GGUF): bf16 copies of them, in huge pages, [(qkv, o, gate_up, down) per layer, then the
-        LM head]. The products widen them in registers: float32 arithmetic, the same bits, half
-        the bytes read (the parameters stay, for BLAS and for whoever reads them). Made once and
+        weight is exactly a bf16 value (a bf16 checkpoint loaded in float32): bf16 copies, in huge
+        pages, [(qkv, o, gate_up, down) per layer, then the LM head], which the products widen in
+        registers (the same bits, half the bytes; the parameters stay, for BLAS). Made once and
         made again when a parameter changes (its version or storage); None: read the parameters
         (another dtype or device, a weight not exactly bf16, ``JAKIRO_CPU_BF16_WEIGHTS=0``)."""
-        head = self._modules["lm_head"]._parameters["weight"]
+        head = self._modules["lm_head"]._parameters["weight"]  # (a GGUF file's packed: None at once)
         if not bf16_weights_enabled() or head.dtype != torch.float32 or head.device.type != "cpu":
-            return None  # (a GGUF file's packed weights, another dtype or device: read as they are; asked every call)
+            return None
         kept = self.__dict__.get("_bf16_weights")
         params = [p for layer in self._modules["layers"]._modules.values() for p in layer.projections()]
         params.append(head)

@@ -14,6 +14,7 @@ from helpers import copy_head, prompt, tiny_target
 from jakiro_ext import atomic
 from jakiro_ext.engine import adaptive, policy, tree_cost
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser, tree_key
+from jakiro_ext.engine.candidate import KEEP_LIVE
 from jakiro_ext.engine.generate import generate_many
 from helpers import BIG, SMALL, run
 
@@ -55,7 +56,7 @@ def test_kept_ratios_expire_and_yield_to_a_changed_machine():
     run(first, 40, lambda c: 0.7 * slow_big(c))  # (the machine 0.7x the cached costs: within their margin)
     kept = first.kept()
     old = chooser()
-    old.start_from(kept, now=time.time() + adaptive.KEEP_LIVE + 1)
+    old.start_from(kept, now=time.time() + KEEP_LIVE + 1)
     assert run(old, 3, slow_big) == [None, None, BIG]  # older than KEEP_LIVE: the model's guess again
     # Plain decoding now 1.9x slower than when the ratios were kept, over WINDOW rounds: the
     # machine is not as it was (judged on WINDOW rounds, not two: a call's first ones run slower).

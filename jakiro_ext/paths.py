@@ -4,12 +4,28 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Dict, Optional, Tuple, TypeVar
+
+T = TypeVar("T")
 
 
 def cache_root() -> Path:
     """Where dequantized models are kept: $JAKIRO_CACHE, else ~/.cache/jakiro_ext."""
     return Path(os.environ.get("JAKIRO_CACHE", Path.home() / ".cache" / "jakiro_ext"))
+
+
+_PARSED: Dict[Tuple[Path, Callable], Tuple[str, object]] = {}  # (path, parse) -> (its text, what parse made of it)
+
+
+def parsed_once(path: Path, parse: Callable[[str], T]) -> T:
+    """``parse(text)`` of the cache file at ``path``, made again only when its text changed (a
+    file every new head's first call reads: the text read, its parsing and checking skipped).
+    ``parse`` raises what it raises; nothing is kept then."""
+    text = path.read_text()
+    known = _PARSED.get((path, parse))
+    if known is None or known[0] != text:
+        known = _PARSED[path, parse] = (text, parse(text))
+    return known[1]
 
 
 def packaged_corpus(name: str) -> Optional[Path]:

@@ -28,6 +28,7 @@ from jakiro_ext.engine.round import RoundResult
 from jakiro_ext.engine.tree_cost import (auto_tree, build_id, choose_tree, costs_path, finite_number, load_costs,
                                          round_seconds)
 from jakiro_ext.methods import METHODS, Method
+from jakiro_ext.paths import parsed_once
 
 
 class TreePolicy(Protocol):
@@ -258,7 +259,10 @@ def check_live(measured) -> dict:
                 acceptance=_pairs("acceptance", measured.get("acceptance", {}), CALL_KINDS))
 
 
-_LIVE_READ: Dict[Path, tuple] = {}  # path -> (its text, its checked measurements, their build)
+def _live_of(text: str) -> tuple:
+    """A kept file's text: its measurements, checked (:func:`check_live`), and their build."""
+    measured = json.loads(text)
+    return check_live(measured), measured.get("build")
 
 
 def load_live(path: Path) -> Optional[dict]:
@@ -268,12 +272,8 @@ def load_live(path: Path) -> Optional[dict]:
     when its text changed (a new head's first call reads it)."""
     atomic.wait_for_writes_behind()  # (what a chooser of this process kept last)
     try:
-        text = path.read_text()
-        known = _LIVE_READ.get(path)
-        if known is None or known[0] != text:
-            measured = json.loads(text)
-            known = _LIVE_READ[path] = (text, check_live(measured), measured.get("build"))
-        return known[1] if known[2] == build_id() else None
+        checked, build = parsed_once(path, _live_of)
+        return checked if build == build_id() else None
     except FileNotFoundError:
         return None
     except (ValueError, UnicodeDecodeError, OSError) as exc:

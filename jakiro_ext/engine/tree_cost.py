@@ -48,7 +48,7 @@ from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.machine import cpu_name
 from jakiro_ext.methods import METHODS
 from jakiro_ext.models.weights import cache_dtype, weight_format
-from jakiro_ext.paths import cache_root
+from jakiro_ext.paths import cache_root, parsed_once
 
 ACCEPTANCE_FILE = "acceptance.json"
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)  # target forwards measured at these N
@@ -289,18 +289,16 @@ def check_costs(costs) -> dict:
     return costs
 
 
-_READ: Dict[Path, tuple] = {}  # path -> (its text, its checked costs)
+def _costs_of(text: str) -> dict:
+    """A cost file's text, parsed and checked (:func:`check_costs`)."""
+    return check_costs(json.loads(text))
 
 
 def _read_costs(path: Path) -> dict:
-    """The checked costs at ``path`` (:func:`check_costs`), parsed and checked again only when its
-    text changed (a new head's first call reads them: 0.6 ms of every short call; the same object
-    while the text stays, which what is made from them keeps by)."""
-    text = path.read_text()
-    known = _READ.get(path)
-    if known is None or known[0] != text:
-        known = _READ[path] = (text, check_costs(json.loads(text)))
-    return known[1]
+    """The checked costs at ``path``, parsed and checked again only when its text changed (a new
+    head's first call reads them: 0.6 ms of every short call; the same object while the text
+    stays, which what is made from them keeps by)."""
+    return parsed_once(path, _costs_of)
 
 
 def load_costs(target, head, method: str, cache_dir: Optional[Path] = None, progress: bool = True,

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(SIMT_EMU)
 #include "simt/simt_emu.h"
@@ -141,6 +142,21 @@ JAKIRO_DEVICE float add_rn(float a, float b) {
   return __fadd_rn(a, b);
 #endif
 }
+
+// 16 bytes in one load (a 16-byte-aligned address): the vector loads of the streaming kernels.
+struct alignas(16) Pack16 {
+  uint32_t u[4];
+};
+JAKIRO_DEVICE Pack16 load16(const void* p) {
+#if defined(SIMT_EMU)
+  Pack16 v;
+  memcpy(&v, p, sizeof v);
+  return v;
+#else
+  return *static_cast<const Pack16*>(p);
+#endif
+}
+JAKIRO_DEVICE bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 JAKIRO_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

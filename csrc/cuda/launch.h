@@ -8,7 +8,11 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "cuda/device.h"
+#include "cuda/wmma.h"
 
 #if defined(SIMT_EMU)
 #ifndef JAKIRO_SIMT_NAMESPACE
@@ -65,6 +69,27 @@ inline int64_t multiprocessor_count() {
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
   return count;
+#endif
+}
+
+// Whether the tensor-core kernels may run on `t`'s device: built with WMMA (CUDA or the
+// emulator; HIP keeps the CUDA-core kernels), a device with bf16 WMMA (sm_80+), and
+// JAKIRO_GPU_TENSOR_CORES not "0" (the switch that compares them with the CUDA-core kernels).
+inline bool tensor_cores_enabled(const at::Tensor& t) {
+#if defined(JAKIRO_HAS_WMMA)
+  const char* env = std::getenv("JAKIRO_GPU_TENSOR_CORES");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+#if defined(SIMT_EMU)
+  (void)t;
+  return true;
+#else
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, t.get_device()));
+  return major >= 8;
+#endif
+#else
+  (void)t;
+  return false;
 #endif
 }
 

@@ -1,10 +1,41 @@
-// Torch glue of the GPU jakiro::linear (kernel: kernels/linear.cuh).
+// Torch glue of the GPU jakiro::linear: bf16 on tensor cores (kernels/linear_wmma.cuh) where the
+// device has them, everything else through the CUDA-core skinny GEMM (kernels/linear.cuh). Both
+// give every row the same bits whatever the rows beside it.
 #include "cuda/kernels/linear.cuh"
+#include "cuda/kernels/linear_wmma.cuh"
 #include "cuda/launch.h"
 #include "ops.h"
 
 namespace jakiro::gpu {
 namespace {
+
+#if defined(JAKIRO_HAS_WMMA)
+// Rows [0, M) of x2 [M, K] bf16 through the tensor-core kernel, kTlLaunchRows at a time when K
+// is split (a bounded buffer of partial sums, reused).
+void linear_tensor_cores(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b, at::Tensor& y,
+                         cudaStream_t stream) {
+  const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
+  const int64_t splits = tc_linear_splits(N, K);
+  const int64_t step = splits > 1 ? kTlLaunchRows : (M > 0 ? M : 1);
+  at::Tensor partial;
+  if (splits > 1) partial = at::empty({splits, M < step ? M : step, N}, x2.options().dtype(at::kFloat));
+  auto* x = reinterpret_cast<const bf16*>(x2.data_ptr());
+  auto* out = reinterpret_cast<bf16*>(y.data_ptr());
+  for (int64_t m0 = 0; m0 < M; m0 += step) {
+    const int64_t rows = M - m0 < step ? M - m0 : step;
+    const TcLinearParams p{x + m0 * K,
+                           reinterpret_cast<const bf16*>(w.data_ptr()),
+                           b.defined() ? reinterpret_cast<const bf16*>(b.data_ptr()) : nullptr,
+                           out + m0 * N,
+                           splits > 1 ? partial.data_ptr<float>() : nullptr,
+                           rows,
+                           K,
+                           N,
+                           splits};
+    launch_linear_wmma(p, stream);
+  }
+}
+#endif
 
 at::Tensor linear_gpu(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
   check_linear(x, weight, bias);
@@ -18,6 +49,13 @@ at::Tensor linear_gpu(const at::Tensor& x, const at::Tensor& weight, const std::
   auto w = weight.contiguous();
   const at::Tensor b = bias.has_value() ? bias->contiguous() : at::Tensor();
   auto y = at::empty({M, N}, x2.options());
+#if defined(JAKIRO_HAS_WMMA)
+  if (x.scalar_type() == at::kBFloat16 && tensor_cores_enabled(x)) {
+    linear_tensor_cores(x2, w, b, y, scope.stream());
+    check_launch();
+    return y.view(out_shape);
+  }
+#endif
   JAKIRO_DISPATCH_FLOAT_BF16(x.scalar_type(), "linear_gpu", [&] {
     const LinearParams p{x2.data_ptr(), w.data_ptr(), b.defined() ? b.data_ptr() : nullptr, y.data_ptr(), M, K, N, 0};
     launch_linear<device_t<scalar_t>>(p, scope.stream());

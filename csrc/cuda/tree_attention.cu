@@ -2,8 +2,6 @@
 // cores, kernels/tree_attention_wmma.cuh on tensor cores for bf16 trees of >= 16 query rows per
 // KV head) and tree_attention = partial pass + merge (kernels/merge_attention_states.cuh).
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "cuda/kernels/merge_attention_states.cuh"
 #include "cuda/kernels/tree_attention.cuh"
@@ -20,23 +18,12 @@ constexpr int64_t kMinSplitLen = 256;
 // the split count aims at filling them all.
 constexpr int64_t kBlocksPerMultiprocessor = 4;
 
-// Whether this call runs on tensor cores: the shape qualifies, the device has bf16 WMMA (sm_80+;
-// HIP keeps the CUDA-core kernel) and JAKIRO_GPU_TENSOR_CORES is not 0 (the switch that compares
-// the two kernels).
+// Whether this call runs on tensor cores: the shape qualifies and the device may (launch.h).
 bool use_tensor_cores(const TreeAttentionShape& sh, const at::Tensor& q) {
 #if defined(JAKIRO_HAS_WMMA)
-  if (!tree_attention_uses_tensor_cores(q.scalar_type() == at::kBFloat16, sh.head_dim,
-                                        sh.tree_len * (sh.q_heads / sh.kv_heads)))
-    return false;
-  const char* env = std::getenv("JAKIRO_GPU_TENSOR_CORES");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-#if defined(SIMT_EMU)
-  return true;
-#else
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
-  return major >= 8;
-#endif
+  return tree_attention_uses_tensor_cores(q.scalar_type() == at::kBFloat16, sh.head_dim,
+                                          sh.tree_len * (sh.q_heads / sh.kv_heads)) &&
+         tensor_cores_enabled(q);
 #else
   (void)sh;
   (void)q;

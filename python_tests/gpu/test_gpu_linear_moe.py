@@ -34,9 +34,15 @@ def test_gpu_linear_matches_reference(gpu_backend, shape, dtype, bias):
     torch.testing.assert_close(got, want, **TOL[dtype])
 
 
+@pytest.mark.parametrize("cores", ["tensor", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_linear_row_does_not_depend_on_the_other_rows(gpu_backend, dtype):
-    # Rows fall into passes of 8, 4, 2 and 1: every split must give bit-identical rows.
+def test_gpu_linear_row_does_not_depend_on_the_other_rows(gpu_backend, dtype, cores, monkeypatch):
+    # The CUDA-core kernel's rows fall into passes of 8, 4, 2 and 1: every split must give
+    # bit-identical rows (bf16 takes the tensor-core kernel unless they are switched off).
+    if cores == "cuda":
+        monkeypatch.setenv("JAKIRO_GPU_TENSOR_CORES", "0")
+    else:
+        monkeypatch.delenv("JAKIRO_GPU_TENSOR_CORES", raising=False)
     x = randn(23, 70, seed=4, dtype=dtype)
     w = randn(37, 70, seed=5, dtype=dtype)
     full = gpu_backend.run("linear", x, w)

@@ -70,11 +70,6 @@ __global__ void contrastive_features_kernel(ContrastiveParams p) {
   }
 }
 
-// 16 bytes of a row, loaded at once when rows allow it (H a multiple of the pack, aligned).
-struct alignas(16) Pack16 {
-  uint32_t words[4];
-};
-
 // Logits of feature rows [row0, row0 + nrows) into p.logits (row r at (r - row0) * V). A warp
 // takes kVocabPerWarp LM-head rows at a time and a tile of kRowTile feature rows: per step
 // along H each lane loads PACK weights of each LM-head row (16 bytes when PACK > 1) and PACK

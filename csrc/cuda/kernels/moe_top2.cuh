@@ -51,7 +51,7 @@ __global__ void moe_router_kernel(MoeParams p) {
   constexpr int V = kSkinnyRun<scalar_t>;
   const scalar_t* x = static_cast<const scalar_t*>(p.x) + m * H;
   const scalar_t* w = static_cast<const scalar_t*>(p.router);
-  bool vec = H % V == 0 && skinny_detail::aligned16(x) && skinny_detail::aligned16(w);
+  bool vec = H % V == 0 && aligned16(x) && aligned16(w);
   float logit[kMoeMaxExperts + 2];
   for (int e = 0; e < kMoeMaxExperts + 2; ++e) logit[e] = 0.f;
   const int64_t runs = (H + V - 1) / V;

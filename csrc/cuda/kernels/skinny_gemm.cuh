@@ -74,19 +74,6 @@ JAKIRO_DEVICE float reduce_transposed(float (&a)[kSkinnyRows]) {
   return v;
 }
 
-// 16 bytes of a 16-byte-aligned address in one load.
-struct alignas(16) Pack16 {
-  uint32_t u[4];
-};
-JAKIRO_DEVICE Pack16 load16(const void* p) {
-#if defined(SIMT_EMU)
-  Pack16 v;
-  memcpy(&v, p, sizeof v);
-  return v;
-#else
-  return *static_cast<const Pack16*>(p);
-#endif
-}
 // The elements of a load as floats, into out[at, at + 16 / sizeof(T)).
 template <int N>
 JAKIRO_DEVICE void unpack_to(const Pack16& v, float (&out)[N], int at, const float*) {
@@ -112,8 +99,6 @@ JAKIRO_DEVICE void load_run_scalar(const T* p, int64_t limit, float (&out)[V]) {
   JAKIRO_SKINNY_UNROLL
   for (int e = 0; e < V; ++e) out[e] = e < limit ? to_float(p[e]) : 0.f;
 }
-
-JAKIRO_DEVICE bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // One pass: input rows [r0, r0 + NP) against the NR = R * NW weight rows wr (R output
 // columns js[i], each with its NW matrices at wr[i * NW + q]), all of the warp's lanes

@@ -20,23 +20,15 @@
 
 #include "cuda/device.h"
 #include "cuda/kernels/tree_attention.cuh"
+#include "cuda/wmma.h"
 
-#if defined(SIMT_EMU) || !defined(__HIPCC__)
-#define JAKIRO_HAS_WMMA 1
-#if !defined(SIMT_EMU)
-#include <cuda_bf16.h>
-#include <mma.h>
-#endif
+#if defined(JAKIRO_HAS_WMMA)
 
 namespace jakiro::gpu {
 
-namespace wmma = nvcuda::wmma;
-
-constexpr int kTcTile = 16;                    // WMMA tile: 16 x 16 x 16
 constexpr int kTcWarps = 4;                    // warps (row tiles) per block
 constexpr int kTcRows = kTcTile * kTcWarps;    // query rows per block
 constexpr int64_t kTcMaxHeadDim = 128;         // accumulators: D / 16 fragments per warp
-constexpr int kTcPad = 8;                      // bf16 row padding (keeps ldm a multiple of 8, spreads banks)
 
 // The tensor-core kernel serves bf16 heads of a multiple of 16 up to 128 dims whose rows per KV
 // head fill at least one 16-row tile.
@@ -89,7 +81,6 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   float* col_id_s = reinterpret_cast<float*>(smem + L.col_id);
   float* state_w = reinterpret_cast<float*>(smem + L.state) + warp * kTcTile;
   int* nonfinite_flags = reinterpret_cast<int*>(smem + L.flag);  // by chunk parity: reset while the next is staged
-  auto tc = [](const bf16* x) { return reinterpret_cast<const __nv_bfloat16*>(x); };
 
   // Query row r of the block: tree token t = row / group, query head kvh * group + row % group
   // (unscaled: the scale is applied to the float scores). Rows past the end are zeros.
@@ -111,7 +102,7 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   wmma::load_matrix_sync(col_of, col_id_s, kTcTile, wmma::mem_row_major);
   for (int n = 0; n < kDims; ++n) wmma::fill_fragment(acc[n], 0.f);
   FragA q_frag[kDims];
-  for (int k = 0; k < kDims; ++k) wmma::load_matrix_sync(q_frag[k], tc(q_s + warp * kTcTile * ld + k * kTcTile), ld);
+  for (int k = 0; k < kDims; ++k) wmma::load_matrix_sync(q_frag[k], tc_ptr(q_s + warp * kTcTile * ld + k * kTcTile), ld);
 
   const SplitKeys<bf16> keys = split_keys(p, b, kvh, split);
   const int64_t prefix = keys.prefix, lo = keys.lo, hi = keys.hi;  // (plain variables: `sees` captures prefix)
@@ -150,7 +141,7 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
     wmma::fill_fragment(score, 0.f);
     for (int k = 0; k < kDims; ++k) {
       FragBCol k_frag;  // K^T: element (dim, key) at k_s[key * ld + dim]
-      wmma::load_matrix_sync(k_frag, tc(k_s + k * kTcTile), ld);
+      wmma::load_matrix_sync(k_frag, tc_ptr(k_s + k * kTcTile), ld);
       wmma::mma_sync(score, q_frag[k], k_frag, score);
     }
     wmma::store_matrix_sync(s_w, score, kTcTile, wmma::mem_row_major);
@@ -184,11 +175,11 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
 
     // O = O * factor + P V.
     FragA p_frag;
-    wmma::load_matrix_sync(p_frag, tc(p_w), ldp);
+    wmma::load_matrix_sync(p_frag, tc_ptr(p_w), ldp);
     for (int n = 0; n < kDims; ++n) {
       for (int i = 0; i < acc[n].num_elements; ++i) acc[n].x[i] *= state_w[static_cast<int>(row_of.x[i])];
       FragBRow v_frag;  // V: element (key, dim) at v_s[key * ld + dim]
-      wmma::load_matrix_sync(v_frag, tc(v_s + n * kTcTile), ld);
+      wmma::load_matrix_sync(v_frag, tc_ptr(v_s + n * kTcTile), ld);
       wmma::mma_sync(acc[n], p_frag, v_frag, acc[n]);
     }
     if (*nonfinite_s) {  // rare: add p * v of the non-finite values for the rows that see them

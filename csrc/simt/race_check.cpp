@@ -8,6 +8,7 @@
 // instead: the negative control that shows the sanitizer sees such races; `--skipped-barrier` a
 // kernel whose barrier some threads skip, which the emulator itself must catch.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <string>
@@ -17,6 +18,7 @@
 #include "cuda/kernels/contrastive_topk.cuh"
 #include "cuda/kernels/dequantize_rows.cuh"
 #include "cuda/kernels/linear.cuh"
+#include "cuda/kernels/linear_wmma.cuh"
 #include "cuda/kernels/mlp_heads.cuh"
 #include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
@@ -130,6 +132,21 @@ void linear(const char* name) {
   std::vector<elem_t> y(M * N);
   launch_linear<elem_t>(LinearParams{x.data(), w.data(), bias.data(), y.data(), M, K, N, 0}, nullptr);
   report(name, checksum(y));
+}
+
+// The tensor-core linear with K split in two (its partial sums, then their sum) and two row tiles.
+void linear_tensor_cores() {
+  Random rng{13};
+  const int64_t M = 20, K = 1048, N = 37, splits = tc_linear_splits(N, K);
+  auto x = rng.values<bf16>(M * K), w = rng.values<bf16>(N * K, 0.05f), bias = rng.values<bf16>(N);
+  std::vector<bf16> y(M * N);
+  std::vector<float> partial(splits * M * N);
+  launch_linear_wmma(TcLinearParams{x.data(), w.data(), bias.data(), y.data(), partial.data(), M, K, N, splits}, nullptr);
+  if (splits != 2) {
+    std::printf("error: linear_wmma: expected K split in 2, got %lld\n", static_cast<long long>(splits));
+    std::exit(1);
+  }
+  report("linear bfloat16 tensor cores", checksum(y));
 }
 
 template <typename elem_t>
@@ -287,6 +304,7 @@ int main(int argc, char** argv) {
   dequantization();
   linear<float>("linear float32");
   linear<bf16>("linear bfloat16");
+  linear_tensor_cores();
   mlp_heads<float>("mlp_heads float32");
   mlp_heads<bf16>("mlp_heads bfloat16");
   rms_norm<float>("rms_norm float32");

@@ -14,6 +14,10 @@
 #   test            the CUDA tests (-k cuda), the attention tests again with the tensor-core path
 #                   off, the non-finite and device-error tests, CUDA graphs in their own process,
 #                   the engine on CUDA against the CPU engine (python_tests/gpu/test_cuda_engine.py)
+#   tensor-cores    the tensor-core linear at 1..64 rows against cuBLAS and the CUDA-core kernel,
+#                   weights streamed from HBM, and each row's bits across row counts; a 64-node
+#                   tree's verification forward against a one-token forward at Llama-3-8B's
+#                   shape (scripts/gpu/tensor_cores.py)
 #   e2e             random-weight targets of SmolLM2's and Llama-3-8B's shapes, fp32 and bf16,
 #                   batch 1 and 8, ar / eagle2 / jakiro / gumiho, eager against CUDA graphs:
 #                   a round's cost, host reads per round, predicted tokens/s (scripts/gpu/e2e.py;
@@ -57,7 +61,7 @@ case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esa
 cd "$ROOT"
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES_ALL="probe build errors test e2e bench sanitize profile check-training train"
+STAGES_ALL="probe build errors test tensor-cores e2e bench sanitize profile check-training train"
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(probe build test e2e bench)
 for stage in "${STAGES[@]}"; do
@@ -237,6 +241,13 @@ for r in rows:
           f"| {r['host_reads_per_round']} | {r['predicted_tokens_per_s']} |")
 EOF
   return $rc
+}
+
+stage_tensor_cores() {
+  local args=(--device "$DEVICE" --out "$RESULTS/tensor_cores.csv")
+  [ "$DRY" = 1 ] && args+=(--dry-run)
+  "$PY" scripts/gpu/tensor_cores.py "${args[@]}" 2>&1 | tee "$RESULTS/tensor_cores.log" | grep -E "^(linear|forward|wrote|.*bandwidth)"
+  return "${PIPESTATUS[0]}"
 }
 
 stage_bench() {

@@ -5,6 +5,7 @@
 #include "cuda/kernels/contrastive_topk.cuh"
 #include "cuda/kernels/dequantize_rows.cuh"
 #include "cuda/kernels/linear.cuh"
+#include "cuda/kernels/linear_wmma.cuh"  // (empty on HIP: the tensor-core kernels are CUDA-only)
 #include "cuda/kernels/mlp_heads.cuh"
 #include "cuda/kernels/moe_top2.cuh"
 #include "cuda/kernels/merge_attention_states.cuh"
@@ -12,6 +13,7 @@
 #include "cuda/kernels/rope_kv_write.cuh"
 #include "cuda/kernels/silu_mul.cuh"
 #include "cuda/kernels/tree_attention.cuh"
+#include "cuda/kernels/tree_attention_wmma.cuh"  // (likewise)
 #include "cuda/kernels/verify_tree.cuh"
 
 namespace jakiro::gpu {

@@ -42,6 +42,9 @@ constexpr int kTlChunk = 64;                          // K staged at a time: 4 m
 constexpr int kTlLd = kTlChunk + kTcPad;              // staged row stride (bf16)
 constexpr int kTlRuns = kTlChunk / 8;                 // 16-byte runs of a staged row
 constexpr int kTlThreads = kTlWarps * kWarp;
+// Blocks resident a multiprocessor that the register budget must allow (at most 128 registers a
+// thread; nvcc took 233 for sm_80 unbounded): more weight loads in flight at one row.
+constexpr int kTlBlocksPerMultiprocessor = 3;
 // Split count: aim at this many blocks (a few per multiprocessor of an H100/H200), with at least
 // kTlMinSplitChunks chunks a split (a split's partial sums cost M x N floats written and read).
 // Constants, not the device's: a row's bits are the same on every GPU.
@@ -78,7 +81,7 @@ JAKIRO_DEVICE Pack16 load_run8(const bf16* row, int64_t k, int64_t K, bool vec) 
   return v;
 }
 
-__global__ void __launch_bounds__(kTlThreads) linear_wmma_kernel(TcLinearParams p) {
+__global__ void __launch_bounds__(kTlThreads, kTlBlocksPerMultiprocessor) linear_wmma_kernel(TcLinearParams p) {
   using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
   using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
   using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;

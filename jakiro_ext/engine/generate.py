@@ -171,13 +171,13 @@ _DOC_OPTIONS = """
         steps, then the head's parallel MLP heads draft one layer each, in one pass; depth >= the
         MLP heads + 1). Default: the head's kind (``jakiro`` for a MoE head, ``gumiho`` for one
         with MLP heads, ``eagle2`` for a dense one), ``ar`` without a head.
-    tree : a :class:`TreeConfig`. Default on CPU, for a head with an acceptance profile: chosen
+    tree : a :class:`TreeConfig`. Default for a head with an acceptance profile: chosen
         round by round from live timing among the trees the cost model ranks best at the call's
         batch size and plain decoding (:mod:`jakiro_ext.engine.adaptive`; the machine's costs are
         measured once per batch-size bucket and cached, and measured again when live timing
         disagrees), so speculation never runs slower than plain decoding for long; with
-        sampling a seed then fixes the distribution, not the tokens (pass a tree to fix both).
-        Else :data:`CPU_TREE` on CPU, :data:`GPU_TREE` elsewhere.
+        sampling a seed then fixes the distribution, not the tokens (pass a tree to fix both);
+        with graphs, the tree by measured cost. Else :data:`CPU_TREE` on CPU, :data:`GPU_TREE` elsewhere.
     temperature, top_p, top_k : finite temperature >= 0 (0: greedy), top_p in (0, 1], int top_k >= 0 (0: off).
     eos_token_id : None, an int or a list of ints that end a generation (included in the output).
     seed : an int in [0, 2**63): seeds the draws of sampling (temperature > 0); sequence i of a

@@ -4,10 +4,10 @@ A policy chooses the tree of each round for the batch's number of rows (None: pl
 the one-node tree) and observes what each round did (a :class:`RoundResult`). Three of them:
 
 - :class:`FixedTree`: the tree given (``tree=``), or, left to the engine, the cost model's best
-  for the batch size on a CPU (:func:`jakiro_ext.engine.tree_cost.auto_tree`), else the presets;
+  for the batch size on this device (:func:`jakiro_ext.engine.tree_cost.auto_tree`), else the presets;
 - :class:`LiveTree`: chosen round by round from live timing among the cost model's best trees
-  and plain decoding (:mod:`jakiro_ext.engine.adaptive`), the default on a CPU for a head with an
-  acceptance profile. Its choosers live as long as their heads and keep what they measured
+  and plain decoding (:mod:`jakiro_ext.engine.adaptive`), the default for a head with an
+  acceptance profile and eager rounds, on a CPU or a GPU. Its choosers live as long as their heads and keep what they measured
   beside the cost cache (``*.live.json``) for the next process.
 """
 from __future__ import annotations
@@ -107,9 +107,10 @@ def progress(result: RoundResult) -> float:
 
 def tree_policy(target, draft, method: Method, tree: Optional[TreeConfig], batch: int, sampling: bool,
                 graphs: str = "eager") -> TreePolicy:
-    """The policy of a call: the tree given; else, on a CPU for a head with an acceptance profile
-    and eager rounds, the live choice; else the cost model's tree or the presets (:func:`default_tree`)."""
-    if tree is None and method.drafts and graphs == "eager" and target.lm_head.weight.device.type == "cpu":
+    """The policy of a call: the tree given; else, for a head with an acceptance profile and eager
+    rounds (on a CPU or a GPU: a round ends with its read of the device, so its wall time is its
+    work), the live choice; else the cost model's tree or the presets (:func:`default_tree`)."""
+    if tree is None and method.drafts and graphs == "eager":
         chooser = tree_chooser(target, draft, method.name, batch, sampling)
         if chooser is not None:
             return LiveTree(chooser)
@@ -122,12 +123,12 @@ def largest_tree(policy: TreePolicy, method: Method) -> TreeConfig:
 
 
 def default_tree(target, draft, method, tree: Optional[TreeConfig] = None, batch: int = 1) -> TreeConfig:
-    """The tree given, else on CPU the one chosen by measured cost for ``batch`` sequences (for a
-    head with an acceptance profile) or CPU_TREE, elsewhere GPU_TREE (deepened to a serial step
-    and the head's MLP heads for ``gumiho``). ``method``: a name or a :class:`Method`."""
+    """The tree given, else the one chosen by this device's measured costs for ``batch`` sequences
+    (for a head with an acceptance profile), else CPU_TREE on a CPU, GPU_TREE elsewhere (deepened
+    to a serial step and the head's MLP heads for ``gumiho``). ``method``: a name or a :class:`Method`."""
     method = METHODS[method] if isinstance(method, str) else method
     device = target.lm_head.weight.device
-    if tree is None and device.type == "cpu" and method.drafts:
+    if tree is None and method.drafts:
         tree = auto_tree(target, draft, method.name, batch)
     if tree is None:
         tree = CPU_TREE if device.type == "cpu" else GPU_TREE

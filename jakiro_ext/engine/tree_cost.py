@@ -92,13 +92,22 @@ def capped_by_larger(curve: Dict[str, float]) -> Dict[str, float]:
     return capped
 
 
-def _seconds(fn) -> float:
+def _no_sync() -> None:
+    pass
+
+
+def _seconds(fn, sync: Callable[[], None] = _no_sync) -> float:
+    """Wall seconds of fn(), its device work included (``sync``: the device's synchronize on a GPU,
+    whose launches return before their work is done)."""
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return time.perf_counter() - t0
 
 
-def _interleaved_medians(parts: Dict[str, Callable[[], object]], repeats: int, step: Callable[[], None]) -> Dict[str, float]:
+def _interleaved_medians(parts: Dict[str, Callable[[], object]], repeats: int, step: Callable[[], None],
+                         sync: Callable[[], None] = _no_sync) -> Dict[str, float]:
     """Each part's median seconds over ``repeats`` passes, every pass timing each part once in
     turn (after a warm-up pass; ``step`` called after each part run): the machine drifts by a
     quarter within minutes, and parts timed one after the other took their drift into the costs'
@@ -110,7 +119,7 @@ def _interleaved_medians(parts: Dict[str, Callable[[], object]], repeats: int, s
     seconds: Dict[str, List[float]] = {name: [] for name in parts}
     for _ in range(repeats):
         for name, fn in parts.items():
-            seconds[name].append(_seconds(fn))
+            seconds[name].append(_seconds(fn, sync))
             step()
     return {name: statistics.median(times) for name, times in seconds.items()}
 
@@ -137,6 +146,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
     from tqdm import tqdm
 
     device = target.lm_head.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else _no_sync
     B = batch
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.config.vocab_size, (CONTEXT + 1,), generator=g).to(device)
@@ -176,7 +186,8 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
     # The one-token forward behind both contexts in turn (the machine drifts by a quarter within
     # minutes: the difference of neighbours is what the context adds).
     verify_once(1), verify_once(1, short)  # warm-up
-    pairs = [(_seconds(lambda: verify_once(1)), _seconds(lambda: verify_once(1, short))) for _ in range(max(repeats, 5))]
+    pairs = [(_seconds(lambda: verify_once(1), sync), _seconds(lambda: verify_once(1, short), sync))
+             for _ in range(max(repeats, 5))]
     context_slope = max(0.0, statistics.median(a - b for a, b in pairs) / (CONTEXT - SHORT_CONTEXT))
     roots = prompt[:1].expand(B)
     parts = {f"verify {n}": functools.partial(verify_once, n) for n in sizes}
@@ -187,7 +198,7 @@ def measure_costs(target, head, method: str, repeats: int = 5, batch: int = 1, p
     for n in range(1, 9):  # (a catch-up writes after the committed prefix and commits nothing; so do the others)
         parts[f"catch_up {n}"] = functools.partial(widest.catch_up, state.draft_kv, prompt[:n].expand(B, n),
                                                    hidden[:, :n].expand(B, n, -1))
-    seconds = _interleaved_medians(parts, repeats, bar.update)
+    seconds = _interleaved_medians(parts, repeats, bar.update, sync)
     bar.close()
     table = {kind: {name.split(" ", 1)[1]: s for name, s in seconds.items() if name.startswith(kind + " ")}
              for kind in ("verify", "draft", "catch_up")}

@@ -314,3 +314,22 @@ def test_the_drafter_and_the_cost_model_read_one_schedule(monkeypatch, kind, met
     if method != "jakiro_star":  # (its cost model counts top_k children a node, of 2 top_k drafted)
         counted = METHODS[method].node_probabilities(ones, tree.depth, tree.top_k)
         assert len(counted) == drafted[0].size - 1
+
+
+def test_a_part_is_timed_with_its_device_work():
+    # On a GPU a launch returns before its work is done: the timing synchronizes before (nothing
+    # earlier counted) and after (the part's own work counted), as measure_costs passes it.
+    import time
+
+    calls = []
+
+    def sync():
+        calls.append("sync")
+        if calls.count("fn"):  # the part's device work, finishing at the second synchronize
+            time.sleep(0.02)
+
+    seconds = tree_cost._seconds(lambda: calls.append("fn"), sync)
+    assert calls == ["sync", "fn", "sync"] and seconds >= 0.02
+    calls.clear()
+    medians = tree_cost._interleaved_medians({"a": lambda: calls.append("fn")}, 3, lambda: None, sync)
+    assert medians["a"] >= 0.02 and calls.count("sync") == 6

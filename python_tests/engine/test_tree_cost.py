@@ -2,6 +2,7 @@
 acceptance profile, the choice against synthetic cost curves, the measured and cached costs, the
 profile recorded with a head, and decoding with the chosen tree (still lossless)."""
 import json
+import time
 
 import pytest
 import torch
@@ -319,8 +320,6 @@ def test_the_drafter_and_the_cost_model_read_one_schedule(monkeypatch, kind, met
 def test_a_part_is_timed_with_its_device_work():
     # On a GPU a launch returns before its work is done: the timing synchronizes before (nothing
     # earlier counted) and after (the part's own work counted), as measure_costs passes it.
-    import time
-
     calls = []
 
     def sync():

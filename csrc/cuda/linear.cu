@@ -10,12 +10,24 @@ namespace jakiro::gpu {
 namespace {
 
 #if defined(JAKIRO_HAS_WMMA)
+// The blocks the split of K aims at: kTlTargetBlocks, or JAKIRO_GPU_LINEAR_BLOCKS (a positive
+// integer; the GPU kit sweeps it), read at each call.
+int64_t linear_target_blocks() {
+  const char* env = std::getenv("JAKIRO_GPU_LINEAR_BLOCKS");
+  if (env == nullptr || *env == '\0') return kTlTargetBlocks;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && v >= 1 && v <= (1 << 20), "JAKIRO_GPU_LINEAR_BLOCKS must be an integer in [1, 1048576], got '",
+              env, "'");
+  return v;
+}
+
 // Rows [0, M) of x2 [M, K] bf16 through the tensor-core kernel, kTlLaunchRows at a time when K
 // is split (a bounded buffer of partial sums, reused).
 void linear_tensor_cores(const at::Tensor& x2, const at::Tensor& w, const at::Tensor& b, at::Tensor& y,
                          cudaStream_t stream) {
   const int64_t M = x2.size(0), K = x2.size(1), N = w.size(0);
-  const int64_t splits = tc_linear_splits(N, K);
+  const int64_t splits = tc_linear_splits(N, K, linear_target_blocks());
   const int64_t step = splits > 1 ? kTlLaunchRows : (M > 0 ? M : 1);
   at::Tensor partial;
   if (splits > 1) partial = at::empty({splits, M < step ? M : step, N}, x2.options().dtype(at::kFloat));

@@ -147,3 +147,19 @@ def test_the_cuda_core_switch_takes_effect(gpu_backend, monkeypatch):
     cuda_cores = gpu_backend.run("linear", x, w)
     torch.testing.assert_close(cuda_cores[1:], reference.linear(x[1:], w), **TOL[torch.bfloat16])
     assert tensor_cores[0, 0] != cuda_cores[0, 0]  # another order of sums: the switch took effect
+
+
+def test_the_kits_block_target_changes_the_split_and_keeps_rows_independent(gpu_backend, monkeypatch):
+    N, K = 80, 1048  # 2 splits by default; a target of 2 blocks (one per column tile): 1
+    x, w = cancelling(12, N, K, seed=15)
+    default = gpu_backend.run("linear", x, w)
+    monkeypatch.setenv("JAKIRO_GPU_LINEAR_BLOCKS", "2")
+    one_split = gpu_backend.run("linear", x, w)
+    assert not torch.equal(one_split, default)
+    if gpu_backend.name != "cuda":
+        assert torch.equal(one_split, emulated_tensor_core_linear(x, w, splits=1))
+    assert torch.equal(gpu_backend.run("linear", x[5:7], w), one_split[5:7])
+    for bad in ("0", "x", "2.5"):
+        monkeypatch.setenv("JAKIRO_GPU_LINEAR_BLOCKS", bad)
+        with pytest.raises(RuntimeError, match="JAKIRO_GPU_LINEAR_BLOCKS must be an integer"):
+            gpu_backend.run("linear", x, w)

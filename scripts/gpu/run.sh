@@ -246,7 +246,7 @@ EOF
 stage_tensor_cores() {
   local args=(--device "$DEVICE" --out "$RESULTS/tensor_cores.csv")
   [ "$DRY" = 1 ] && args+=(--dry-run)
-  "$PY" scripts/gpu/tensor_cores.py "${args[@]}" 2>&1 | tee "$RESULTS/tensor_cores.log" | grep -E "^(linear|forward|wrote|.*bandwidth)"
+  "$PY" scripts/gpu/tensor_cores.py "${args[@]}" 2>&1 | tee "$RESULTS/tensor_cores.log" | grep -E "^(linear|forward|blocks|wrote|.*bandwidth)"
   return "${PIPESTATUS[0]}"
 }
 

@@ -9,6 +9,8 @@
    "time-equivalent bandwidth"), and the CUDA-core kernel (JAKIRO_GPU_TENSOR_CORES=0) beside them.
    Row invariance: the elements of rows [0, r) that differ from the same rows of the 64-row call
    (``ours_rows_differ`` must be 0; ``cublas_rows_differ`` shows why cuBLAS cannot verify a tree).
+   ``blocks``: the same for Llama-3-8B's shapes at 1, 16 and 64 rows with the split of K aimed at
+   other block counts (JAKIRO_GPU_LINEAR_BLOCKS; the default is 512): what the constant should be.
 2. ``forward``: a random-weight target of Llama-3-8B's shape, bf16: the target's forward of a tree
    of T = 1, 16, 32, 64 tokens after a 512-token prefix, tensor cores on and off; relative to the
    one-token forward, and the one-token forward's weight bytes over its time against HBM (plain
@@ -48,17 +50,22 @@ PREFIX = 512
 
 
 @contextlib.contextmanager
-def cuda_cores():
-    """The CUDA-core kernels for the calls inside (the tensor-core switch read at each call)."""
-    old = os.environ.get("JAKIRO_GPU_TENSOR_CORES")
-    os.environ["JAKIRO_GPU_TENSOR_CORES"] = "0"
+def env(name: str, value: str):
+    """os.environ[name] = value for the calls inside (the kernels' settings are read at each call)."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            del os.environ["JAKIRO_GPU_TENSOR_CORES"]
+            del os.environ[name]
         else:
-            os.environ["JAKIRO_GPU_TENSOR_CORES"] = old
+            os.environ[name] = old
+
+
+def cuda_cores():
+    """The CUDA-core kernels for the calls inside."""
+    return env("JAKIRO_GPU_TENSOR_CORES", "0")
 
 
 def stream_bytes(device: torch.device, dry: bool) -> int:
@@ -109,6 +116,30 @@ def linear_rows(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> None
             torch.cuda.empty_cache()
 
 
+def block_targets(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> None:
+    device = args.device
+    shapes = DRY_SHAPES if args.dry_run else {k: v for k, v in LINEAR_SHAPES.items() if k.startswith("llama3-8b")}
+    targets = (1, 4) if args.dry_run else (128, 256, 396, 512, 792, 1024, 2048, 4096)
+    for name, (N, K) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        copies = max(1, min(4096, math.ceil(stream_bytes(device, args.dry_run) / (N * K * 2))))
+        weights = [(torch.randn(N, K, generator=g, device=device) * K**-0.5).to(torch.bfloat16) for _ in range(copies)]
+        for r in (1, 16, 64):
+            x = torch.randn(r, K, generator=g, device=device).to(torch.bfloat16)
+            for blocks in targets:
+                with env("JAKIRO_GPU_LINEAR_BLOCKS", str(blocks)):
+                    us = timeit(lambda: [ops.linear(x, w) for w in weights], args.reps)["median_ms"] * 1e3 / copies
+                gbs = N * K * 2 / (us * 1e-6) / 1e9
+                rows_out.append(dict(part="blocks", shape=name, N=N, K=K, rows=r, copies=copies, target_blocks=blocks,
+                                     ours_us=us, ours_gbs=gbs, ours_of_copy_bandwidth=gbs / copy_gbs,
+                                     ours_of_rated_hbm=gbs / rated_gbs if rated_gbs else float("nan")))
+                print(f"blocks {name:20s} rows {r:2d} target {blocks:5d}: {us:8.1f} us ({gbs / copy_gbs:.0%} of copy)",
+                      flush=True)
+        del weights
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def tree_forwards(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> None:
     device = args.device
     shape, prefix, sizes = ("tiny", 16, (1, 4, 8)) if args.dry_run else ("llama3-8b", PREFIX, TREE_SIZES)
@@ -148,7 +179,7 @@ def tree_forwards(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> No
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--parts", nargs="+", default=["linear", "forward"], choices=["linear", "forward"])
+    ap.add_argument("--parts", nargs="+", default=["linear", "forward", "blocks"], choices=["linear", "forward", "blocks"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, two repetitions (checks the script)")
     ap.add_argument("--out", default="tensor_cores.csv")
@@ -167,6 +198,8 @@ def main():
         linear_rows(args, rows, copy_gbs, rated)
     if "forward" in args.parts:
         tree_forwards(args, rows, copy_gbs, rated)
+    if "blocks" in args.parts:
+        block_targets(args, rows, copy_gbs, rated)
     for r in rows:
         r.update(device=device_name, copy_gbs=copy_gbs, rated_hbm_gbs=rated)
     fields = []

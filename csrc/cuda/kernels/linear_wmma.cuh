@@ -45,17 +45,19 @@ constexpr int kTlThreads = kTlWarps * kWarp;
 // Blocks resident a multiprocessor that the register budget must allow (at most 128 registers a
 // thread; nvcc took 233 for sm_80 unbounded): more weight loads in flight at one row.
 constexpr int kTlBlocksPerMultiprocessor = 3;
-// Split count: aim at this many blocks (a few per multiprocessor of an H100/H200), with at least
-// kTlMinSplitChunks chunks a split (a split's partial sums cost M x N floats written and read).
-// Constants, not the device's: a row's bits are the same on every GPU.
+// Split count: aim at kTlTargetBlocks blocks (a few per multiprocessor of an H100/H200), with at
+// least kTlMinSplitChunks chunks a split (a split's partial sums cost M x N floats written and
+// read). Constants, not the device's: a row's bits are the same on every GPU. (The glue takes
+// another target from JAKIRO_GPU_LINEAR_BLOCKS, for the kit's sweep: other bits, rows still
+// independent of each other.)
 constexpr int64_t kTlTargetBlocks = 512;
 constexpr int64_t kTlMinSplitChunks = 8;
 // Rows a launch takes when K is split (the partial sums' buffer is splits x this x N floats).
 constexpr int64_t kTlLaunchRows = 256;
 
-inline int64_t tc_linear_splits(int64_t N, int64_t K) {
+inline int64_t tc_linear_splits(int64_t N, int64_t K, int64_t target_blocks = kTlTargetBlocks) {
   const int64_t col_blocks = ceil_div(N, kTlCols), chunks = ceil_div(K, kTlChunk);
-  const int64_t want = ceil_div(kTlTargetBlocks, col_blocks > 0 ? col_blocks : 1);
+  const int64_t want = ceil_div(target_blocks, col_blocks > 0 ? col_blocks : 1);
   const int64_t most = chunks / kTlMinSplitChunks;
   return want < most ? want : (most > 1 ? most : 1);
 }
@@ -189,8 +191,8 @@ __global__ void linear_split_sum_kernel(TcLinearParams p) {
   }
 }
 
-// p.splits must be tc_linear_splits(N, K), and p.partial hold splits x M x N floats when it is
-// over 1; needs a device with bf16 WMMA (sm_80+).
+// p.splits is tc_linear_splits(N, K) (or another count: each gives rows independent of each
+// other), and p.partial holds splits x M x N floats when it is over 1; needs bf16 WMMA (sm_80+).
 inline void launch_linear_wmma(const TcLinearParams& p, cudaStream_t stream) {
   if (p.M == 0 || p.N == 0) return;
   const dim3 grid(static_cast<unsigned>(ceil_div(p.N, kTlCols)), static_cast<unsigned>(p.splits));

@@ -163,3 +163,13 @@ def test_the_kits_block_target_changes_the_split_and_keeps_rows_independent(gpu_
         monkeypatch.setenv("JAKIRO_GPU_LINEAR_BLOCKS", bad)
         with pytest.raises(RuntimeError, match="JAKIRO_GPU_LINEAR_BLOCKS must be an integer"):
             gpu_backend.run("linear", x, w)
+
+
+def test_empty_shapes(gpu_backend):
+    # No rows, no output features, no input features (the output is the bias, rounded).
+    for x_shape, w_shape in (((0, 16), (5, 16)), ((2, 0, 16), (5, 16)), ((3, 16), (0, 16)), ((3, 0), (4, 0))):
+        x = randn(*x_shape, seed=16, dtype=torch.bfloat16)
+        w = randn(*w_shape, seed=17, dtype=torch.bfloat16)
+        b = randn(w_shape[0], seed=18, dtype=torch.bfloat16)
+        got = gpu_backend.run("linear", x, w, b)
+        assert got.shape == (*x_shape[:-1], w_shape[0]) and torch.equal(got, reference.linear(x, w, b))

@@ -84,9 +84,6 @@ JAKIRO_DEVICE Pack16 load_run8(const bf16* row, int64_t k, int64_t K, bool vec) 
 }
 
 __global__ void __launch_bounds__(kTlThreads, kTlBlocksPerMultiprocessor) linear_wmma_kernel(TcLinearParams p) {
-  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-  using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
-  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   return;  // bf16 WMMA needs sm_80; the glue never launches this kernel on older devices
 #else
@@ -128,7 +125,7 @@ __global__ void __launch_bounds__(kTlThreads, kTlBlocksPerMultiprocessor) linear
       }
     };
 
-    FragC acc[kTlRowTiles];
+    TcFragC acc[kTlRowTiles];
 #pragma unroll
     for (int t = 0; t < kTlRowTiles; ++t) wmma::fill_fragment(acc[t], 0.f);
     if (c_begin < c_end) {
@@ -141,12 +138,12 @@ __global__ void __launch_bounds__(kTlThreads, kTlBlocksPerMultiprocessor) linear
       if (more) fetch(c + 1);  // in flight while this chunk's products run
 #pragma unroll
       for (int ks = 0; ks < kTlChunk / kTcTile; ++ks) {
-        FragB b;
+        TcFragBCol b;
         wmma::load_matrix_sync(b, tc_ptr(w_s + warp * kTcTile * kTlLd + ks * kTcTile), kTlLd);
 #pragma unroll
         for (int t = 0; t < kTlRowTiles; ++t) {
           if (t < tiles) {
-            FragA a;
+            TcFragA a;
             wmma::load_matrix_sync(a, tc_ptr(x_s + t * kTcTile * kTlLd + ks * kTcTile), kTlLd);
             wmma::mma_sync(acc[t], a, b, acc[t]);
           }

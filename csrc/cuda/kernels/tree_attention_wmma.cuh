@@ -56,10 +56,6 @@ struct TcSmemLayout {  // byte offsets into the dynamic shared memory
 template <int kDims>  // head_dim / 16
 __global__ void __launch_bounds__(kTcWarps * kWarp)
     tree_attention_partial_wmma_kernel(TreeAttentionParams<bf16> p) {
-  using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-  using FragBRow = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-  using FragBCol = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
-  using FragC = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
   return;  // bf16 WMMA needs sm_80; the glue never launches this kernel on older devices
 #else
@@ -97,11 +93,11 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   if (threadIdx.x == 0) nonfinite_flags[0] = nonfinite_flags[1] = 0;
   __syncthreads();
 
-  FragC row_of, col_of, acc[kDims];
+  TcFragC row_of, col_of, acc[kDims];
   wmma::load_matrix_sync(row_of, row_id_s, kTcTile, wmma::mem_row_major);
   wmma::load_matrix_sync(col_of, col_id_s, kTcTile, wmma::mem_row_major);
   for (int n = 0; n < kDims; ++n) wmma::fill_fragment(acc[n], 0.f);
-  FragA q_frag[kDims];
+  TcFragA q_frag[kDims];
   for (int k = 0; k < kDims; ++k) wmma::load_matrix_sync(q_frag[k], tc_ptr(q_s + warp * kTcTile * ld + k * kTcTile), ld);
 
   const SplitKeys<bf16> keys = split_keys(p, b, kvh, split);
@@ -137,10 +133,10 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
     __syncthreads();
 
     // S = Q K^T for this warp's 16 rows and the chunk's 16 keys.
-    FragC score;
+    TcFragC score;
     wmma::fill_fragment(score, 0.f);
     for (int k = 0; k < kDims; ++k) {
-      FragBCol k_frag;  // K^T: element (dim, key) at k_s[key * ld + dim]
+      TcFragBCol k_frag;  // K^T: element (dim, key) at k_s[key * ld + dim]
       wmma::load_matrix_sync(k_frag, tc_ptr(k_s + k * kTcTile), ld);
       wmma::mma_sync(score, q_frag[k], k_frag, score);
     }
@@ -174,11 +170,11 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
     warp_sync();
 
     // O = O * factor + P V.
-    FragA p_frag;
+    TcFragA p_frag;
     wmma::load_matrix_sync(p_frag, tc_ptr(p_w), ldp);
     for (int n = 0; n < kDims; ++n) {
       for (int i = 0; i < acc[n].num_elements; ++i) acc[n].x[i] *= state_w[static_cast<int>(row_of.x[i])];
-      FragBRow v_frag;  // V: element (key, dim) at v_s[key * ld + dim]
+      TcFragBRow v_frag;  // V: element (key, dim) at v_s[key * ld + dim]
       wmma::load_matrix_sync(v_frag, tc_ptr(v_s + n * kTcTile), ld);
       wmma::mma_sync(acc[n], p_frag, v_frag, acc[n]);
     }

@@ -17,8 +17,8 @@ int64_t linear_target_blocks() {
   if (env == nullptr || *env == '\0') return kTlTargetBlocks;
   char* end = nullptr;
   const long long v = std::strtoll(env, &end, 10);
-  TORCH_CHECK(*end == '\0' && v >= 1 && v <= (1 << 20), "JAKIRO_GPU_LINEAR_BLOCKS must be an integer in [1, 1048576], got '",
-              env, "'");
+  TORCH_CHECK(*end == '\0' && v >= 1 && v <= (1 << 20),
+              "JAKIRO_GPU_LINEAR_BLOCKS must be an integer in [1, 1048576], got '", env, "'");
   return v;
 }
 

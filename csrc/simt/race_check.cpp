@@ -141,7 +141,8 @@ void linear_tensor_cores() {
   auto x = rng.values<bf16>(M * K), w = rng.values<bf16>(N * K, 0.05f), bias = rng.values<bf16>(N);
   std::vector<bf16> y(M * N);
   std::vector<float> partial(splits * M * N);
-  launch_linear_wmma(TcLinearParams{x.data(), w.data(), bias.data(), y.data(), partial.data(), M, K, N, splits}, nullptr);
+  launch_linear_wmma(TcLinearParams{x.data(), w.data(), bias.data(), y.data(), partial.data(), M, K, N, splits},
+                     nullptr);
   if (splits != 2) {
     std::printf("error: linear_wmma: expected K split in 2, got %lld\n", static_cast<long long>(splits));
     std::exit(1);

@@ -4,11 +4,12 @@ A policy chooses the tree of each round for the batch's number of rows (None: pl
 the one-node tree) and observes what each round did (a :class:`RoundResult`). Three of them:
 
 - :class:`FixedTree`: the tree given (``tree=``), or, left to the engine, the cost model's best
-  for the batch size on this device (:func:`jakiro_ext.engine.tree_cost.auto_tree`), else the presets;
+  for the batch size on this device (:func:`jakiro_ext.engine.tree_cost.auto_tree`), else the
+  presets;
 - :class:`LiveTree`: chosen round by round from live timing among the cost model's best trees
   and plain decoding (:mod:`jakiro_ext.engine.adaptive`), the default for a head with an
-  acceptance profile and eager rounds, on a CPU or a GPU. Its choosers live as long as their heads and keep what they measured
-  beside the cost cache (``*.live.json``) for the next process.
+  acceptance profile and eager rounds, on a CPU or a GPU. Its choosers live as long as their
+  heads and keep what they measured beside the cost cache (``*.live.json``) for the next process.
 """
 from __future__ import annotations
 

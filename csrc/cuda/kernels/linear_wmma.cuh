@@ -119,7 +119,8 @@ __global__ void __launch_bounds__(kTlThreads, kTlBlocksPerMultiprocessor) linear
     auto stage = [&]() {
 #pragma unroll
       for (int i = 0; i < kSlots; ++i) {
-        const int s = static_cast<int>(threadIdx.x) + i * kTlThreads, r = s / kTlRuns, at = r * kTlLd + (s % kTlRuns) * 8;
+        const int s = static_cast<int>(threadIdx.x) + i * kTlThreads, r = s / kTlRuns;
+        const int at = r * kTlLd + (s % kTlRuns) * 8;
         *reinterpret_cast<Pack16*>(w_s + at) = w_next[i];
         if (r < tiles * kTcTile) *reinterpret_cast<Pack16*>(x_s + at) = x_next[i];
       }

@@ -76,6 +76,13 @@ def stream_bytes(device: torch.device, dry: bool) -> int:
     return 256 << 20
 
 
+def streamed_copies(N: int, K: int, g: torch.Generator, args) -> list:
+    """Distinct bf16 weights [N, K], together over stream_bytes: called in turn, each call reads
+    its weight from memory."""
+    copies = max(1, min(4096, math.ceil(stream_bytes(args.device, args.dry_run) / (N * K * 2))))
+    return [(torch.randn(N, K, generator=g, device=args.device) * K**-0.5).to(torch.bfloat16) for _ in range(copies)]
+
+
 def linear_rows(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> None:
     device, dtype = args.device, torch.bfloat16
     shapes = DRY_SHAPES if args.dry_run else LINEAR_SHAPES
@@ -83,8 +90,8 @@ def linear_rows(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> None
     for name, (N, K) in shapes.items():
         g = torch.Generator(device=device).manual_seed(0)
         nbytes = N * K * 2
-        copies = max(1, min(4096, math.ceil(stream_bytes(device, args.dry_run) / nbytes)))
-        weights = [(torch.randn(N, K, generator=g, device=device) * K**-0.5).to(dtype) for _ in range(copies)]
+        weights = streamed_copies(N, K, g, args)
+        copies = len(weights)
         x64 = torch.randn(64, K, generator=g, device=device).to(dtype)
         full_ours, full_cublas = ops.linear(x64, weights[0]), F.linear(x64, weights[0])
         for r in rows_list:
@@ -122,8 +129,8 @@ def block_targets(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> No
     targets = (1, 4) if args.dry_run else (128, 256, 396, 512, 792, 1024, 2048, 4096)
     for name, (N, K) in shapes.items():
         g = torch.Generator(device=device).manual_seed(0)
-        copies = max(1, min(4096, math.ceil(stream_bytes(device, args.dry_run) / (N * K * 2))))
-        weights = [(torch.randn(N, K, generator=g, device=device) * K**-0.5).to(torch.bfloat16) for _ in range(copies)]
+        weights = streamed_copies(N, K, g, args)
+        copies = len(weights)
         for r in (1, 16, 64):
             x = torch.randn(r, K, generator=g, device=device).to(torch.bfloat16)
             for blocks in targets:

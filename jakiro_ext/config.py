@@ -119,6 +119,11 @@ class TreeConfig:
                              f"and top_k in [1, {MAX_TREE_TOP_K}], got {self.total_tokens}/{self.depth}/{self.top_k} "
                              "(total_tokens/depth/top_k)")
 
+    def key(self) -> tuple:
+        """Its value, hashable (a dataclass that may change is not)."""
+        return (self.total_tokens, self.depth, self.top_k,
+                None if self.choices is None else tuple(tuple(int(r) for r in p) for p in self.choices))
+
     def max_nodes_for(self, method) -> int:
         """The most nodes one round of ``method`` (a name or a :class:`Method`) can verify, the
         root included (:meth:`Method.max_nodes`: what the KV caches are sized by)."""

@@ -1,11 +1,13 @@
 """The KV caches and the attention masks: the only code that moves cache rows and lengths.
 
 ``KVCache`` holds a model's keys and values with each sequence's committed length; ``TreeKV``
-the keys and values a draft tree's layers add within one round (the masks: :mod:`jakiro_ext.ops.masks`).
+the keys and values a draft tree's layers add within one round (the masks: :mod:`jakiro_ext.ops.masks`);
+``BufferPool`` keeps caches' buffers for reuse (a graphed call's, for the next call's captures).
 """
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -25,6 +27,43 @@ class CacheShape:
     sliding_window: Optional[int] = None
 
 
+class BufferPool:
+    """Cache buffers kept for reuse, by shape: a KV buffer [L, 2, B, Hkv, S, D] is taken for any
+    S at least the positions asked (the fewest such), a lengths vector [B] for its B. What a
+    graphed call's caches leave (:mod:`jakiro_ext.engine.graph_sessions`): the next call's caches
+    are made of the same buffers, so its rounds replay the captures made on them. Bounded: at
+    most ``per_shape`` buffers of a shape (S aside), the last given kept."""
+
+    def __init__(self, per_shape: int = 2):
+        self.per_shape = per_shape
+        self.kept: "OrderedDict[tuple, List[torch.Tensor]]" = OrderedDict()  # (shape but S, dtype, device) -> buffers
+
+    @staticmethod
+    def _key(shape: Tuple[int, ...], dtype: torch.dtype, device) -> tuple:
+        where = torch.get_default_device() if device is None else torch.device(device)
+        return (tuple(shape[:-2]) + tuple(shape[-1:]) if len(shape) > 1 else tuple(shape), dtype, where)
+
+    def take(self, shape: Tuple[int, ...], dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+        """A kept buffer of ``shape`` (a KV buffer's positions S: at least those), zeroed; None
+        when none is kept."""
+        found = self.kept.get(self._key(shape, dtype, device), [])
+        fits = [i for i, t in enumerate(found) if len(shape) == 1 or t.shape[-2] >= shape[-2]]
+        if not fits:
+            return None
+        return found.pop(min(fits, key=lambda i: found[i].numel())).zero_()  # (what a cache holds beyond its lengths: finite values)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        """Keep ``buffer`` (which its cache no longer uses) for a later :meth:`take`."""
+        found = self.kept.setdefault(self._key(buffer.shape, buffer.dtype, buffer.device), [])
+        if all(t is not buffer for t in found):
+            found.append(buffer)
+            del found[:-self.per_shape]
+
+    def nbytes(self) -> int:
+        """The bytes of the buffers it keeps."""
+        return sum(t.numel() * t.element_size() for found in self.kept.values() for t in found)
+
+
 class KVCache(nn.Module):
     """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one
     ``compact_kv`` call serves all layers) and each sequence's committed length ``lengths`` [B],
@@ -34,12 +73,14 @@ class KVCache(nn.Module):
 
     The buffer starts at ``capacity`` positions and grows on demand (:meth:`reserve`, called by
     the forwards) up to ``max_capacity`` (default ``capacity``: a fixed cache), so a caller sizes
-    it by what can happen and pays for what does."""
+    it by what can happen and pays for what does. With a ``pool``, its buffers come from the pool
+    where it keeps one (a KV buffer with more positions than asked: the capacity is then that)
+    and go back to it when let go (a growth, a selection of rows, :meth:`release`)."""
 
     def __init__(self, shape: CacheShape, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
-                 device=None, max_capacity: Optional[int] = None):
+                 device=None, max_capacity: Optional[int] = None, pool: Optional[BufferPool] = None):
         super().__init__()
-        self.shape, self.batch = shape, batch
+        self.shape, self.batch, self.pool = shape, batch, pool
         self.max_capacity = capacity if max_capacity is None else max_capacity
         if not 1 <= capacity <= self.max_capacity:
             raise ValueError(f"cache capacity must be in [1, max_capacity {self.max_capacity}], got {capacity}")
@@ -47,20 +88,43 @@ class KVCache(nn.Module):
             raise ValueError(f"cache capacity {self.max_capacity} exceeds the model's sliding window "
                              f"{shape.sliding_window}, which this implementation does not apply")
         self.register_buffer("kv", self._new_buffer(capacity, dtype, device), persistent=False)
-        self.register_buffer("lengths", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("lengths", self._new_lengths(batch, device), persistent=False)
         self.host_lengths: List[int] = [0] * batch
 
     @property
     def capacity(self) -> int:
         return self.kv.shape[-2]
 
-    def _new_buffer(self, capacity: int, dtype: torch.dtype, device) -> torch.Tensor:
+    def _new_buffer(self, capacity: int, dtype: torch.dtype, device, batch: Optional[int] = None) -> torch.Tensor:
         c = self.shape
-        shape = (c.num_layers, 2, self.batch, c.num_kv_heads, capacity, c.head_dim)
+        shape = (c.num_layers, 2, self.batch if batch is None else batch, c.num_kv_heads, capacity, c.head_dim)
+        kept = None if self.pool is None else self.pool.take(shape, dtype, device)
+        if kept is not None:
+            self.max_capacity = max(self.max_capacity, kept.shape[-2])  # (more positions than asked)
+            return kept
         nbytes = math.prod(shape) * dtype.itemsize
         with memory_errors(f"allocating a KV cache of {capacity} positions ({list(shape)}, {dtype}), which needs "
                            f"{nbytes} bytes ({nbytes / 2**30:.2f} GiB)"):
             return torch.zeros(shape, dtype=dtype, device=device)
+
+    def _new_lengths(self, batch: int, device) -> torch.Tensor:
+        kept = None if self.pool is None else self.pool.take((batch,), torch.int64, device)
+        return torch.zeros(batch, dtype=torch.int64, device=device) if kept is None else kept
+
+    def _let_go(self, *buffers: torch.Tensor) -> None:
+        """Buffers this cache no longer uses: to its pool, if it has one."""
+        if self.pool is not None:
+            for t in buffers:
+                self.pool.give(t)
+
+    def release(self) -> None:
+        """Its buffers go back to its pool (the cache is not used again); nothing without a pool."""
+        self._let_go(self.kv, self.lengths)
+
+    def storage_key(self) -> tuple:
+        """Its buffers' addresses and shapes: what a capture of a round reads of it, and what
+        :class:`jakiro_ext.engine.graphs.Replay` keys the capture by (not by this object)."""
+        return tuple((t.data_ptr(), tuple(t.shape), t.dtype, t.device) for t in (self.kv, self.lengths))
 
     def reserve(self, positions: int) -> None:
         """Make room for ``positions`` positions per sequence: the buffer grows to at least twice
@@ -72,6 +136,7 @@ class KVCache(nn.Module):
         kv = self._new_buffer(min(max(positions, 2 * self.capacity), self.max_capacity), self.kv.dtype, self.kv.device)
         used = max(self.host_lengths)
         kv[..., :used, :] = self.kv[..., :used, :]
+        self._let_go(self.kv)
         self.kv = kv
 
     # ------------------------------------------------------------------ its verbs
@@ -125,8 +190,15 @@ class KVCache(nn.Module):
         new empty sequence); the others are dropped. ``max_capacity`` raises the bound on
         positions (what the new sequences may need)."""
         index = ops.to_device(torch.tensor([max(r, 0) for r in rows]), self.kv.device)
-        self.kv = self.kv[:, :, index].contiguous()
-        self.lengths = self.lengths[index]
+        old_kv, old_lengths = self.kv, self.lengths
+        if self.pool is None:
+            self.kv, self.lengths = old_kv[:, :, index].contiguous(), old_lengths[index]
+        else:  # (into the pool's buffers where it keeps them: a kept one may have more positions)
+            self.kv = self._new_buffer(self.capacity, old_kv.dtype, old_kv.device, len(rows))
+            self.kv[..., :old_kv.shape[-2], :] = old_kv[:, :, index]
+            self.lengths = self._new_lengths(len(rows), old_lengths.device)
+            self.lengths.copy_(old_lengths[index])
+            self._let_go(old_kv, old_lengths)
         self.host_lengths = [self.host_lengths[r] if r >= 0 else 0 for r in rows]
         self.batch = len(rows)
         fresh = [i for i, r in enumerate(rows) if r < 0]

@@ -9,13 +9,14 @@ bookkeeping: a round's hundreds of small ops cost less), never across a yield to
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, NamedTuple, Optional
 
 import torch
 
 from jakiro_ext import ops
 from jakiro_ext.config import INITIAL_ROOM
 from jakiro_ext.engine.drafter import Drafter
+from jakiro_ext.engine.graph_sessions import GraphSession
 from jakiro_ext.engine.policy import TreePolicy, largest_tree
 from jakiro_ext.engine.round import Round, RoundResult
 from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, no_distribution_error
@@ -23,10 +24,26 @@ from jakiro_ext.engine.state import BatchState, Started
 from jakiro_ext.methods import BASELINE, METHODS, Method
 from jakiro_ext.models.heads.head import Head
 from jakiro_ext.models.llama import LlamaModel
+from jakiro_ext.models.weights import TargetWeights
 
 # Called with True when a round starts and False when it ends: a diagnostic's hook
 # (jakiro_ext.engine.host_reads tells the reads of the rounds from the others).
 ROUND_LISTENERS: List[Callable[[bool], None]] = []
+
+
+class RoundParts(NamedTuple):
+    """What a batch makes for its rounds (a graphed call's are kept for the next: :mod:`.graph_sessions`):
+    the drafter of its largest tree, which catches the draft up (``catch_up``), each tree's own
+    drafter by :meth:`TreeConfig.key` (None: plain decoding's, which drafts nothing), the target's
+    prepared weights and the round."""
+    catch_up: Drafter
+    drafters: Dict[Optional[tuple], Drafter]
+    weights: TargetWeights
+    round: Round
+
+
+def _tree_key(tree) -> Optional[tuple]:
+    return None if tree is None else tree.key()
 
 
 class DecodeBatch:
@@ -36,24 +53,36 @@ class DecodeBatch:
     rows are compacted."""
 
     def __init__(self, target: LlamaModel, draft: Optional[Head], method: Method, policy: TreePolicy,
-                 s: DecodeSettings, max_rows: int):
-        """``policy``: each round's tree; the caches are sized by the largest of its trees."""
+                 s: DecodeSettings, max_rows: int, session: Optional[GraphSession] = None):
+        """``policy``: each round's tree; the caches are sized by the largest of its trees.
+        ``session``: a graphed call's (:mod:`.graph_sessions`): the round's parts come from the
+        last call that ran them, and the caches' buffers from its pool (and go back there)."""
         self.target, self.draft, self.method, self.policy, self.settings = target, draft, method, policy, s
         self.max_rows = max_rows
-        tree = largest_tree(policy, method)
         self.device = target.lm_head.weight.device
-        self.drafter = Drafter(draft, method, tree, max_rows)  # checks the method, head and tree; catches the draft up
+        # The target's layers an EAGLE-3 head reads (None: its final hidden states, as the others)
+        self.feature_layers = getattr(draft, "feature_layers", None) if method.drafts else None
+        if session is not None and session.parts is None:
+            session.parts = self._parts()
+        parts = self._parts() if session is None else session.parts
+        self.drafter, self.drafters, self.weights, self.rounds = parts
+        self.pool = None if session is None else session.pool
         self.tree_nodes = self.drafter.max_nodes
-        # Each tree's own drafter (plain decoding's drafts nothing).
-        self.drafters = {id(t): self.drafter if t is tree else Drafter(draft, method, t, max_rows) if t is not None
-                         else Drafter(None, METHODS[BASELINE], tree) for t in policy.trees}
         self.draining = False  # no request waits for a row (set by the caller before each round)
         self.state: Optional[BatchState] = None
         self.root_parent = torch.tensor([[-1]], device=self.device)
-        # The target's layers an EAGLE-3 head reads (None: its final hidden states, as the others)
-        self.feature_layers = getattr(draft, "feature_layers", None) if method.drafts else None
-        self.weights = target.prepare()  # the call's: read as they are when it starts
-        self.rounds = Round(target, self.weights, self.drafter, s, self.feature_layers)
+
+    def _parts(self) -> RoundParts:
+        """The drafters (each checks the method, the head and its tree), the target's weights as
+        they are when the call starts (the call's) and the round."""
+        draft, method, rows = self.draft, self.method, self.max_rows
+        tree = largest_tree(self.policy, method)
+        catch_up = Drafter(draft, method, tree, rows)
+        drafters = {_tree_key(t): catch_up if t is tree else Drafter(draft, method, t, rows) if t is not None
+                    else Drafter(None, METHODS[BASELINE], tree) for t in self.policy.trees}
+        weights = self.target.prepare()
+        return RoundParts(catch_up, drafters, weights,
+                          Round(self.target, weights, catch_up, self.settings, self.feature_layers))
 
     @property
     def seqs(self) -> List[DecodeSequence]:
@@ -107,7 +136,7 @@ class DecodeBatch:
             room = max(min(seq.bound, seq.ids.numel() + INITIAL_ROOM + self.tree_nodes) for seq in seqs)
             bound = max(seq.bound for seq in seqs)
             if self.state is None:
-                self.state = BatchState(self.target, self.drafter, len(seqs), room, bound)
+                self.state = BatchState(self.target, self.drafter, len(seqs), room, bound, self.pool)
             free = self.state.make_room(len(seqs), bound)
             for b, (seq, state) in zip(free, started):
                 self.state.load(b, seq, state)
@@ -122,6 +151,12 @@ class DecodeBatch:
     def compact(self) -> None:
         """Drop the free rows when they outnumber the busy ones (the whole state when none is busy)."""
         if self.state is not None and not self.state.compact():
+            self.close()
+
+    def close(self) -> None:
+        """The batch state is let go (its caches' buffers back to the pool, if any)."""
+        if self.state is not None:
+            self.state.release()
             self.state = None
 
     # ------------------------------------------------------------------ a round
@@ -134,7 +169,7 @@ class DecodeBatch:
         for listen in ROUND_LISTENERS:
             listen(True)
         try:
-            drafter = self.drafters[id(self.policy.choose(len(self.state.rows)))]
+            drafter = self.drafters[_tree_key(self.policy.choose(len(self.state.rows)))]
             t0 = time.perf_counter()
             caught_up = self.state.catch_up_pending() if drafter.drafts else 0
             result = self.rounds.run(self.state, drafter, self.draining, caught_up, time.perf_counter() - t0)

@@ -12,7 +12,7 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.engine import draft_lag
 from jakiro_ext.engine.tree import DraftTree, VerifyTree
-from jakiro_ext.kv_cache import KVCache, TreeKV
+from jakiro_ext.kv_cache import BufferPool, KVCache, TreeKV
 from jakiro_ext.methods import CONTRASTIVE, EXPERTS, FORWARD_KINDS, MLP, Method
 from jakiro_ext.models.heads.head import Head
 from jakiro_ext.models.heads.step import DraftStep, take_rows
@@ -96,14 +96,15 @@ class Drafter:
         return _width(self.tree)
 
     # ------------------------------------------------------------------ the committed side
-    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> Optional[KVCache]:
+    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None,
+                  pool: Optional[BufferPool] = None) -> Optional[KVCache]:
         """The draft's KV cache for ``batch`` sequences of ``capacity`` committed positions (growing
         up to ``max_capacity``; default: fixed), with the scratch a round's drafting writes beyond
-        them; None when nothing is drafted."""
+        them (its buffers from ``pool`` where it keeps them); None when nothing is drafted."""
         if not self.drafts:
             return None
         return self.head.new_cache(capacity + self.scratch, None if max_capacity is None else max_capacity + self.scratch,
-                                   batch=batch)
+                                   batch=batch, pool=pool)
 
     def catch_up(self, cache: KVCache, tokens: torch.Tensor, features: torch.Tensor) -> DraftStep:
         """Run the pairs (tokens[b, i], features[b, i]) (token t+1 with the target's feature at t;

@@ -29,6 +29,7 @@ from typing import Callable, Iterator, Optional, Sized, Tuple
 import torch
 
 from jakiro_ext.config import MAX_BATCH, TreeConfig, brief, check_sampling_options, int_arg
+from jakiro_ext.engine import graph_sessions
 from jakiro_ext.engine.batch import DecodeBatch
 from jakiro_ext.engine.graphs import MODES
 from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, GenerationOutput, check_room
@@ -111,7 +112,21 @@ def _decode(target, draft, method: Method, policy: TreePolicy, s: DecodeSettings
     it finishes. Each round runs the tree ``policy`` chooses. ``listed``: the collection
     ``requests`` iterates over, when it is one (the batch drains once as many are taken as it
     holds: its length read each round, so prompts appended to it count)."""
-    batch = DecodeBatch(target, draft, method, policy, s, max_rows)  # checks the method, head and tree
+    session = None if s.graphs == "eager" else graph_sessions.take(target, draft, method, policy.trees, s, max_rows)
+    batch = None
+    try:
+        batch = DecodeBatch(target, draft, method, policy, s, max_rows, session)  # checks the method, head and tree
+        yield from _rounds(batch, policy, requests, max_rows, listed)
+    finally:
+        if batch is not None:
+            batch.close()
+        if session is not None:
+            graph_sessions.give_back(session)
+
+
+def _rounds(batch: DecodeBatch, policy: TreePolicy, requests, max_rows: int, listed: Optional[Sized]):
+    """:func:`_decode`'s rounds: admit the waiting requests to free rows, run a round, yield the
+    finished sequences, until none is in flight and none waits."""
     taken, dry = 0, False
     while True:
         while len(batch.seqs) < max_rows:  # free rows take waiting requests
@@ -192,7 +207,11 @@ _DOC_OPTIONS = """
         per batch size and cache buffer, then replayed: one launch instead of hundreds; a CUDA
         target only) or ``"recorded"`` (the same capture-and-replay rules, run by replaying the
         recorded ops on any device: for tests and debugging). Every mode gives the same tokens
-        (:mod:`jakiro_ext.engine.graphs`).
+        (:mod:`jakiro_ext.engine.graphs`). A graphed call leaves its captures, drafters and cache
+        buffers with the target for the next call of the same head, method, tree, batch size and
+        sampling settings, which replays them without capturing again (at most two such sets
+        a target, :mod:`jakiro_ext.engine.graph_sessions`; ``jakiro_ext.engine.free_graphs(target)``
+        lets them go).
 """
 
 

@@ -17,87 +17,156 @@ Two ways to replay, with the same rules:
   tensors, with no Python of the function in between. It runs anywhere, the CPU included: it is
   how the tests hold the engine's captured round to the rules of a CUDA graph without a GPU (a
   host value baked into a capture that should have changed gives other tokens there too).
+
+A capture also reads tensors made before it and kept elsewhere (weights, KV caches, rotary
+tables, masks kept per shape): its *externals*, found while it is made (every tensor an op of
+it reads that no op of it made). It holds them weakly, as a CUDA graph holds their addresses: one
+let go (a rotary table made again larger, a mask dropped from its cache, a cache grown) makes
+the capture stale, and it is made again rather than replayed (a graph would read freed memory).
+A :class:`Replay` keeps up to KEPT_CAPTURES captures, the least recently used let go.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Optional, Sequence, Tuple
+import sys
+import weakref
+from collections import Counter, OrderedDict
+from typing import Any, Callable, Hashable, List, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 MODES = ("cuda", "recorded")
+KEPT_CAPTURES = 8  # captures a Replay keeps (batch sizes, cache buffers), the least recently used let go
 
 
 class _Recorder(TorchDispatchMode):
-    """Records every op dispatched while active: (op, args, kwargs, output). Holding the
-    arguments and outputs keeps them alive, so their ids stay theirs during a replay."""
+    """Watches every op dispatched while active: finds the tensors the ops read that none of them
+    made and that are not ``inputs`` (``externals``, held here, in the order first read) and, with
+    ``keep``, records each op: (op, args, kwargs, output), which keeps the recorded tensors alive,
+    so their ids stay theirs while the record lives."""
 
-    def __init__(self):
+    def __init__(self, inputs: Sequence[torch.Tensor] = (), keep: bool = True):
         super().__init__()
-        self.calls = []
+        self.calls, self.keep = [], keep
+        self.externals: List[torch.Tensor] = []
+        # Ids of the inputs, outputs and externals so far. An output's id may be taken again once
+        # it is freed (keep=False), but only by a tensor made during the call, never by an external.
+        self._seen = {id(t) for t in inputs}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        for x in tree_flatten((args, kwargs))[0]:
+            if isinstance(x, torch.Tensor) and id(x) not in self._seen:
+                self._seen.add(id(x))
+                self.externals.append(x)
         out = func(*args, **kwargs)
-        self.calls.append((func, args, kwargs, out))
+        self._seen.update(id(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        if self.keep:
+            self.calls.append((func, args, kwargs, out))
         return out
 
+    def held_elsewhere(self) -> List[torch.Tensor]:
+        """The externals something besides this recorder holds: an owner (a model, a cache, a
+        table kept per shape) that may let them go. The others the call made itself outside the
+        dispatcher (a scalar wrapped as a tensor, a host tensor): they live as long as the record
+        (and a CUDA graph baked their values in)."""
+        ours = Counter(id(t) for call in self.calls for t in tree_flatten(call)[0] if isinstance(t, torch.Tensor))
+        # (the references of this list's slot, of the loop's name and of getrefcount's argument: 3)
+        return [t for t in self.externals if sys.getrefcount(t) > 3 + ours[id(t)]]
 
-class _Recorded:
+
+class _Capture:
+    """A captured call: ``first`` (the result of the call that captured it), ``host`` (its host
+    value), and whether it is ``stale``: an external tensor it reads was let go (a CUDA graph
+    would read freed memory), so it must be captured again, not replayed."""
+
+    def watch(self, externals: Sequence[torch.Tensor]) -> None:
+        self.stale = False
+        self._refs = [weakref.ref(t, self._let_go) for t in externals]
+
+    def _let_go(self, _ref) -> None:
+        self.stale = True
+
+
+class _External:
+    """An external tensor of a recorded call held weakly, as a CUDA graph holds its address."""
+
+    def __init__(self, ref: weakref.ref):
+        self.ref = ref
+
+
+class _Recorded(_Capture):
     """A recorded call: replays its ops on the same static inputs and long-lived tensors (weights,
     caches), each intermediate replaced by its new value. ``first``: the recorded run's outputs."""
 
-    def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor]):
-        recorder = _Recorder()
+    def __init__(self, fn: Callable, inputs: Sequence[Any]):
+        recorder = _Recorder([x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)])
         with recorder:
             self.outputs, self.host = fn(*inputs)
-        self.calls = recorder.calls
+        watched = recorder.held_elsewhere()
+        weak = {id(t): _External(weakref.ref(t)) for t in watched}
+        self.calls = [tree_map(lambda x: weak.get(id(x), x) if isinstance(x, torch.Tensor) else x, call)
+                      for call in recorder.calls]
+        self.watch(watched)
         self.first = tuple(self.outputs)
 
     def replay(self):
         new = {}  # id of a captured intermediate -> its value in this replay
 
         def current(x):
+            if isinstance(x, _External):
+                return x.ref()  # (alive: a stale capture is not replayed)
             return new.get(id(x), x) if isinstance(x, torch.Tensor) else x
         for func, args, kwargs, out in self.calls:
             result = func(*tree_map(current, args), **tree_map(current, kwargs))
             for old, value in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
-                if isinstance(old, torch.Tensor):
+                if isinstance(old, torch.Tensor):  # (an op's output that is an external: itself, in place)
                     new[id(old)] = value
         return tuple(current(t) for t in self.outputs)
 
 
-class _CudaGraph:
+class _CudaGraph(_Capture):
     """A call captured as a CUDA graph: its outputs are static tensors, rewritten by each replay.
     ``first``: the outputs of the eager warm-up run (a capture runs nothing), this call's result:
     the call's effects happen once, so the device's error word is read (and cleared) once."""
 
-    def __init__(self, fn: Callable, inputs: Sequence[torch.Tensor]):
+    def __init__(self, fn: Callable, inputs: Sequence[Any]):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: lazy allocations, handles and tables outside the capture
             self.first = tuple(fn(*inputs)[0])
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
+        # The ops are watched while captured (not in the warm-up, whose lazily made tables the
+        # capture reads as made before it) for the externals the graph reads.
+        finder = _Recorder([x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)], keep=False)
         # A pool of its own: capturing into the pool of a graph already freed trips the caching
         # allocator's assertion (use_count > 0), as a re-capture for a new key would.
-        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()):
+        with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()), finder:
             self.outputs, self.host = fn(*inputs)
+        self.watch(finder.held_elsewhere())
 
     def replay(self):
         self.graph.replay()
         return tuple(self.outputs)
 
 
+def _constant_key(x) -> Hashable:
+    """A constant's part of a capture's key: what it holds, where it says (``storage_key()``: a KV
+    cache's buffers, so a cache made of the same buffers finds the capture), else its id."""
+    key = getattr(x, "storage_key", None)
+    return key() if callable(key) else id(x)
+
+
 class Replay:
     """``fn(*inputs) -> (tuple of output tensors, host value)`` captured for a key and replayed:
     ``inputs`` are pytrees (tuples, named tuples, lists, None) whose tensors are copied into the
     capture's static buffers on each call and whose other leaves (objects: caches, a drafter) are
-    constants of the capture, part of its key with ``key``. Returns the outputs (static: valid
+    constants of the capture, part of its key with ``key`` (:func:`_constant_key`). Returns the outputs (static: valid
     until the next call) and the host value the capture returned (e.g. how many forwards it ran).
-    A new key captures anew and drops the old capture (what it pointed to may be gone: a grown
-    cache, another batch)."""
+    A new key captures anew; up to KEPT_CAPTURES captures are kept (the least recently used let
+    go first), a stale one (an external let go) is let go when found."""
 
     def __init__(self, fn: Callable[..., Tuple[Tuple[torch.Tensor, ...], Any]], mode: str):
         if mode not in MODES:
@@ -105,25 +174,28 @@ class Replay:
         if mode == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device; none is available")
         self.fn, self.mode = fn, mode
-        self.key: Optional[Hashable] = None
-        self.static: Tuple[Any, ...] = ()
-        self.captured = None
+        self.kept: "OrderedDict[Hashable, _Capture]" = OrderedDict()  # key -> capture, least recently used first
         self.captures = 0  # how many times it captured (tests, statistics)
 
     def __call__(self, key: Hashable, inputs: Sequence[Any]):
         leaves, spec = tree_flatten(list(inputs))
-        constants = tuple(id(x) for x in leaves if not isinstance(x, torch.Tensor))
+        constants = tuple(_constant_key(x) for x in leaves if not isinstance(x, torch.Tensor))
         key = (key, spec, constants)
-        if key != self.key or self.captured is None:
-            self.captured = None  # (frees the old capture's memory first)
-            # (the constants themselves are kept here: their ids in the key stay theirs)
-            self.static = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in leaves)
-            static = tree_unflatten(list(self.static), spec)
-            self.captured = (_CudaGraph(self.fn, static) if self.mode == "cuda" else _Recorded(self.fn, static))
-            self.key = key
+        for stale in [k for k, c in self.kept.items() if c.stale]:
+            del self.kept[stale]
+        captured = self.kept.get(key)
+        if captured is None:
+            while len(self.kept) >= KEPT_CAPTURES:  # (frees the old captures' memory first)
+                self.kept.popitem(last=False)
+            # (the constants themselves are kept with it: their ids in the key stay theirs)
+            static = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in leaves)
+            made = _CudaGraph if self.mode == "cuda" else _Recorded
+            captured = self.kept[key] = made(self.fn, tree_unflatten(list(static), spec))
+            captured.static = static
             self.captures += 1
-            return self.captured.first, self.captured.host
-        for buffer, value in zip(self.static, leaves):
+            return captured.first, captured.host
+        self.kept.move_to_end(key)
+        for buffer, value in zip(captured.static, leaves):
             if isinstance(value, torch.Tensor):
                 buffer.copy_(value)
-        return self.captured.replay(), self.captured.host
+        return captured.replay(), captured.host

@@ -11,7 +11,7 @@ from jakiro_ext import ops
 from jakiro_ext.engine.draft_lag import DraftLag
 from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.sequence import DecodeSequence
-from jakiro_ext.kv_cache import KVCache
+from jakiro_ext.kv_cache import BufferPool, KVCache
 from jakiro_ext.models.heads.step import DraftStep
 from jakiro_ext.models.llama import LlamaModel
 
@@ -33,10 +33,12 @@ class BatchState:
     row to start with and grow on demand up to ``bound``; the draft cache also has the drafter's
     scratch beyond them."""
 
-    def __init__(self, target: LlamaModel, drafter: Drafter, batch: int, room: int, bound: Optional[int] = None):
+    def __init__(self, target: LlamaModel, drafter: Drafter, batch: int, room: int, bound: Optional[int] = None,
+                 pool: Optional[BufferPool] = None):
+        """``pool``: where the caches take their buffers and leave them (:meth:`release`)."""
         self.rows: List[Optional[DecodeSequence]] = [None] * batch
-        self.target_kv = target.new_cache(batch, room, bound)
-        self.draft_kv = drafter.new_cache(batch, room, bound)
+        self.target_kv = target.new_cache(batch, room, bound, pool)
+        self.draft_kv = drafter.new_cache(batch, room, bound, pool)
         self.drafter, self.scratch = drafter, drafter.scratch
         self.root_step: Optional[DraftStep] = None  # [B, 1, ...], made by the first load
         self.lag = DraftLag(batch, drafter.window)  # what each row's draft has not run yet (rounds that drafted nothing)
@@ -55,12 +57,11 @@ class BatchState:
         """Each row's committed positions (as the host keeps them: no device read)."""
         return self.target_kv.host_lengths
 
-    def buffers(self) -> List[torch.Tensor]:
-        """The long-lived tensors a capture of a round points to: a new one means a new capture."""
-        found = [self.target_kv.kv, self.target_kv.lengths]
-        if self.draft_kv is not None:
-            found += [self.draft_kv.kv, self.draft_kv.lengths]
-        return found
+    def release(self) -> None:
+        """The state is not used again: its caches' buffers go back to their pool."""
+        for cache in (self.target_kv, self.draft_kv):
+            if cache is not None:
+                cache.release()
 
     # ------------------------------------------------------------------ rows come and go
     def make_room(self, count: int, bound: int) -> List[int]:

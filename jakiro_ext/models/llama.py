@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.kv_cache import CacheShape, KVCache
+from jakiro_ext.kv_cache import BufferPool, CacheShape, KVCache
 from jakiro_ext.memory import in_huge_pages, move_to_huge_pages
 from jakiro_ext.models.rope import LLAMA3_ROPE_KEYS, RopeTable
 from jakiro_ext.models.weights import STREAM_ROWS, TargetWeights, bf16_weights_enabled, cache_dtype, exactly_bf16
@@ -181,12 +181,13 @@ class LlamaModel(nn.Module):
         the weights', float32 beside packed quantized ones (a GGUF file's, :mod:`.gguf`)."""
         return self.norm.weight.dtype
 
-    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None) -> KVCache:
+    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None,
+                  pool: Optional[BufferPool] = None) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
-        (default: fixed)."""
+        (default: fixed); its buffers from ``pool`` where it keeps them (:class:`KVCache`)."""
         c, weight = self.config, self.layers[0].projections()[0]
         return KVCache(CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window), batch, capacity,
-                       cache_dtype(self.activation_dtype, weight), weight.device, max_capacity)
+                       cache_dtype(self.activation_dtype, weight), weight.device, max_capacity, pool)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: KVCache, tree_mask: Optional[torch.Tensor] = None,

@@ -143,3 +143,171 @@ def test_a_host_value_baked_into_the_capture_changes_the_tokens(target, monkeypa
     replayed = speculative_generate(target, head, PROMPTS[:3], 40, method="jakiro", tree=TREES["dynamic-small"],
                                     graphs="recorded")
     assert any(r.token_ids != p.token_ids for r, p in zip(replayed, plain))
+
+
+# ---------------------------------------------------------------- what a graphed call keeps for the next
+
+def test_a_capture_reads_in_place_changes_and_is_made_again_when_what_it_reads_is_let_go():
+    class Owner:
+        pass
+    owner = Owner()
+    owner.table = torch.arange(4.0)
+
+    def fn(x):  # reads an external table, and a tensor it makes itself outside the dispatcher
+        return (x * 2 + owner.table.sum() + torch.tensor([100.0]),), None
+    replay = graphs.Replay(fn, "recorded")
+    assert replay("k", [torch.tensor([1.0])])[0][0].tolist() == [108.0]
+    assert replay("k", [torch.tensor([2.0])])[0][0].tolist() == [110.0] and replay.captures == 1
+    (captured,) = replay.kept.values()
+    assert [ref() is owner.table for ref in captured._refs] == [True]  # the table alone is watched
+    owner.table.add_(1)  # changed in place: read by the replay
+    assert replay("k", [torch.tensor([2.0])])[0][0].tolist() == [114.0] and replay.captures == 1
+    owner.table = torch.zeros(4)  # let go: the capture is stale (a CUDA graph would read freed memory)
+    assert captured.stale
+    assert replay("k", [torch.tensor([2.0])])[0][0].tolist() == [104.0] and replay.captures == 2
+
+
+def test_a_replay_keeps_a_bounded_number_of_captures():
+    replay = graphs.Replay(lambda x: ((x + 1,), None), "recorded")
+    for key in range(graphs.KEPT_CAPTURES + 3):
+        replay(key, [torch.tensor([1.0])])
+    assert len(replay.kept) == graphs.KEPT_CAPTURES and list(replay.kept)[0][0] == 3  # the oldest let go
+    replay(3, [torch.tensor([1.0])])  # kept: replayed
+    assert replay.captures == graphs.KEPT_CAPTURES + 3 and list(replay.kept)[-1][0] == 3
+
+
+def test_the_buffer_pool_hands_back_buffers_by_shape_zeroed_and_bounded():
+    from jakiro_ext.kv_cache import BufferPool, CacheShape, KVCache
+    pool = BufferPool(per_shape=2)
+    shape = CacheShape(2, 1, 4)
+    cache = KVCache(shape, 2, 8, max_capacity=64, pool=pool)
+    first_kv, first_lengths = cache.kv, cache.lengths
+    cache.kv.fill_(7.0)
+    cache.commit(3)
+    cache.reserve(12)  # grows: the old buffer goes to the pool
+    assert cache.capacity == 16 and any(t is first_kv for t in pool.kept[pool._key(first_kv.shape, first_kv.dtype, "cpu")])
+    cache.release()
+    again = KVCache(shape, 2, 10, max_capacity=12, pool=pool)  # the fewest positions that fit: 16
+    assert again.kv.data_ptr() == cache.kv.data_ptr() and again.capacity == 16 and again.max_capacity == 16
+    assert again.lengths is first_lengths and not again.lengths.any()
+    small = KVCache(shape, 2, 4, pool=pool)  # the 8-position one, zeroed
+    assert small.kv is first_kv and not small.kv.any()
+    assert KVCache(shape, 3, 4, pool=pool).kv.shape[2] == 3  # another batch: made
+    for _ in range(4):
+        pool.give(torch.ones(2, 2, 2, 1, 32, 4))
+    assert len(pool.kept[pool._key((2, 2, 2, 1, 32, 4), torch.float32, "cpu")]) == 2
+    # Rows selected into a kept buffer with more positions: the rows' keys and values as they were.
+    rows = KVCache(shape, 3, 8, max_capacity=64, pool=pool)
+    rows.kv.copy_(torch.randn(rows.kv.shape))
+    rows.commit(5)
+    before = rows.kv.clone()
+    pool.give(torch.ones(2, 2, 2, 1, 16, 4))  # (kept: it and the last 32-position one)
+    rows.select_rows([2, 0])
+    assert rows.capacity == 16 and rows.host_lengths == [5, 5] and rows.lengths.tolist() == [5, 5]
+    assert torch.equal(rows.kv[..., :8, :], before[:, :, [2, 0]]) and not rows.kv[..., 8:, :].any()
+
+
+def _count_captures(monkeypatch):
+    made = []
+    original = graphs.Replay.__call__
+
+    def counting(self, key, inputs):
+        before = self.captures
+        result = original(self, key, inputs)
+        made.append(self.captures - before)
+        return result
+    monkeypatch.setattr(graphs.Replay, "__call__", counting)
+    return made
+
+
+KEPT_CASES = [("jakiro", "jakiro", "dynamic-small"), ("eagle2", "eagle2", "static")]
+
+
+@pytest.mark.parametrize("kind,method,tree", KEPT_CASES, ids=[c[1] for c in KEPT_CASES])
+def test_a_second_graphed_call_replays_the_first_calls_captures(target, kind, method, tree, monkeypatch):
+    from jakiro_ext.engine import graph_sessions
+    head = attentive_head(target, kind)
+    made = _count_captures(monkeypatch)
+    kwargs = dict(method=method, tree=TREES[tree])
+    calls = {"one prompt": lambda **kw: [speculative_generate(target, head, PROMPTS[1], 300, **kwargs, **kw)],
+             "a batch": lambda **kw: speculative_generate(target, head, PROMPTS[:3], 40, **kwargs, **kw),
+             "continuous batching": lambda **kw: [out for _, out in sorted(generate_many(
+                 target, head, iter(PROMPTS), 3, 40, **kwargs, **kw))]}
+    for name, call in calls.items():
+        eager = call()
+        made.clear()
+        first = call(graphs="recorded")  # (a batch's session serves the continuous batching of as many rows)
+        assert sum(made) >= (name != "continuous batching"), name
+        for _ in range(2):
+            made.clear()
+            again = call(graphs="recorded")
+            assert sum(made) == 0 and len(made) > 5, name  # (the one-prompt call grows its caches: captured again at first)
+            assert all(_same(a, b) for a, b in zip(eager, again)) and all(_same(a, b) for a, b in zip(eager, first)), name
+    assert len(target.__dict__["_graph_sessions"]) == graph_sessions.KEPT_SESSIONS
+    graph_sessions.free_graphs(target)
+    assert not target.__dict__["_graph_sessions"]
+    speculative_generate(target, head, PROMPTS[1], 8, **kwargs)
+    assert not target.__dict__["_graph_sessions"]  # an eager call keeps nothing
+
+
+def test_a_kept_capture_is_made_again_when_a_table_it_reads_is_let_go(target, monkeypatch):
+    head = attentive_head(target, "jakiro")
+    made = _count_captures(monkeypatch)
+    kwargs = dict(method="jakiro", tree=TREES["dynamic-small"])
+    # (The eager call makes the rotary table the call needs, so the capture reads it as made before
+    # it, as a CUDA graph's capture does after its warm-up: a recording without one makes it itself.)
+    eager = speculative_generate(target, head, PROMPTS[0], 40, **kwargs)
+    speculative_generate(target, head, PROMPTS[0], 40, graphs="recorded", **kwargs)
+    table = target._rope_table.cos
+    speculative_generate(target, None, PROMPTS[0].repeat(1 + 4 * table.shape[0] // len(PROMPTS[0])), 2)  # a longer prompt
+    assert target._rope_table.cos is not table  # the rotary table made again, larger: the old one let go
+    made.clear()
+    assert _same(eager, speculative_generate(target, head, PROMPTS[0], 40, graphs="recorded", **kwargs))
+    assert sum(made) == 1  # captured again, not replayed
+    # Negative control: a capture that watched nothing is replayed after the table is let go, and
+    # its replay reads what is gone (here: a freed tensor is None; on a GPU, freed memory).
+    monkeypatch.setattr(graphs._Capture, "watch", lambda self, externals: (setattr(self, "stale", False),
+                                                                          setattr(self, "_refs", [])))
+    from jakiro_ext.engine import graph_sessions
+    graph_sessions.free_graphs(target)
+    speculative_generate(target, head, PROMPTS[0], 40, graphs="recorded", **kwargs)
+    target._rope_table.cos = target._rope_table.cos.clone()
+    with pytest.raises(RuntimeError, match="tensor does not have a device"):  # (None where the table was)
+        speculative_generate(target, head, PROMPTS[0], 40, graphs="recorded", **kwargs)
+    graph_sessions.free_graphs(target)
+
+
+def test_weights_changed_between_graphed_calls_are_read(monkeypatch):
+    target = sharp_target()
+    head = attentive_head(target, "eagle2")
+    made = _count_captures(monkeypatch)
+    kwargs = dict(method="eagle2", tree=TREES["dynamic-small"])
+
+    def check(captures: int):
+        eager = speculative_generate(target, head, PROMPTS[1], 40, **kwargs)
+        made.clear()
+        assert _same(eager, speculative_generate(target, head, PROMPTS[1], 40, graphs="recorded", **kwargs))
+        assert sum(made) == captures
+        return eager
+    first = check(1)
+    down = target.layers[-1].down_proj
+    with torch.no_grad():  # in place, where the rounds read it: replayed
+        down.weight.add_(torch.randn(down.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
+    changed = check(0)
+    down.weight = torch.nn.Parameter(down.weight.detach() * -1)
+    replaced = check(1)  # another session
+    assert first.token_ids != changed.token_ids != replaced.token_ids  # (the changes count)
+    with torch.no_grad():
+        head.o_proj.weight.mul_(-1)  # where drafting reads a copy of it: another session
+    assert check(1).stats.accept_lengths != replaced.stats.accept_lengths
+
+
+def test_a_call_in_flight_keeps_its_session_from_another_call(target):
+    head = attentive_head(target, "jakiro")
+    kwargs = dict(method="jakiro", tree=TREES["dynamic-small"])
+    eager = dict(generate_many(target, head, iter(PROMPTS), 2, 40, **kwargs))
+    paused = generate_many(target, head, iter(PROMPTS), 2, 40, graphs="recorded", **kwargs)
+    got = dict([next(paused)])
+    other = dict(generate_many(target, head, iter(PROMPTS), 2, 40, graphs="recorded", **kwargs))
+    got.update(paused)
+    assert all(_same(eager[i], got[i]) and _same(eager[i], other[i]) for i in eager)

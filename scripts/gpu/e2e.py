@@ -7,7 +7,9 @@ method (``ar``, ``eagle2``, ``jakiro``, ``gumiho``, each head random and shaped 
 and each way of launching a round (``eager``; ``cuda`` graphs on a GPU, ``recorded`` replays on
 the CPU), one generation: a round's cost is the median time of its rounds after the first two
 (the first captures the graph), each round timed from its start to its end (a round ends with
-its one read of the device, so the device's work is inside it). Also per round: the host's
+its one read of the device, so the device's work is inside it); the first round, the captures
+made, and both again for a second call (with graphs it replays the first call's captures, kept
+with the target: no capture, a first round as quick as the others). Also per round: the host's
 reads of device values (each a synchronisation on a GPU). Predicted tokens/s: per sequence, (1 + the drafted tokens the shipped
 head of that kind is expected to have accepted with the round's tree, from its acceptance
 profile) / the round's cost, times the batch; the tree is the one the GPU cost model of
@@ -31,6 +33,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from common import write_csv  # noqa: E402
 from jakiro_ext.engine.batch import ROUND_LISTENERS  # noqa: E402
 from jakiro_ext.engine.generate import speculative_generate  # noqa: E402
+from jakiro_ext.engine.graph_sessions import free_graphs  # noqa: E402
 from jakiro_ext.engine.host_reads import HostReads, counted_rounds  # noqa: E402
 from jakiro_ext.engine.tree_cost import choose_tree, expected_accepted  # noqa: E402
 from jakiro_ext.models.heads.config import DraftConfig  # noqa: E402
@@ -89,6 +92,12 @@ def gpu_tree(target, head, method: str):
     from predict_gpu import gpu_costs
     tree, _ = choose_tree(gpu_costs(target, head, method), head.acceptance, method)
     return tree
+
+
+def captures_made(target) -> int:
+    """The captures the graphed calls' kept sessions made so far (:mod:`jakiro_ext.engine.graph_sessions`)."""
+    return sum(s.parts.round.replay.captures for s in target.__dict__.get("_graph_sessions", {}).values()
+               if s.parts is not None)
 
 
 def timed_rounds(target, head, method, tree, prompts, tokens: int, graphs: str, profile_rounds: int = 0):
@@ -158,8 +167,13 @@ def main():
                     accepted = 0.0 if head is None else expected_accepted(
                         head.acceptance, tree.total_tokens, tree.depth, tree.top_k, method)
                     for mode in modes:
+                        free_graphs(target)  # (what earlier calls kept: the captures counted are these calls')
                         seconds, reads = timed_rounds(target, head, method, tree, prompts, args.tokens, mode,
                                                       args.profile_rounds)
+                        captures = captures_made(target)
+                        # A second call: with graphs it replays what the first captured (kept with the target).
+                        again, _ = timed_rounds(target, head, method, tree, prompts, args.tokens, mode)
+                        captures_again = captures_made(target) - captures
                         if len(seconds) < 3:
                             raise SystemExit(f"error: {len(seconds)} rounds for {args.tokens} tokens: too few to time "
                                              "(the first two are left out)")
@@ -169,10 +183,14 @@ def main():
                                          f"{tree.total_tokens}/{tree.depth}/{tree.top_k}",
                                          round_ms=round(per_round * 1e3, 3),
                                          rounds=len(seconds), host_reads_per_round=round(reads / len(seconds), 2),
+                                         first_round_ms=round(seconds[0] * 1e3, 3), captures=captures,
+                                         next_call_first_round_ms=round(again[0] * 1e3, 3),
+                                         next_call_captures=captures_again,
                                          expected_tokens_per_round=round(1 + accepted, 3),
                                          predicted_tokens_per_s=round(batch * (1 + accepted) / per_round, 1)))
                         print(rows[-1], flush=True)
                         write_csv(args.out, rows)  # after every row: a stage cut off by its timeout keeps them
+            free_graphs(target)
             del target
             if args.device == "cuda":
                 torch.cuda.empty_cache()

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.kv_cache import KVCache, TreeKV
+from jakiro_ext.kv_cache import BufferPool, KVCache, TreeKV
 from jakiro_ext.memory import memory_errors
 from jakiro_ext.models.heads import formats as head_formats
 from jakiro_ext.models.heads.config import (ACCEPTANCE_FILE, DraftConfig, read_acceptance,
@@ -294,10 +294,11 @@ class DraftHead(nn.Module):
         """What drafting's products read (:func:`jakiro_ext.models.heads.drafting.drafting_products`)."""
         return drafting.drafting_products(self)
 
-    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache:
+    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1,
+                  pool: Optional[BufferPool] = None) -> KVCache:
         """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
         (default: fixed)."""
-        return new_head_cache(self.config, self.fc.weight, capacity, max_capacity, batch)
+        return new_head_cache(self.config, self.fc.weight, capacity, max_capacity, batch, pool)
 
     # ------------------------------------------------------------------ forward
     @torch.no_grad()

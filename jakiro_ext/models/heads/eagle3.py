@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from jakiro_ext import ops
-from jakiro_ext.kv_cache import KVCache
+from jakiro_ext.kv_cache import BufferPool, KVCache
 from jakiro_ext.models.heads.config import ACCEPTANCE_FILE, DraftConfig, default_feature_layers, write_head_files
 from jakiro_ext.models.heads.draft_head import DraftHead
 from jakiro_ext.models.heads.head import check_target_shapes, load_checked_state, new_head_cache
@@ -123,8 +123,9 @@ class Eagle3Head(nn.Module):
         """What drafting's products read (:func:`jakiro_ext.models.heads.drafting.drafting_products`)."""
         return drafting.drafting_products(self)
 
-    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache:
-        return new_head_cache(self.config, self.fc.weight, capacity, max_capacity, batch)
+    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1,
+                  pool: Optional[BufferPool] = None) -> KVCache:
+        return new_head_cache(self.config, self.fc.weight, capacity, max_capacity, batch, pool)
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: KVCache,

@@ -14,7 +14,7 @@ from typing import Optional, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from jakiro_ext.kv_cache import KVCache, TreeKV
+from jakiro_ext.kv_cache import BufferPool, KVCache, TreeKV
 from jakiro_ext.models.heads.config import CONFIG_FILE
 from jakiro_ext.models.heads.drafting import Products
 from jakiro_ext.models.heads.step import DraftStep
@@ -38,7 +38,8 @@ class Head(Protocol):
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
 
-    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1) -> KVCache: ...
+    def new_cache(self, capacity: int, max_capacity: Optional[int] = None, batch: int = 1,
+                  pool: Optional[BufferPool] = None) -> KVCache: ...
 
     def products(self) -> Products: ...
 
@@ -94,8 +95,10 @@ def load_checked_state(module: nn.Module, state: dict, weights: Path) -> None:
     module.load_state_dict({k: v.to(mine[k].dtype) for k, v in state.items()})
 
 
-def new_head_cache(config, weight: torch.Tensor, capacity: int, max_capacity: Optional[int], batch: int) -> KVCache:
+def new_head_cache(config, weight: torch.Tensor, capacity: int, max_capacity: Optional[int], batch: int,
+                   pool: Optional[BufferPool] = None) -> KVCache:
     """A head's KV cache: ``capacity`` positions per sequence, growing on demand up to
-    ``max_capacity`` (None: fixed), in the dtype and on the device of the head's ``weight``."""
+    ``max_capacity`` (None: fixed), in the dtype and on the device of the head's ``weight``; its
+    buffers from ``pool`` where it keeps them (:class:`KVCache`)."""
     return KVCache(config.cache_shape(), batch, capacity, dtype=weight.dtype, device=weight.device,
-                   max_capacity=max_capacity)
+                   max_capacity=max_capacity, pool=pool)

@@ -28,36 +28,40 @@ class CacheShape:
 
 
 class BufferPool:
-    """Cache buffers kept for reuse, by shape: a KV buffer [L, 2, B, Hkv, S, D] is taken for any
-    S at least the positions asked (the fewest such), a lengths vector [B] for its B. What a
-    graphed call's caches leave (:mod:`jakiro_ext.engine.graph_sessions`): the next call's caches
-    are made of the same buffers, so its rounds replay the captures made on them. Bounded: at
-    most ``per_shape`` buffers of a shape (S aside), the last given kept."""
+    """Where a decoding batch's caches get their buffers: capacities rounded up to a multiple of
+    ``quantum`` positions (so caches of calls alike have buffers alike), and buffers kept for
+    reuse by shape, at most ``most`` of them (the least recently given let go first; 0: none
+    kept, an eager call's). What a graphed call's caches leave (:mod:`jakiro_ext.engine.graph_sessions`):
+    the next call's caches are made of the same buffers, so its rounds replay the captures made
+    on them. A buffer is taken for its exact shape: a cache's capacity is what it would be with
+    a pool that keeps nothing (on a GPU the attention's splits follow it)."""
 
-    def __init__(self, per_shape: int = 2):
-        self.per_shape = per_shape
-        self.kept: "OrderedDict[tuple, List[torch.Tensor]]" = OrderedDict()  # (shape but S, dtype, device) -> buffers
+    def __init__(self, most: int = 8, quantum: int = 256):
+        self.most, self.quantum = most, quantum
+        self.kept: "OrderedDict[tuple, List[torch.Tensor]]" = OrderedDict()  # (shape, dtype, device) -> buffers
 
     @staticmethod
     def _key(shape: Tuple[int, ...], dtype: torch.dtype, device) -> tuple:
-        where = torch.get_default_device() if device is None else torch.device(device)
-        return (tuple(shape[:-2]) + tuple(shape[-1:]) if len(shape) > 1 else tuple(shape), dtype, where)
+        return tuple(shape), dtype, torch.get_default_device() if device is None else torch.device(device)
 
     def take(self, shape: Tuple[int, ...], dtype: torch.dtype, device) -> Optional[torch.Tensor]:
-        """A kept buffer of ``shape`` (a KV buffer's positions S: at least those), zeroed; None
-        when none is kept."""
-        found = self.kept.get(self._key(shape, dtype, device), [])
-        fits = [i for i, t in enumerate(found) if len(shape) == 1 or t.shape[-2] >= shape[-2]]
-        if not fits:
-            return None
-        return found.pop(min(fits, key=lambda i: found[i].numel())).zero_()  # (what a cache holds beyond its lengths: finite values)
+        """A kept buffer of ``shape``, zeroed (what a cache holds beyond its lengths must be finite:
+        attention weighs it by 0); None when none is kept."""
+        found = self.kept.get(self._key(shape, dtype, device))
+        # The first given first: caches released and made again in one order (a batch state's:
+        # the target's, then the draft's) get back the buffers they had.
+        return found.pop(0).zero_() if found else None
 
     def give(self, buffer: torch.Tensor) -> None:
         """Keep ``buffer`` (which its cache no longer uses) for a later :meth:`take`."""
-        found = self.kept.setdefault(self._key(buffer.shape, buffer.dtype, buffer.device), [])
+        key = self._key(buffer.shape, buffer.dtype, buffer.device)
+        found = self.kept.setdefault(key, [])
         if all(t is not buffer for t in found):
             found.append(buffer)
-            del found[:-self.per_shape]
+        self.kept.move_to_end(key)
+        while sum(map(len, self.kept.values())) > self.most:
+            oldest = next(k for k, v in self.kept.items() if v)
+            self.kept[oldest].pop(0)
 
     def nbytes(self) -> int:
         """The bytes of the buffers it keeps."""
@@ -73,21 +77,25 @@ class KVCache(nn.Module):
 
     The buffer starts at ``capacity`` positions and grows on demand (:meth:`reserve`, called by
     the forwards) up to ``max_capacity`` (default ``capacity``: a fixed cache), so a caller sizes
-    it by what can happen and pays for what does. With a ``pool``, its buffers come from the pool
-    where it keeps one (a KV buffer with more positions than asked: the capacity is then that)
-    and go back to it when let go (a growth, a selection of rows, :meth:`release`)."""
+    it by what can happen and pays for what does. With a ``pool`` (:class:`BufferPool`), every
+    capacity and the bound are rounded up to its quantum (within the sliding window), and the
+    buffers come from the pool where it keeps one of the shape and go back to it when let go (a
+    growth, a selection of rows, :meth:`release`)."""
 
     def __init__(self, shape: CacheShape, batch: int, capacity: int, dtype: torch.dtype = torch.float32,
                  device=None, max_capacity: Optional[int] = None, pool: Optional[BufferPool] = None):
         super().__init__()
         self.shape, self.batch, self.pool = shape, batch, pool
-        self.max_capacity = capacity if max_capacity is None else max_capacity
-        if not 1 <= capacity <= self.max_capacity:
-            raise ValueError(f"cache capacity must be in [1, max_capacity {self.max_capacity}], got {capacity}")
-        if shape.sliding_window is not None and self.max_capacity > shape.sliding_window:
-            raise ValueError(f"cache capacity {self.max_capacity} exceeds the model's sliding window "
+        self.quantum = 1 if pool is None else pool.quantum
+        max_capacity = capacity if max_capacity is None else max_capacity
+        if not 1 <= capacity <= max_capacity:
+            raise ValueError(f"cache capacity must be in [1, max_capacity {max_capacity}], got {capacity}")
+        if shape.sliding_window is not None and max_capacity > shape.sliding_window:
+            raise ValueError(f"cache capacity {max_capacity} exceeds the model's sliding window "
                              f"{shape.sliding_window}, which this implementation does not apply")
-        self.register_buffer("kv", self._new_buffer(capacity, dtype, device), persistent=False)
+        self.max_capacity = self._rounded(max_capacity)
+        self.register_buffer("kv", self._new_buffer(min(self._rounded(capacity), self.max_capacity), dtype, device),
+                             persistent=False)
         self.register_buffer("lengths", self._new_lengths(batch, device), persistent=False)
         self.host_lengths: List[int] = [0] * batch
 
@@ -95,12 +103,17 @@ class KVCache(nn.Module):
     def capacity(self) -> int:
         return self.kv.shape[-2]
 
+    def _rounded(self, positions: int) -> int:
+        """``positions`` rounded up to the quantum, within the sliding window."""
+        rounded = -(-positions // self.quantum) * self.quantum
+        window = self.shape.sliding_window
+        return rounded if window is None or positions > window else min(rounded, window)
+
     def _new_buffer(self, capacity: int, dtype: torch.dtype, device, batch: Optional[int] = None) -> torch.Tensor:
         c = self.shape
         shape = (c.num_layers, 2, self.batch if batch is None else batch, c.num_kv_heads, capacity, c.head_dim)
         kept = None if self.pool is None else self.pool.take(shape, dtype, device)
         if kept is not None:
-            self.max_capacity = max(self.max_capacity, kept.shape[-2])  # (more positions than asked)
             return kept
         nbytes = math.prod(shape) * dtype.itemsize
         with memory_errors(f"allocating a KV cache of {capacity} positions ({list(shape)}, {dtype}), which needs "
@@ -133,7 +146,8 @@ class KVCache(nn.Module):
             return
         if positions > self.max_capacity:
             raise ValueError(f"{positions} cache positions needed, beyond the cache capacity {self.max_capacity}")
-        kv = self._new_buffer(min(max(positions, 2 * self.capacity), self.max_capacity), self.kv.dtype, self.kv.device)
+        kv = self._new_buffer(min(self._rounded(max(positions, 2 * self.capacity)), self.max_capacity), self.kv.dtype,
+                              self.kv.device)
         used = max(self.host_lengths)
         kv[..., :used, :] = self.kv[..., :used, :]
         self._let_go(self.kv)
@@ -193,9 +207,9 @@ class KVCache(nn.Module):
         old_kv, old_lengths = self.kv, self.lengths
         if self.pool is None:
             self.kv, self.lengths = old_kv[:, :, index].contiguous(), old_lengths[index]
-        else:  # (into the pool's buffers where it keeps them: a kept one may have more positions)
+        else:  # (into buffers of the pool's where it keeps them)
             self.kv = self._new_buffer(self.capacity, old_kv.dtype, old_kv.device, len(rows))
-            self.kv[..., :old_kv.shape[-2], :] = old_kv[:, :, index]
+            self.kv.copy_(old_kv[:, :, index])
             self.lengths = self._new_lengths(len(rows), old_lengths.device)
             self.lengths.copy_(old_lengths[index])
             self._let_go(old_kv, old_lengths)
@@ -210,7 +224,7 @@ class KVCache(nn.Module):
 
     def allow(self, max_capacity: int) -> None:
         """Raise the bound on positions per sequence to ``max_capacity`` (what a new sequence may need)."""
-        self.max_capacity = max(self.max_capacity, max_capacity)
+        self.max_capacity = max(self.max_capacity, self._rounded(max_capacity))
 
 
 class TreeKV:

@@ -21,6 +21,7 @@ from jakiro_ext.engine.policy import TreePolicy, largest_tree
 from jakiro_ext.engine.round import Round, RoundResult
 from jakiro_ext.engine.sequence import DecodeSequence, DecodeSettings, no_distribution_error
 from jakiro_ext.engine.state import BatchState, Started
+from jakiro_ext.kv_cache import BufferPool
 from jakiro_ext.methods import BASELINE, METHODS, Method
 from jakiro_ext.models.heads.head import Head
 from jakiro_ext.models.llama import LlamaModel
@@ -66,7 +67,9 @@ class DecodeBatch:
             session.parts = self._parts()
         parts = self._parts() if session is None else session.parts
         self.drafter, self.drafters, self.weights, self.rounds = parts
-        self.pool = None if session is None else session.pool
+        # Where the caches' buffers come from: capacities by the pool's quantum either way, kept
+        # for the next call in a graphed call's session.
+        self.pool = BufferPool(most=0) if session is None else session.pool
         self.tree_nodes = self.drafter.max_nodes
         self.draining = False  # no request waits for a row (set by the caller before each round)
         self.state: Optional[BatchState] = None

@@ -113,13 +113,13 @@ def _decode(target, draft, method: Method, policy: TreePolicy, s: DecodeSettings
     ``requests`` iterates over, when it is one (the batch drains once as many are taken as it
     holds: its length read each round, so prompts appended to it count)."""
     session = None if s.graphs == "eager" else graph_sessions.take(target, draft, method, policy.trees, s, max_rows)
-    batch = None
     try:
         batch = DecodeBatch(target, draft, method, policy, s, max_rows, session)  # checks the method, head and tree
-        yield from _rounds(batch, policy, requests, max_rows, listed)
-    finally:
-        if batch is not None:
+        try:
+            yield from _rounds(batch, policy, requests, max_rows, listed)
+        finally:
             batch.close()
+    finally:
         if session is not None:
             graph_sessions.give_back(session)
 

@@ -10,29 +10,34 @@ and its captures, and the prepared weights they read), and a pool of the caches'
 (:class:`~jakiro_ext.kv_cache.BufferPool`), so the next call's caches are made of the buffers
 the captures were made on, and its rounds replay them.
 
-A session is found by what its captures read that may change between calls: where the target's
-and the head's weights are, and where the copies the engine reads of them are (a weight replaced,
-or changed where the engine reads a copy, is another session; a weight changed in place where the
-engine reads it is read by a replay as by an eager round). Whatever else a capture reads (rotary
-tables, masks) makes it stale when let go (:mod:`jakiro_ext.engine.graphs`).
+A session is found by what its rounds run (the kernels' backend and ``JAKIRO_*`` switches
+included) and by what its captures read that may change between calls: where the target's and
+the head's weights are, and where the copies the engine reads of them are (a weight replaced, or
+changed where the engine reads a copy, is another session, and the session with the old weights
+is let go; a weight changed in place where the engine reads it is read by a replay as by an
+eager round). Whatever else a capture reads (rotary tables, masks) makes it stale when let go
+(:mod:`jakiro_ext.engine.graphs`).
 
 A session serves one call at a time (another call meanwhile makes one it does not keep). Bounded:
 KEPT_SESSIONS sessions a target, the least recently used let go, each with at most KEPT_CAPTURES
-captures and KEPT_BUFFERS buffers of a shape; :func:`free_graphs` lets a target's go. Eager calls
-keep nothing.
+captures and KEPT_BUFFERS buffers; :func:`free_graphs` lets a target's go at once (else they go
+with the target; a round holds the target weakly). Eager calls keep nothing.
 """
 from __future__ import annotations
 
+import os
+import threading
 from collections import OrderedDict
-from typing import Any, Hashable, Optional
+from typing import Any, Hashable, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
 
+from jakiro_ext import ops
 from jakiro_ext.kv_cache import BufferPool
 
 KEPT_SESSIONS = 2  # sessions kept with a target, the least recently used let go
-KEPT_BUFFERS = 2  # a session's pool: buffers of a shape (but positions) kept
+KEPT_BUFFERS = 8  # buffers a session's pool keeps (a batch state's caches: 4), the least recently given let go
 
 
 class GraphSession:
@@ -43,7 +48,7 @@ class GraphSession:
     def __init__(self, key: Hashable):
         self.key = key
         self.parts: Optional[Any] = None
-        self.pool = BufferPool(KEPT_BUFFERS)
+        self.pool = BufferPool(most=KEPT_BUFFERS)
         self.busy = False
 
 
@@ -55,46 +60,69 @@ def _where(things) -> tuple:
                  for t in tree_flatten(things)[0])
 
 
-def session_key(target, draft, method, trees, settings, rows: int) -> tuple:
-    """What a session serves: the head, the method, the trees (by value), the rows, the settings a
-    round reads (:class:`~jakiro_ext.engine.round.Round`), and where the weights the rounds read
-    are (:func:`_where`)."""
+def session_key(target, draft, method, trees, settings, rows: int) -> Tuple[tuple, tuple]:
+    """What a session serves: (what its rounds run: the head, the method, the trees by value, the
+    rows, the settings a round reads (:class:`~jakiro_ext.engine.round.Round`), the kernels'
+    backend and the ``JAKIRO_*`` switches the kernels read at launch; where the weights the rounds
+    read are, :func:`_where`)."""
     weights = (target.prepare(), list(target.parameters()), list(target.buffers()))
     if draft is not None:
         weights += (draft.products(), list(draft.parameters()), list(draft.buffers()))
-    return (id(draft), method.name, tuple(None if t is None else t.key() for t in trees), rows, settings.graphs,
-            settings.temperature, settings.top_p, settings.top_k, settings.keep_features, _where(weights))
+    switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("JAKIRO_")))
+    runs = (id(draft), method.name, tuple(None if t is None else t.key() for t in trees), rows, settings.graphs,
+            settings.temperature, settings.top_p, settings.top_k, settings.keep_features, ops.backend(), switches)
+    return runs, _where(weights)
+
+
+class _Kept(OrderedDict):
+    """A target's sessions, least recently used first. They live and die with the target, and a
+    copy of it (``copy.deepcopy``, pickling) starts without them: a capture is of its buffers."""
+
+    def __deepcopy__(self, memo) -> "_Kept":
+        return _Kept()
+
+    def __reduce__(self):
+        return _Kept, ()
 
 
 def _kept(target) -> "OrderedDict[Hashable, GraphSession]":
-    """The sessions kept with ``target`` (they live and die with it)."""
-    return target.__dict__.setdefault("_graph_sessions", OrderedDict())
+    """The sessions kept with ``target``."""
+    return target.__dict__.setdefault("_graph_sessions", _Kept())
+
+
+_LOCK = threading.Lock()  # (calls on several threads: a session serves one at a time)
 
 
 def take(target, draft, method, trees, settings, rows: int) -> GraphSession:
     """The session for a graphed call (:func:`session_key`), kept for the next: the one kept if
-    no call uses it, else a new one (kept when none is, or not kept while one is in use)."""
+    no call uses it, else a new one (kept when none is, or not kept while one is in use). A new
+    one lets go those that ran the same with other weights (replaced: they would never serve)."""
     key = session_key(target, draft, method, trees, settings, rows)
-    kept = _kept(target)
-    session = kept.get(key)
-    if session is not None and session.busy:
-        session = GraphSession(key)  # (another call, not finished, uses the kept one)
-    elif session is None:
-        session = kept[key] = GraphSession(key)
-        for old in [k for k in kept if k != key][:max(0, len(kept) - KEPT_SESSIONS)]:
-            del kept[old]  # (one in use stays its call's)
-    else:
-        kept.move_to_end(key)
-    session.busy = True
+    with _LOCK:
+        kept = _kept(target)
+        session = kept.get(key)
+        if session is not None and session.busy:
+            session = GraphSession(key)  # (another call, not finished, uses the kept one)
+        elif session is None:
+            for old in [k for k in kept if k[0] == key[0]]:
+                del kept[old]
+            session = kept[key] = GraphSession(key)
+            for old in list(kept)[:max(0, len(kept) - KEPT_SESSIONS)]:
+                del kept[old]  # (one in use stays its call's)
+        else:
+            kept.move_to_end(key)
+        session.busy = True
     return session
 
 
 def give_back(session: GraphSession) -> None:
     """The call is over: the session is free for the next."""
-    session.busy = False
+    with _LOCK:
+        session.busy = False
 
 
 def free_graphs(target) -> None:
     """Let go what graphed calls keep with ``target`` (captures, drafters, cache buffers): its
     memory is freed once no call uses it."""
-    _kept(target).clear()
+    with _LOCK:
+        _kept(target).clear()

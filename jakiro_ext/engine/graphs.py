@@ -66,14 +66,26 @@ class _Recorder(TorchDispatchMode):
             self.calls.append((func, args, kwargs, out))
         return out
 
-    def held_elsewhere(self) -> List[torch.Tensor]:
-        """The externals something besides this recorder holds: an owner (a model, a cache, a
-        table kept per shape) that may let them go. The others the call made itself outside the
-        dispatcher (a scalar wrapped as a tensor, a host tensor): they live as long as the record
-        (and a CUDA graph baked their values in)."""
+    def held_elsewhere(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """The externals split in two: those something besides this recorder holds (an owner: a
+        model, a cache, a table kept per shape, that may let them go), and those the call made
+        itself outside the dispatcher (a scalar wrapped as a tensor, a host tensor), which the
+        capture keeps (a CUDA graph baked their addresses in). Told apart by their references; a
+        wrong call keeps an owned one alive with the capture, which costs memory, not results."""
         ours = Counter(id(t) for call in self.calls for t in tree_flatten(call)[0] if isinstance(t, torch.Tensor))
-        # (the references of this list's slot, of the loop's name and of getrefcount's argument: 3)
-        return [t for t in self.externals if sys.getrefcount(t) > 3 + ours[id(t)]]
+        owned = [sys.getrefcount(t) > _OWN_REFERENCES + ours[id(t)] for t in self.externals]
+        return ([t for t, o in zip(self.externals, owned) if o], [t for t, o in zip(self.externals, owned) if not o])
+
+
+def _own_references() -> int:
+    """What ``sys.getrefcount`` counts, in :meth:`_Recorder.held_elsewhere`'s comprehension, for
+    a tensor nothing else holds (3 on CPython 3.10-3.13: the list's slot, the loop's name and the
+    call's argument; the interpreter decides, so it is measured)."""
+    alone = [torch.empty(0)]
+    return [sys.getrefcount(t) for t in alone][0]
+
+
+_OWN_REFERENCES = _own_references()
 
 
 class _Capture:
@@ -82,11 +94,12 @@ class _Capture:
     would read freed memory), so it must be captured again, not replayed."""
 
     def watch(self, externals: Sequence[torch.Tensor]) -> None:
-        self.stale = False
-        self._refs = [weakref.ref(t, self._let_go) for t in externals]
+        flag = self._flag = [False]  # (set by the callbacks, which hold it, not the capture: no cycle)
+        self._refs = [weakref.ref(t, lambda _ref: flag.__setitem__(0, True)) for t in externals]
 
-    def _let_go(self, _ref) -> None:
-        self.stale = True
+    @property
+    def stale(self) -> bool:
+        return self._flag[0]
 
 
 class _External:
@@ -104,7 +117,7 @@ class _Recorded(_Capture):
         recorder = _Recorder([x for x in tree_flatten(list(inputs))[0] if isinstance(x, torch.Tensor)])
         with recorder:
             self.outputs, self.host = fn(*inputs)
-        watched = recorder.held_elsewhere()
+        watched, _ = recorder.held_elsewhere()  # (the others: held by the recorded calls)
         weak = {id(t): _External(weakref.ref(t)) for t in watched}
         self.calls = [tree_map(lambda x: weak.get(id(x), x) if isinstance(x, torch.Tensor) else x, call)
                       for call in recorder.calls]
@@ -145,26 +158,32 @@ class _CudaGraph(_Capture):
         # allocator's assertion (use_count > 0), as a re-capture for a new key would.
         with torch.cuda.graph(self.graph, pool=torch.cuda.graph_pool_handle()), finder:
             self.outputs, self.host = fn(*inputs)
-        self.watch(finder.held_elsewhere())
+        watched, self.own = finder.held_elsewhere()
+        self.watch(watched)
 
     def replay(self):
         self.graph.replay()
         return tuple(self.outputs)
 
 
+def _stored(x) -> bool:
+    """Whether a constant says what it holds (``storage_key()``: a KV cache's buffers)."""
+    return callable(getattr(x, "storage_key", None))
+
+
 def _constant_key(x) -> Hashable:
-    """A constant's part of a capture's key: what it holds, where it says (``storage_key()``: a KV
-    cache's buffers, so a cache made of the same buffers finds the capture), else its id."""
-    key = getattr(x, "storage_key", None)
-    return key() if callable(key) else id(x)
+    """A constant's part of a capture's key: what it holds where it says (a cache made of the same
+    buffers finds the capture), else its id."""
+    return x.storage_key() if _stored(x) else id(x)
 
 
 class Replay:
     """``fn(*inputs) -> (tuple of output tensors, host value)`` captured for a key and replayed:
     ``inputs`` are pytrees (tuples, named tuples, lists, None) whose tensors are copied into the
     capture's static buffers on each call and whose other leaves (objects: caches, a drafter) are
-    constants of the capture, part of its key with ``key`` (:func:`_constant_key`). Returns the outputs (static: valid
-    until the next call) and the host value the capture returned (e.g. how many forwards it ran).
+    constants of the capture, part of its key with ``key`` (:func:`_constant_key`). Returns the
+    outputs (static: valid until the next call) and the host value the capture returned (e.g. how
+    many forwards it ran).
     A new key captures anew; up to KEPT_CAPTURES captures are kept (the least recently used let
     go first), a stale one (an external let go) is let go when found."""
 
@@ -173,7 +192,10 @@ class Replay:
             raise ValueError(f"graph mode must be one of {MODES}, got {mode!r}")
         if mode == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA device; none is available")
-        self.fn, self.mode = fn, mode
+        # A method held weakly (its object, a round, owns this replay: no cycle to wait for the
+        # cycle collector with the target's weights), another function as it is.
+        self._fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
+        self.mode = mode
         self.kept: "OrderedDict[Hashable, _Capture]" = OrderedDict()  # key -> capture, least recently used first
         self.captures = 0  # how many times it captured (tests, statistics)
 
@@ -187,13 +209,15 @@ class Replay:
         if captured is None:
             while len(self.kept) >= KEPT_CAPTURES:  # (frees the old captures' memory first)
                 self.kept.popitem(last=False)
-            # (the constants themselves are kept with it: their ids in the key stay theirs)
-            static = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in leaves)
+            static = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
             made = _CudaGraph if self.mode == "cuda" else _Recorded
-            captured = self.kept[key] = made(self.fn, tree_unflatten(list(static), spec))
-            captured.static = static
+            captured = self.kept[key] = made(self._fn(), tree_unflatten(static, spec))
+            # Kept with it: the input buffers and the constants keyed by their ids (so the ids stay
+            # theirs), not a cache (its buffers are externals, watched: kept, they would never go).
+            captured.static = [None if _stored(x) else x for x in static]
             self.captures += 1
-            return captured.first, captured.host
+            first, captured.first = captured.first, None  # (the call's result, not kept)
+            return first, captured.host
         self.kept.move_to_end(key)
         for buffer, value in zip(captured.static, leaves):
             if isinstance(value, torch.Tensor):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
 from dataclasses import dataclass
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -118,9 +119,16 @@ class Round:
 
     def __init__(self, target: LlamaModel, weights: TargetWeights, catch_up: Drafter, s: DecodeSettings,
                  feature_layers=None):
-        self.target, self.weights, self.catch_up, self.settings = target, weights, catch_up, s
+        # The target held weakly: a graphed call's round is kept with the target (graph_sessions),
+        # and a cycle would keep the target's memory until Python's cycle collector ran.
+        self._target = weakref.ref(target)
+        self.weights, self.catch_up, self.settings = weights, catch_up, s
         self.feature_layers = feature_layers
         self.replay = None if s.graphs == "eager" else Replay(self._device_work, s.graphs)
+
+    @property
+    def target(self) -> LlamaModel:
+        return self._target()
 
     def run(self, state: BatchState, drafter: Drafter, draining: bool = False, caught_up: int = 0,
             catch_up_seconds: float = 0.0) -> Optional[RoundResult]:

@@ -181,10 +181,9 @@ class LlamaModel(nn.Module):
         the weights', float32 beside packed quantized ones (a GGUF file's, :mod:`.gguf`)."""
         return self.norm.weight.dtype
 
-    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None,
-                  pool: Optional[BufferPool] = None) -> KVCache:
-        """A KV cache of ``capacity`` positions per sequence, growing on demand up to ``max_capacity``
-        (default: fixed); its buffers from ``pool`` where it keeps them (:class:`KVCache`)."""
+    def new_cache(self, batch: int, capacity: int, max_capacity: Optional[int] = None, pool: Optional[BufferPool] = None):
+        """A KV cache of ``capacity`` positions per sequence, growing up to ``max_capacity`` (default:
+        fixed), sized by and made of the buffers of ``pool`` (:class:`KVCache`)."""
         c, weight = self.config, self.layers[0].projections()[0]
         return KVCache(CacheShape(c.num_layers, c.num_kv_heads, c.head_dim, c.sliding_window), batch, capacity,
                        cache_dtype(self.activation_dtype, weight), weight.device, max_capacity, pool)

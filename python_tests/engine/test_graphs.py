@@ -5,6 +5,8 @@ method and tree shape, greedy and sampling, with continuous batching, and a nega
 that shows a host value baked into the capture is caught. On a CUDA device the ``"cuda"`` mode
 runs the same tests."""
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -176,35 +178,46 @@ def test_a_replay_keeps_a_bounded_number_of_captures():
     assert replay.captures == graphs.KEPT_CAPTURES + 3 and list(replay.kept)[-1][0] == 3
 
 
-def test_the_buffer_pool_hands_back_buffers_by_shape_zeroed_and_bounded():
+def test_the_buffer_pool_hands_back_buffers_of_the_shape_zeroed_and_bounded():
     from jakiro_ext.kv_cache import BufferPool, CacheShape, KVCache
-    pool = BufferPool(per_shape=2)
+    pool = BufferPool(most=3, quantum=16)
     shape = CacheShape(2, 1, 4)
-    cache = KVCache(shape, 2, 8, max_capacity=64, pool=pool)
+    cache = KVCache(shape, 2, 5, max_capacity=40, pool=pool)
+    assert cache.capacity == 16 and cache.max_capacity == 48  # rounded up to the quantum
     first_kv, first_lengths = cache.kv, cache.lengths
     cache.kv.fill_(7.0)
     cache.commit(3)
-    cache.reserve(12)  # grows: the old buffer goes to the pool
-    assert cache.capacity == 16 and any(t is first_kv for t in pool.kept[pool._key(first_kv.shape, first_kv.dtype, "cpu")])
+    cache.reserve(17)  # grows (to twice: 32): the old buffer goes to the pool
+    assert cache.capacity == 32 and pool.take(first_kv.shape, first_kv.dtype, "cpu") is first_kv
+    assert not first_kv.any()  # (zeroed when taken)
+    assert torch.equal(cache.kv[..., :3, :], torch.full_like(cache.kv[..., :3, :], 7.0))
     cache.release()
-    again = KVCache(shape, 2, 10, max_capacity=12, pool=pool)  # the fewest positions that fit: 16
-    assert again.kv.data_ptr() == cache.kv.data_ptr() and again.capacity == 16 and again.max_capacity == 16
-    assert again.lengths is first_lengths and not again.lengths.any()
-    small = KVCache(shape, 2, 4, pool=pool)  # the 8-position one, zeroed
-    assert small.kv is first_kv and not small.kv.any()
-    assert KVCache(shape, 3, 4, pool=pool).kv.shape[2] == 3  # another batch: made
-    for _ in range(4):
-        pool.give(torch.ones(2, 2, 2, 1, 32, 4))
-    assert len(pool.kept[pool._key((2, 2, 2, 1, 32, 4), torch.float32, "cpu")]) == 2
-    # Rows selected into a kept buffer with more positions: the rows' keys and values as they were.
+    again = KVCache(shape, 2, 20, max_capacity=40, pool=pool)  # the same shape: the same buffers
+    assert again.kv.data_ptr() == cache.kv.data_ptr() and again.lengths is first_lengths and not again.kv.any()
+    assert KVCache(shape, 2, 20, max_capacity=40, pool=pool).kv.data_ptr() != again.kv.data_ptr()  # none left: made
+    assert KVCache(shape, 3, 5, pool=pool).kv.shape[2] == 3  # another batch: made
+    for _ in range(5):
+        pool.give(torch.ones(2, 2, 2, 1, 64, 4))
+    pool.give(torch.ones(2, 2, 2, 1, 80, 4))
+    assert sum(map(len, pool.kept.values())) == 3 and len(pool.kept[pool._key((2, 2, 2, 1, 80, 4), torch.float32,
+                                                                              "cpu")]) == 1
+    # The same capacities without a pool that keeps anything: a graphed call's caches are an eager one's.
+    eager = KVCache(shape, 2, 5, max_capacity=40, pool=BufferPool(most=0, quantum=16))
+    eager.reserve(17)
+    assert eager.capacity == 32 and eager.max_capacity == 48
+    # Rows selected into a kept buffer: the rows' keys and values as they were.
     rows = KVCache(shape, 3, 8, max_capacity=64, pool=pool)
     rows.kv.copy_(torch.randn(rows.kv.shape))
     rows.commit(5)
     before = rows.kv.clone()
-    pool.give(torch.ones(2, 2, 2, 1, 16, 4))  # (kept: it and the last 32-position one)
+    kept = torch.ones(2, 2, 2, 1, 16, 4)
+    pool.give(kept)
     rows.select_rows([2, 0])
-    assert rows.capacity == 16 and rows.host_lengths == [5, 5] and rows.lengths.tolist() == [5, 5]
-    assert torch.equal(rows.kv[..., :8, :], before[:, :, [2, 0]]) and not rows.kv[..., 8:, :].any()
+    assert rows.kv is kept and rows.host_lengths == [5, 5] and rows.lengths.tolist() == [5, 5]
+    assert torch.equal(rows.kv, before[:, :, [2, 0]])
+    # Within a sliding window, the rounding stops at the window.
+    windowed = KVCache(CacheShape(2, 1, 4, sliding_window=20), 1, 5, max_capacity=18, pool=BufferPool(quantum=16))
+    assert windowed.capacity == 16 and windowed.max_capacity == 20
 
 
 def _count_captures(monkeypatch):
@@ -223,10 +236,11 @@ def _count_captures(monkeypatch):
 KEPT_CASES = [("jakiro", "jakiro", "dynamic-small"), ("eagle2", "eagle2", "static")]
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind,method,tree", KEPT_CASES, ids=[c[1] for c in KEPT_CASES])
-def test_a_second_graphed_call_replays_the_first_calls_captures(target, kind, method, tree, monkeypatch):
+def test_a_second_graphed_call_replays_the_first_calls_captures(target, kind, method, tree, mode, monkeypatch):
     from jakiro_ext.engine import graph_sessions
-    head = attentive_head(target, kind)
+    target, head = _placed(target, attentive_head(target, kind), mode)
     made = _count_captures(monkeypatch)
     kwargs = dict(method=method, tree=TREES[tree])
     calls = {"one prompt": lambda **kw: [speculative_generate(target, head, PROMPTS[1], 300, **kwargs, **kw)],
@@ -236,14 +250,15 @@ def test_a_second_graphed_call_replays_the_first_calls_captures(target, kind, me
     for name, call in calls.items():
         eager = call()
         made.clear()
-        first = call(graphs="recorded")  # (a batch's session serves the continuous batching of as many rows)
+        first = call(graphs=mode)  # (a batch's session serves the continuous batching of as many rows)
         assert sum(made) >= (name != "continuous batching"), name
         for _ in range(2):
             made.clear()
-            again = call(graphs="recorded")
+            again = call(graphs=mode)
             assert sum(made) == 0 and len(made) > 5, name  # (the one-prompt call grows its caches: captured again at first)
             assert all(_same(a, b) for a, b in zip(eager, again)) and all(_same(a, b) for a, b in zip(eager, first)), name
     assert len(target.__dict__["_graph_sessions"]) == graph_sessions.KEPT_SESSIONS
+    assert not copy.deepcopy(target).__dict__["_graph_sessions"]  # a copy starts without them
     graph_sessions.free_graphs(target)
     assert not target.__dict__["_graph_sessions"]
     speculative_generate(target, head, PROMPTS[1], 8, **kwargs)
@@ -259,15 +274,15 @@ def test_a_kept_capture_is_made_again_when_a_table_it_reads_is_let_go(target, mo
     eager = speculative_generate(target, head, PROMPTS[0], 40, **kwargs)
     speculative_generate(target, head, PROMPTS[0], 40, graphs="recorded", **kwargs)
     table = target._rope_table.cos
-    speculative_generate(target, None, PROMPTS[0].repeat(1 + 4 * table.shape[0] // len(PROMPTS[0])), 2)  # a longer prompt
+    longer = PROMPTS[0].repeat(2 + table.shape[0] // len(PROMPTS[0]))[:table.shape[0] + 10]
+    speculative_generate(target, None, longer, 2)
     assert target._rope_table.cos is not table  # the rotary table made again, larger: the old one let go
     made.clear()
     assert _same(eager, speculative_generate(target, head, PROMPTS[0], 40, graphs="recorded", **kwargs))
     assert sum(made) == 1  # captured again, not replayed
     # Negative control: a capture that watched nothing is replayed after the table is let go, and
     # its replay reads what is gone (here: a freed tensor is None; on a GPU, freed memory).
-    monkeypatch.setattr(graphs._Capture, "watch", lambda self, externals: (setattr(self, "stale", False),
-                                                                          setattr(self, "_refs", [])))
+    monkeypatch.setattr(graphs._Capture, "watch", lambda self, externals: setattr(self, "_flag", [False]))
     from jakiro_ext.engine import graph_sessions
     graph_sessions.free_graphs(target)
     speculative_generate(target, head, PROMPTS[0], 40, graphs="recorded", **kwargs)
@@ -295,8 +310,13 @@ def test_weights_changed_between_graphed_calls_are_read(monkeypatch):
         down.weight.add_(torch.randn(down.weight.shape, generator=torch.Generator().manual_seed(5)) * 0.5)
     changed = check(0)
     down.weight = torch.nn.Parameter(down.weight.detach() * -1)
-    replaced = check(1)  # another session
+    replaced = check(1)  # another session, and the one of the old weights let go
     assert first.token_ids != changed.token_ids != replaced.token_ids  # (the changes count)
+    assert len(target.__dict__["_graph_sessions"]) == 1
+    monkeypatch.setenv("JAKIRO_GPU_TENSOR_CORES", "0")  # a switch the kernels read at launch: another session
+    check(1)
+    monkeypatch.delenv("JAKIRO_GPU_TENSOR_CORES")
+    check(0)
     with torch.no_grad():
         head.o_proj.weight.mul_(-1)  # where drafting reads a copy of it: another session
     assert check(1).stats.accept_lengths != replaced.stats.accept_lengths
@@ -311,3 +331,21 @@ def test_a_call_in_flight_keeps_its_session_from_another_call(target):
     other = dict(generate_many(target, head, iter(PROMPTS), 2, 40, graphs="recorded", **kwargs))
     got.update(paused)
     assert all(_same(eager[i], got[i]) and _same(eager[i], other[i]) for i in eager)
+
+
+def test_a_target_and_what_its_graphed_calls_kept_go_with_its_last_reference():
+    # Without the cycle collector: nothing kept with the target points back at it, so its weights'
+    # memory (and on a GPU the graphs') goes when the target does.
+    gc.collect()
+    gc.disable()
+    try:
+        target = sharp_target()
+        head = attentive_head(target, "jakiro")
+        speculative_generate(target, head, PROMPTS[0], 20, method="jakiro", tree=TREES["dynamic-small"],
+                             graphs="recorded")
+        assert target.__dict__["_graph_sessions"]
+        weight = weakref.ref(target.layers[0].gate_up_proj.weight)
+        del target, head
+        assert weight() is None
+    finally:
+        gc.enable()

@@ -402,8 +402,11 @@ def test_bench_prints_the_finished_prompts_statistics_on_sigint(tmp_path):
     seen = wait_for(proc, "stderr", r"bench: [^\r]*\b2/22\b")
     code, out, err = finish(proc, signal.SIGINT, seen)
     assert code == 130
-    assert re.fullmatch(r"interrupted by SIGINT while benchmarking prompts 3-3 of 22; the statistics of the 2 prompts "
-                        r"finished are printed", err.strip().splitlines()[-1]), err
+    # Prompt 3 or, on a loaded machine where the signal comes late, a later one: the statistics
+    # are those of the prompts before it.
+    m = re.fullmatch(r"interrupted by SIGINT while benchmarking prompts (\d+)-\1 of 22; the statistics of the (\d+) "
+                     r"prompts finished are printed", err.strip().splitlines()[-1])
+    assert m and int(m[1]) >= 3 and int(m[2]) == int(m[1]) - 1, err
     assert "Traceback" not in err and re.search(r"\noverall.*\n  ar\s+[\d.]+ tokens/s", out), out
 
 

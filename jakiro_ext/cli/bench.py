@@ -80,8 +80,10 @@ def cmd_bench(args) -> int:
     size = args.batch_size
     bar = tqdm(total=len(prompts) * len(methods), desc="bench", unit="run", file=sys.stderr)
     try:
+        def benchmarking(first: int) -> str:
+            return f"benchmarking prompts {first + 1}-{min(first + size, len(prompts))} of {len(prompts)}"
+        activity.now = benchmarking(0)
         for first in range(0, len(prompts), size):  # batches of consecutive prompts (one at a time by default)
-            activity.now = f"benchmarking prompts {first + 1}-{min(first + size, len(prompts))} of {len(prompts)}"
             group, ids = prompts[first:first + size], prompt_ids[first:first + size]
             rows = [dict(id=p["id"], category=p["category"], prompt_tokens=int(x.numel()), methods={})
                     for p, x in zip(group, ids)]
@@ -110,6 +112,8 @@ def cmd_bench(args) -> int:
                     batch_seconds[m] += seconds[m]
                 bar.update(len(group))
                 bar.set_postfix_str(f"{methods[-1]} tau {tau:.2f}")
+                if first + size < len(prompts):  # (with the count: a SIGINT now names the next batch)
+                    activity.now = benchmarking(first + size)
     except KeyboardInterrupt:
         bar.close()
         if per_prompt:

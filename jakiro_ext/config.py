@@ -130,6 +130,11 @@ class TreeConfig:
         return (METHODS[method] if isinstance(method, str) else method).max_nodes(self)
 
 
+def tree_key(tree: Optional[TreeConfig]) -> Optional[tuple]:
+    """A tree's value, hashable (:meth:`TreeConfig.key`); None for plain decoding's."""
+    return None if tree is None else tree.key()
+
+
 # The published comparisons' tree, and the CPU default chosen by measurement (README, "Tree size").
 GPU_TREE = TreeConfig(60, 5, 10)
 CPU_TREE = TreeConfig(6, 2, 2)

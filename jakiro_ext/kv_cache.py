@@ -63,10 +63,6 @@ class BufferPool:
             oldest = next(k for k, v in self.kept.items() if v)
             self.kept[oldest].pop(0)
 
-    def nbytes(self) -> int:
-        """The bytes of the buffers it keeps."""
-        return sum(t.numel() * t.element_size() for found in self.kept.values() for t in found)
-
 
 class KVCache(nn.Module):
     """Every layer's keys and values in one buffer ``kv`` [L, 2, B, Hkv, S, D] (so one

@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional
 import torch
 
 from jakiro_ext import ops
-from jakiro_ext.config import INITIAL_ROOM
+from jakiro_ext.config import INITIAL_ROOM, tree_key
 from jakiro_ext.engine.drafter import Drafter
 from jakiro_ext.engine.graph_sessions import GraphSession
 from jakiro_ext.engine.policy import TreePolicy, largest_tree
@@ -41,10 +41,6 @@ class RoundParts(NamedTuple):
     drafters: Dict[Optional[tuple], Drafter]
     weights: TargetWeights
     round: Round
-
-
-def _tree_key(tree) -> Optional[tuple]:
-    return None if tree is None else tree.key()
 
 
 class DecodeBatch:
@@ -81,7 +77,7 @@ class DecodeBatch:
         draft, method, rows = self.draft, self.method, self.max_rows
         tree = largest_tree(self.policy, method)
         catch_up = Drafter(draft, method, tree, rows)
-        drafters = {_tree_key(t): catch_up if t is tree else Drafter(draft, method, t, rows) if t is not None
+        drafters = {tree_key(t): catch_up if t is tree else Drafter(draft, method, t, rows) if t is not None
                     else Drafter(None, METHODS[BASELINE], tree) for t in self.policy.trees}
         weights = self.target.prepare()
         return RoundParts(catch_up, drafters, weights,
@@ -172,7 +168,7 @@ class DecodeBatch:
         for listen in ROUND_LISTENERS:
             listen(True)
         try:
-            drafter = self.drafters[_tree_key(self.policy.choose(len(self.state.rows)))]
+            drafter = self.drafters[tree_key(self.policy.choose(len(self.state.rows)))]
             t0 = time.perf_counter()
             caught_up = self.state.catch_up_pending() if drafter.drafts else 0
             result = self.rounds.run(self.state, drafter, self.draining, caught_up, time.perf_counter() - t0)

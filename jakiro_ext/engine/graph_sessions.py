@@ -34,6 +34,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from jakiro_ext import ops
+from jakiro_ext.config import tree_key
 from jakiro_ext.kv_cache import BufferPool
 
 KEPT_SESSIONS = 2  # sessions kept with a target, the least recently used let go
@@ -45,8 +46,7 @@ class GraphSession:
     for its rounds: its drafters, prepared weights and round, kept as it made them; None until
     then) and ``pool`` (its caches' buffers)."""
 
-    def __init__(self, key: Hashable):
-        self.key = key
+    def __init__(self):
         self.parts: Optional[Any] = None
         self.pool = BufferPool(most=KEPT_BUFFERS)
         self.busy = False
@@ -69,7 +69,7 @@ def session_key(target, draft, method, trees, settings, rows: int) -> Tuple[tupl
     if draft is not None:
         weights += (draft.products(), list(draft.parameters()), list(draft.buffers()))
     switches = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("JAKIRO_")))
-    runs = (id(draft), method.name, tuple(None if t is None else t.key() for t in trees), rows, settings.graphs,
+    runs = (id(draft), method.name, tuple(map(tree_key, trees)), rows, settings.graphs,
             settings.temperature, settings.top_p, settings.top_k, settings.keep_features, ops.backend(), switches)
     return runs, _where(weights)
 
@@ -102,11 +102,11 @@ def take(target, draft, method, trees, settings, rows: int) -> GraphSession:
         kept = _kept(target)
         session = kept.get(key)
         if session is not None and session.busy:
-            session = GraphSession(key)  # (another call, not finished, uses the kept one)
+            session = GraphSession()  # (another call, not finished, uses the kept one)
         elif session is None:
             for old in [k for k in kept if k[0] == key[0]]:
                 del kept[old]
-            session = kept[key] = GraphSession(key)
+            session = kept[key] = GraphSession()
             for old in list(kept)[:max(0, len(kept) - KEPT_SESSIONS)]:
                 del kept[old]  # (one in use stays its call's)
         else:

@@ -1,6 +1,7 @@
 // Torch glue of GPU tree attention: tree_attention_partial (kernels/tree_attention.cuh on CUDA
 // cores, kernels/tree_attention_wmma.cuh on tensor cores for bf16 trees of >= 16 query rows per
 // KV head) and tree_attention = partial pass + merge (kernels/merge_attention_states.cuh).
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/kernels/merge_attention_states.cuh"
@@ -18,15 +19,18 @@ constexpr int64_t kMinSplitLen = 256;
 // the split count aims at filling them all.
 constexpr int64_t kBlocksPerMultiprocessor = 4;
 
-// Whether this call runs on tensor cores: the shape qualifies and the device may (launch.h).
-bool use_tensor_cores(const TreeAttentionShape& sh, const at::Tensor& q) {
+// Whether this call runs on tensor cores: the shape qualifies and the device may (launch.h). With
+// fixed splits every row count qualifies, so that a tree and its tokens' one-token steps run the
+// same kernel (a row's bits are then the same in both).
+bool use_tensor_cores(const TreeAttentionShape& sh, const at::Tensor& q, int64_t split_len) {
 #if defined(JAKIRO_HAS_WMMA)
   return tree_attention_uses_tensor_cores(q.scalar_type() == at::kBFloat16, sh.head_dim,
-                                          sh.tree_len * (sh.q_heads / sh.kv_heads)) &&
+                                          sh.tree_len * (sh.q_heads / sh.kv_heads), split_len > 0) &&
          tensor_cores_enabled(q);
 #else
   (void)sh;
   (void)q;
+  (void)split_len;
   return false;
 #endif
 }
@@ -45,7 +49,7 @@ void launch_partial(const TreeAttentionParams<kv_t>& p, bool tensor_cores, cudaS
 std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, const at::Tensor& k_cache,
                                            const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                            const at::Tensor& tree_mask, int64_t num_splits,
-                                           std::optional<double> scale) {
+                                           std::optional<double> scale, int64_t split_len) {
   const auto sh = check_tree_attention(op, q, k_cache, v_cache, prefix_lens, tree_mask);
   TORCH_CHECK(num_splits >= 1, op, ": num_splits must be >= 1, got ", num_splits);
   TORCH_CHECK(sh.head_dim <= kAttnMaxHeadDim, op, ": the GPU kernel supports head dims up to ", kAttnMaxHeadDim,
@@ -59,7 +63,7 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
   auto out = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits, sh.head_dim}, q.options().dtype(at::kFloat));
   auto lse = at::empty({sh.batch, sh.tree_len, sh.q_heads, num_splits}, q.options().dtype(at::kFloat));
   const float sc = attention_scale(op, scale, sh.head_dim);
-  const bool tensor_cores = use_tensor_cores(sh, q);
+  const bool tensor_cores = use_tensor_cores(sh, q, split_len);
   JAKIRO_DISPATCH_FLOAT_BF16(q.scalar_type(), "tree_attention_partial_gpu", [&] {
     using kv_t = device_t<scalar_t>;
     const TreeAttentionParams<kv_t> p{device_ptr<scalar_t>(qc),
@@ -80,7 +84,9 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
                                       k_cache.stride(1),
                                       sc,
                                       sh.capacity,
-                                      error_word(q)};
+                                      error_word(q),
+                                      /*row_block0=*/0,
+                                      split_len};
     launch_partial(p, tensor_cores, device.stream());
   });
   check_launch();
@@ -92,21 +98,32 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_partial_gpu(const at::Tensor& 
                                                                const at::Tensor& prefix_lens,
                                                                const at::Tensor& tree_mask, int64_t num_splits,
                                                                std::optional<double> scale) {
-  return partial("jakiro::tree_attention_partial", q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale);
+  return partial("jakiro::tree_attention_partial", q, k_cache, v_cache, prefix_lens, tree_mask, num_splits, scale,
+                 /*split_len=*/0);
 }
 
 std::tuple<at::Tensor, at::Tensor> tree_attention_gpu(const at::Tensor& q, const at::Tensor& k_cache,
                                                       const at::Tensor& v_cache, const at::Tensor& prefix_lens,
                                                       const at::Tensor& tree_mask, std::optional<double> scale,
                                                       std::optional<int64_t> num_splits) {
-  // The sequences' lengths live on the device: the split count is sized by the cache capacity
-  // (no device-to-host copy); shorter sequences get proportionally shorter splits.
-  const int64_t splits = num_splits.has_value()
-                             ? *num_splits
-                             : default_num_splits(q.size(0), k_cache.size(1), k_cache.size(2),
-                                                  multiprocessor_count() * kBlocksPerMultiprocessor, kMinSplitLen);
+  // The sequences' lengths live on the device, so the split count is sized by the cache capacity
+  // (no device-to-host copy). A decoding step or a draft tree: fixed splits of each row's run
+  // (its bits those of its one-token step); splits past a sequence's run are empty, and the
+  // merge does not read them. A prompt's chunk: even parts, shorter for shorter sequences.
+  int64_t splits, split_len = 0;
+  if (num_splits.has_value()) {
+    splits = *num_splits;
+  } else if (q.dim() != 4 || k_cache.dim() != 4) {
+    splits = 1;  // the shape check reports it
+  } else if (q.size(1) <= kFixedSplitMaxTree) {
+    split_len = kFixedSplitLen;
+    splits = std::max<int64_t>(1, ceil_div(k_cache.size(2), kFixedSplitLen));
+  } else {
+    splits = default_num_splits(q.size(0), k_cache.size(1), k_cache.size(2),
+                                multiprocessor_count() * kBlocksPerMultiprocessor, kMinSplitLen);
+  }
   auto [out_p, lse_p] =
-      partial("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask, splits, scale);
+      partial("jakiro::tree_attention", q, k_cache, v_cache, prefix_lens, tree_mask, splits, scale, split_len);
   const DeviceScope device(q);
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
   auto out = at::empty({B, T, H, D}, q.options());

@@ -61,8 +61,9 @@ int32_t device_errors = 0;  // the kernels' error word: stays 0 (every input is 
 
 void report(const char* name, uint64_t h) { std::printf("%-28s %016llx\n", name, static_cast<unsigned long long>(h)); }
 
+// split_len > 0: fixed splits of each row's run (a split past every run: the early exit).
 template <typename elem_t>
-void attention(const char* name) {
+void attention(const char* name, int64_t split_len) {
   Random rng{1};
   const int64_t B = 2, T = 5, Hq = 4, Hkv = 2, D = 40, S = 320, splits = 3;
   auto q = rng.values<elem_t>(B * T * Hq * D);
@@ -73,7 +74,7 @@ void attention(const char* name) {
   mask.insert(mask.end(), mask.begin(), mask.end());
   std::vector<float> out_p(B * T * Hq * splits * D), lse_p(B * T * Hq * splits);
   const TreeAttentionParams<elem_t> p{q.data(), k.data(), v.data(), lens.data(), mask.data(), out_p.data(), lse_p.data(),
-                                 B, T, Hq, Hkv, D, splits, 1, Hkv * S * D, S * D, 0.15f, S, &device_errors};
+                                 B, T, Hq, Hkv, D, splits, 1, Hkv * S * D, S * D, 0.15f, S, &device_errors, 0, split_len};
   launch_tree_attention_partial(p, nullptr);
   std::vector<elem_t> out(B * T * Hq * D);
   std::vector<float> lse(B * T * Hq);
@@ -83,8 +84,8 @@ void attention(const char* name) {
 }
 
 // The tensor-core kernel (WMMA): bf16, 36 query rows per KV head (3 tiles), a NaN value in a tree
-// node that some rows do not see (the element-wise fix-up path).
-void attention_tensor_cores() {
+// node that some rows do not see (the element-wise fix-up path); with fixed splits, the near runs.
+void attention_tensor_cores(const char* name, int64_t split_len) {
   Random rng{7};
   const int64_t B = 2, T = 9, Hq = 4, Hkv = 1, D = 32, S = 320, splits = 2;
   auto q = rng.values<bf16>(B * T * Hq * D);
@@ -95,9 +96,10 @@ void attention_tensor_cores() {
   for (int64_t i = 0; i < T; ++i) mask[i] = mask[T + i] = (i == 0 ? 0 : mask[(i - 1) / 2]) | (int64_t{1} << i);
   std::vector<float> out_p(B * T * Hq * splits * D), lse_p(B * T * Hq * splits);
   const TreeAttentionParams<bf16> p{q.data(), k.data(), v.data(), lens.data(), mask.data(), out_p.data(), lse_p.data(),
-                                    B, T, Hq, Hkv, D, splits, 1, Hkv * S * D, S * D, 0.15f, S, &device_errors};
+                                    B, T, Hq, Hkv, D, splits, 1, Hkv * S * D, S * D, 0.15f, S, &device_errors, 0,
+                                    split_len};
   launch_tree_attention_partial_wmma(p, nullptr);
-  report("tree_attention tensor cores", checksum(out_p) ^ checksum(lse_p));
+  report(name, checksum(out_p) ^ checksum(lse_p));
 }
 
 void compaction() {
@@ -298,9 +300,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::printf("warp width %d\n", kWarp);
-  attention<float>("tree_attention float32");
-  attention<bf16>("tree_attention bfloat16");
-  attention_tensor_cores();
+  attention<float>("tree_attention float32", 0);
+  attention<bf16>("tree_attention bfloat16", 0);
+  attention<float>("tree_attention fixed splits", kFixedSplitLen);
+  attention_tensor_cores("tree_attention tensor cores", 0);
+  attention_tensor_cores("tensor cores fixed splits", kFixedSplitLen);
   compaction();
   dequantization();
   linear<float>("linear float32");

@@ -4,7 +4,7 @@ on a CUDA device when there is one (fixture gpu_backend, conftest.py)."""
 import pytest
 import torch
 
-from conftest import TOL, randn
+from conftest import TOL, randn, random_parents
 from jakiro_ext import ops
 from jakiro_ext.ops import reference
 from op_cases.attention import ATTENTION_SHAPES, make_inputs
@@ -100,8 +100,9 @@ TENSOR_CORE_SHAPES = [
     (2, 17, 9, 3, 64, [0, 97], 128),    # 51 rows per KV head (one block, a partial tile), empty prefix
     (1, 60, 8, 2, 128, [600], 700),     # an EAGLE-sized tree, GQA 4: 240 rows, four blocks
     (2, 16, 4, 4, 32, [37, 300], 400),  # exactly one tile, keys not a multiple of 16
-    (1, 20, 2, 1, 16, [5], 64),         # one 16-dim step
+    (1, 20, 2, 1, 16, [150], 200),      # one 16-dim step
 ]
+# (Fixed splits: a row's last 64 to 79 keys are summed in float, not in tiles; each case has more.)
 
 
 @pytest.mark.parametrize("shape", TENSOR_CORE_SHAPES, ids=lambda s: "x".join(map(str, s[:5])) + f"-p{max(s[5])}")
@@ -152,25 +153,59 @@ def test_gpu_tree_attention_on_tensor_cores_nonfinite_reaches_only_what_reads_it
     torch.testing.assert_close(out.float()[finite], ref_out[finite], **TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("capacity", [512, 1024])
-def test_a_tree_rows_attention_is_its_one_token_steps_bits(any_backend, capacity, request):
-    """A chain of 16 tree tokens after a prefix of 300 keys: row d's attention against the same
-    token's one-token step with its ancestors committed (what plain decoding computes). The CPU
-    kernel splits each row's keys at fixed offsets, in the row's own order: the same bits. The
-    GPU kernel splits the prefix and the tree into ceil((prefix + T) / splits) keys, splits set by
-    the cache's capacity, a warp's lanes over the keys as they lie: a row's sums depend on the
-    tree's size and the capacity (most rows differ under the emulator), so a tree's verification
-    on a GPU can split from plain decoding at a near tie."""
-    if any_backend.name != "cpu":
-        request.applymarker(pytest.mark.xfail(strict=True, reason="the GPU kernel's splits follow the tree's "
-                                              "size and the capacity (docs/gpu.md)"))
-    g = torch.Generator().manual_seed(0)
-    P, T = 300, 16
-    k, v = (torch.randn(1, 2, capacity, 64, generator=g) for _ in range(2))
-    q = torch.randn(1, T, 4, 64, generator=g)
-    tree, _ = any_backend.run("tree_attention", q, k, v, torch.tensor([P]),
-                              ops.build_tree_mask(torch.arange(T).unsqueeze(0) - 1))
+def _one_token_steps(backend, q, k, v, lens, parents, capacity):
+    """Every tree token's one-token step, as plain decoding computes it: its ancestors' keys and
+    values committed after the prefix (in depth order, itself last), in a cache of `capacity`."""
+    B, T, _, D = q.shape
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:3])
     one = ops.build_tree_mask(torch.tensor([[-1]]))
-    differ = [d for d in range(T) if not torch.equal(
-        any_backend.run("tree_attention", q[:, d:d + 1], k, v, torch.tensor([P + d]), one)[0][:, 0], tree[:, d])]
+    for b in range(B):
+        P = int(lens[b])
+        for t in range(T):
+            path = [t]
+            while int(parents[b, path[-1]]) >= 0:
+                path.append(int(parents[b, path[-1]]))
+            keys = torch.tensor(list(range(P)) + [P + i for i in reversed(path)])
+            k1, v1 = (torch.zeros(1, k.shape[1], capacity, D, dtype=k.dtype) for _ in range(2))
+            k1[0, :, :len(keys)], v1[0, :, :len(keys)] = k[b, :, keys], v[b, :, keys]
+            o, l = backend.run("tree_attention", q[b:b + 1, t:t + 1], k1, v1, torch.tensor([len(keys) - 1]), one)
+            out[b, t], lse[b, t] = o[0, 0], l[0, 0]
+    return out, lse
+
+
+# (parents, prefix lengths, q heads, kv heads, head dim, dtype, the tree's and the steps' cache capacities)
+ONE_TOKEN_STEP_CASES = {
+    "chain16": ([list(range(-1, 15))], [300], 4, 2, 64, torch.float32, 512, 1024),
+    "branching16-bf16": ([[-1, 0, 0, 1, 1, 2, 3, 3, 4, 5, 6, 8, 8, 9, 11, 12]], [300], 9, 3, 64, torch.bfloat16, 1024, 512),
+    "batch2-splits": ("random", [37, 520], 4, 4, 32, torch.float32, 768, 2048),
+    "eagle60-gqa4-bf16": ("random60", [250], 8, 2, 128, torch.bfloat16, 512, 1024),
+}
+
+
+@pytest.mark.parametrize("case", list(ONE_TOKEN_STEP_CASES))
+def test_a_tree_rows_attention_is_its_one_token_steps_bits(any_backend, case):
+    """Each row of a tree (siblings between a row's ancestors, prefixes across split boundaries)
+    against the same token's one-token step with its ancestors committed, in a cache of another
+    capacity: the same bits (output and log-sum-exp). Both kernels split a row's own run (the
+    prefix, then its ancestors, then itself) at fixed positions, so a tree's verification gives
+    plain decoding's tokens even at a near tie. Splits the caller chose cut the keys as they lie:
+    there rows differ (the comparison can fail)."""
+    parents, prefix, Hq, Hkv, D, dtype, capacity, step_capacity = ONE_TOKEN_STEP_CASES[case]
+    if parents == "random":
+        parents = random_parents(2, 24, seed=3, max_children=3)
+    elif parents == "random60":
+        parents = random_parents(1, 60, seed=4, max_children=4)
+    parents = torch.as_tensor(parents)
+    B, T = parents.shape
+    lens = torch.tensor(prefix)
+    q = randn(B, T, Hq, D, seed=80, dtype=dtype)
+    k, v = (randn(B, Hkv, capacity, D, seed=81 + i, dtype=dtype) for i in range(2))
+    mask = ops.build_tree_mask(parents)
+    tree, tree_lse = any_backend.run("tree_attention", q, k, v, lens, mask)
+    steps, steps_lse = _one_token_steps(any_backend, q, k, v, lens, parents, step_capacity)
+    differ = [(b, t) for b in range(B) for t in range(T)
+              if not (torch.equal(tree[b, t], steps[b, t]) and torch.equal(tree_lse[b, t], steps_lse[b, t]))]
     assert differ == []
+    torch.testing.assert_close(tree.float(), reference.tree_attention(q, k, v, lens, mask)[0].float(), **TOL[dtype])
+    even, even_lse = any_backend.run("tree_attention", q, k, v, lens, mask, num_splits=3)
+    assert not (torch.equal(even, steps) and torch.equal(even_lse, steps_lse))

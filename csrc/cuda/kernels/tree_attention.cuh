@@ -11,6 +11,18 @@
 //   * P @ V: lanes own head dimensions and read V rows coalesced, each V row once for all rows.
 // At the end the warps' states are merged through shared memory, the same log-sum-exp merge as
 // between splits.
+//
+// Two ways to cut the keys (TreeAttentionParams::split_len):
+//   * fixed splits (> 0; a decoding step or a draft tree of at most kFixedSplitMaxTree tokens):
+//     a row's keys are its own run, the prefix and then the tree keys its mask row sets in index
+//     order (positions prefix + 0, 1, ...), and split s covers positions [s * split_len,
+//     (s + 1) * split_len) of every row's run. A position's split, warp, chunk and lane follow from
+//     the position alone, so a tree row's sums are those of the same token's one-token step with
+//     its ancestors committed (their keys the prefix's last): the same bits, whatever the tree's
+//     size, its siblings or the cache's capacity. A chunk that reaches past the prefix gathers
+//     each row's keys (rows see different ancestors); all-prefix chunks are read once for all rows;
+//   * even parts (0; a prompt's chunk, or splits the caller chose): each sequence's prefix + T keys
+//     in `splits` equal parts as they lie, the tree keys masked in place.
 #pragma once
 
 #include "cuda/device.h"
@@ -32,7 +44,13 @@ struct TreeAttentionParams {
   int64_t capacity;  // S
   int32_t* errors;   // the device's error word
   int64_t row_block0 = 0;  // the first row block of this launch (grids of at most kMaxGridYZ in z)
+  int64_t split_len = 0;   // > 0: fixed splits of each row's run (tree_len <= kFixedSplitMaxTree); 0: even parts
 };
+
+// Fixed splits: keys per split, and the longest tree they serve (a row's gathered tree keys fit
+// in a block's shared memory). The CPU's kernel has the same rule (longer splits: its workers are few).
+constexpr int64_t kFixedSplitLen = 256;
+constexpr int64_t kFixedSplitMaxTree = 64;
 
 // Query rows of a block: 4 when a KV head has at most 4 (decoding, GQA groups of up to 4),
 // else 8 (trees); registers hold R x kDimsPerLane accumulators per lane.
@@ -43,15 +61,52 @@ constexpr int kAttnSlice = 32;  // head dimensions of K staged per step
 // Largest supported head dim: dims_per_lane (a template parameter) is at most 16.
 constexpr int64_t kAttnMaxHeadDim = 16 * kWarp;
 
+inline size_t run_keys_smem_bytes(int rows_per_block) {
+  return (sizeof(int32_t) + kFixedSplitMaxTree) * static_cast<size_t>(rows_per_block);
+}
+
 inline size_t tree_attention_smem_bytes(int64_t head_dim, int rows_per_block) {
   const int warps = kAttnThreads / kWarp;
   return sizeof(float) * (rows_per_block * head_dim                                // queries, then the merge
                           + warps * (kWarp * (kAttnSlice + 1) + rows_per_block * kWarp)  // K slice, P
-                          + warps * rows_per_block * 2);                           // warp max and sum
+                          + warps * rows_per_block * 2)                            // warp max and sum
+         + run_keys_smem_bytes(rows_per_block);                                    // fixed splits: rows' tree keys
 }
 
-// The keys [lo, hi) that split `split` of sequence b covers (its prefix, then its tree), and the
-// K/V rows of KV head kvh. A prefix length that leaves no room for the tree is reported and
+// Fixed splits: each row's visible tree keys in index order and their count (RunKeys::count[r],
+// RunKeys::tree[r * kFixedSplitMaxTree + i]), filled by the block once; rows past the end see none.
+struct RunKeys {
+  int32_t* count;
+  uint8_t* tree;  // tree indices < kFixedSplitMaxTree
+  JAKIRO_HOST_DEVICE explicit RunKeys(void* smem, int rows_per_block)
+      : count(static_cast<int32_t*>(smem)), tree(static_cast<uint8_t*>(smem) + sizeof(int32_t) * rows_per_block) {}
+};
+template <typename kv_t>
+JAKIRO_DEVICE void gather_run_keys(const TreeAttentionParams<kv_t>& p, int64_t b, int64_t row0, int64_t rows,
+                                   int rows_per_block, RunKeys run) {
+  const int64_t group = p.q_heads / p.kv_heads;
+  for (int r = threadIdx.x; r < rows_per_block; r += blockDim.x) {
+    const int64_t row = row0 + r;
+    int32_t n = 0;
+    if (row < rows) {
+      const int64_t* mask_row = p.tree_mask + (b * p.tree_len + row / group) * p.mask_stride;
+      for (int64_t j = 0; j < p.tree_len; ++j)
+        if (mask_bit(mask_row, j)) run.tree[r * kFixedSplitMaxTree + n++] = static_cast<uint8_t>(j);
+    }
+    run.count[r] = n;
+  }
+}
+
+// The cache key at position `pos` (< the split's hi) of row r's run; -1 where the run has ended.
+JAKIRO_DEVICE int64_t run_key(RunKeys run, int r, int64_t prefix, int64_t pos) {
+  if (pos < prefix) return pos;
+  const int64_t i = pos - prefix;
+  return i < run.count[r] ? prefix + run.tree[r * kFixedSplitMaxTree + i] : -1;
+}
+
+// The keys [lo, hi) that split `split` of sequence b covers (its prefix, then its tree; with
+// fixed splits, positions of the rows' runs, which end at or before hi), and the K/V rows of KV
+// head kvh. A prefix length that leaves no room for the tree is reported and
 // covers no key (the rows then see nothing: out 0, lse -inf).
 template <typename kv_t>
 struct SplitKeys {
@@ -67,7 +122,7 @@ JAKIRO_DEVICE SplitKeys<kv_t> split_keys(const TreeAttentionParams<kv_t>& p, int
     if (threadIdx.x == 0) report_error(p.errors, kBadPrefixLens);
     return {0, 0, 0, p.k_cache + offset, p.v_cache + offset};
   }
-  const int64_t chunk = ceil_div(length, p.splits);
+  const int64_t chunk = p.split_len > 0 ? p.split_len : ceil_div(length, p.splits);
   const int64_t lo = split * chunk < length ? split * chunk : length;
   const int64_t hi = (split + 1) * chunk < length ? (split + 1) * chunk : length;
   return {prefix, lo, hi, p.k_cache + offset, p.v_cache + offset};
@@ -87,6 +142,21 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
   float* p_s = q_s + R * D + warps * kWarp * (kAttnSlice + 1) + warp * R * kWarp;  // [R][kWarp]
   float* max_s = q_s + R * D + warps * (kWarp * (kAttnSlice + 1) + R * kWarp);     // [warps][R]
   float* sum_s = max_s + warps * R;                                                 // [warps][R]
+  const RunKeys run(sum_s + warps * R, R);
+  const bool in_run_order = p.split_len > 0;
+
+  const SplitKeys<kv_t> keys_of_split = split_keys(p, b, kvh, split);
+  const int64_t prefix = keys_of_split.prefix, lo = keys_of_split.lo, hi = keys_of_split.hi;  // (plain: key_of captures them)
+  const kv_t *k_base = keys_of_split.k, *v_base = keys_of_split.v;
+  if (in_run_order && lo >= hi) {  // a split past the run: empty (lse -inf), its output not read by the merge
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      const int64_t row = row0 + r;
+      if (row < rows)
+        p.lse_partial[((b * p.tree_len + row / group) * p.q_heads + kvh * group + row % group) * p.splits + split] =
+            neg_inf();
+    }
+    return;
+  }
 
   // Query row r of the block: tree token t = row / group, query head kvh * group + row % group.
   for (int64_t i = threadIdx.x; i < R * D; i += blockDim.x) {
@@ -98,9 +168,18 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
     }
     q_s[i] = v;
   }
+  if (in_run_order) gather_run_keys(p, b, row0, rows, R, run);
   __syncthreads();
 
-  const auto [prefix, lo, hi, k_base, v_base] = split_keys(p, b, kvh, split);
+  // Row r's key at position pos (< hi) of the split: in place, or (fixed splits) of its run; -1: unseen.
+  auto key_of = [&](int r, int64_t pos) -> int64_t {
+    const int64_t row = row0 + r;
+    if (row >= rows) return -1;
+    if (in_run_order) return run_key(run, r, prefix, pos);
+    return pos < prefix || mask_bit(p.tree_mask + (b * p.tree_len + row / group) * p.mask_stride, pos - prefix)
+               ? pos
+               : -1;
+  };
 
   OnlineSoftmax state[R];
   float acc[R][kDimsPerLane];
@@ -108,37 +187,36 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
     for (int i = 0; i < kDimsPerLane; ++i) acc[r][i] = 0.f;
 
   for (int64_t key0 = lo + warp * kWarp; key0 < hi; key0 += warps * kWarp) {  // warp-uniform loop
-    const int64_t key = key0 + lane;
-    const bool in_range = key < hi;
+    const int64_t pos = key0 + lane;
+    // Every row reads the same keys (in place, or a run's chunk within the prefix), or each its own.
+    const bool shared = !in_run_order || key0 + kWarp <= prefix;
     float score[R];
     for (int r = 0; r < R; ++r) score[r] = 0.f;
     for (int64_t d0 = 0; d0 < D; d0 += kAttnSlice) {
-      // Stage K[key0 .. key0 + kWarp)[d0 .. d0 + kAttnSlice) (zeros past the ends).
-      for (int e = lane; e < kWarp * kAttnSlice; e += kWarp) {
-        const int kk = e / kAttnSlice, dd = e % kAttnSlice;
-        const int64_t key_e = key0 + kk, d = d0 + dd;
-        k_s[kk * (kAttnSlice + 1) + dd] = (key_e < hi && d < D) ? to_float(k_base[key_e * D + d]) : 0.f;
-      }
-      warp_sync();
       const int64_t width = D - d0 < kAttnSlice ? D - d0 : kAttnSlice;
       for (int r = 0; r < R; ++r) {
+        if (r == 0 || !shared) {
+          // Stage row r's keys at positions key0 .. key0 + kWarp, dims d0 .. d0 + kAttnSlice (zeros
+          // past the ends and for keys no row sees here: a shared chunk stages every position).
+          warp_sync();
+          for (int e = lane; e < kWarp * kAttnSlice; e += kWarp) {
+            const int kk = e / kAttnSlice, dd = e % kAttnSlice;
+            const int64_t pos_e = key0 + kk, d = d0 + dd;
+            const int64_t key = pos_e >= hi ? -1 : shared ? pos_e : key_of(r, pos_e);
+            k_s[kk * (kAttnSlice + 1) + dd] = (key >= 0 && d < D) ? to_float(k_base[key * D + d]) : 0.f;
+          }
+          warp_sync();
+        }
         const float* qr = q_s + r * D + d0;
         float s = 0.f;
         for (int64_t dd = 0; dd < width; ++dd) s += qr[dd] * k_s[lane * (kAttnSlice + 1) + dd];
         score[r] += s;
       }
-      warp_sync();
     }
-    // Mask: the prefix is visible to every tree token; tree keys through the mask bits.
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = row0 + r;
-      bool visible = in_range && row < rows;
-      if (visible && key >= prefix) {
-        const int64_t t = row / group;
-        visible = mask_bit(p.tree_mask + (b * p.tree_len + t) * p.mask_stride, key - prefix);
-      }
-      if (!visible) score[r] = neg_inf();
-    }
+    warp_sync();
+    // Mask: what a row does not see (past hi, past its run, or a tree key off its mask row) is -inf.
+    for (int r = 0; r < R; ++r)
+      if (pos >= hi || key_of(r, pos) < 0) score[r] = neg_inf();
     // Online softmax per row; this lane's probability goes to p_s for the P @ V product.
     float factor[R];
     for (int r = 0; r < R; ++r) {
@@ -159,21 +237,18 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
       for (int i = 0; i < kDimsPerLane; ++i) acc[r][i] *= factor[r];
     const int64_t keys = hi - key0 < kWarp ? hi - key0 : kWarp;
     for (int64_t j = 0; j < keys; ++j) {
-      const kv_t* v_row = v_base + (key0 + j) * D;
       // A row reads the values it attends to only: a NaN in a tree node's value it does not
       // see must not reach it (0 * NaN is NaN).
-      bool sees[R];
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = row0 + r;
-        sees[r] = key0 + j < prefix ||
-                  (row < rows && mask_bit(p.tree_mask + (b * p.tree_len + row / group) * p.mask_stride,
-                                          key0 + j - prefix));
-      }
+      int64_t key[R];
+      for (int r = 0; r < R; ++r) key[r] = key_of(r, key0 + j);
       for (int i = 0; i < kDimsPerLane; ++i) {
         const int64_t d = lane + i * kWarp;
-        const float v = d < D ? to_float(v_row[d]) : 0.f;
-        for (int r = 0; r < R; ++r)
-          if (sees[r]) acc[r][i] += p_s[r * kWarp + j] * v;
+        const float v_shared = shared && d < D ? to_float(v_base[(key0 + j) * D + d]) : 0.f;  // one read, every row
+        for (int r = 0; r < R; ++r) {
+          if (key[r] < 0) continue;
+          const float v = shared ? v_shared : d < D ? to_float(v_base[key[r] * D + d]) : 0.f;
+          acc[r][i] += p_s[r * kWarp + j] * v;
+        }
       }
     }
     warp_sync();

@@ -16,6 +16,15 @@
 // a value row is read only by the rows that see its key (a non-finite value is staged as 0 and
 // its products are added element-wise for the rows that see it, as 0 * NaN must not reach the
 // others).
+//
+// Fixed splits (TreeAttentionParams::split_len > 0; tree_attention.cuh) keep a row's bits those of
+// its one-token step, which this kernel runs too (the glue sends a decoding step here when a tree
+// would come here): a row's run (the prefix, then its visible tree keys in index order) is cut at
+// near(row) = the run's length less kFixedSplitMaxTree, rounded down to 16 (at most the prefix,
+// and a function of the run's length alone). Positions before it are prefix keys, the same for
+// every row: the tiles above sum them (a row's tile elements depend on that row and key alone).
+// Positions from it on (at most 79, the row's ancestors among them) are the "near run": each
+// row's keys gathered, scores and P V summed in float element by element, 16 positions at a time.
 #pragma once
 
 #include "cuda/device.h"
@@ -30,14 +39,16 @@ constexpr int kTcWarps = 4;                    // warps (row tiles) per block
 constexpr int kTcRows = kTcTile * kTcWarps;    // query rows per block
 constexpr int64_t kTcMaxHeadDim = 128;         // accumulators: D / 16 fragments per warp
 
-// The tensor-core kernel serves bf16 heads of a multiple of 16 up to 128 dims whose rows per KV
-// head fill at least one 16-row tile.
-inline bool tree_attention_uses_tensor_cores(bool bf16, int64_t head_dim, int64_t rows_per_kv_head) {
-  return bf16 && head_dim % kTcTile == 0 && head_dim <= kTcMaxHeadDim && rows_per_kv_head >= kTcTile;
+// The tensor-core kernel serves bf16 heads of a multiple of 16 up to 128 dims: with fixed splits
+// every row count (one-token steps and trees alike), otherwise rows per KV head that fill at least
+// one 16-row tile.
+inline bool tree_attention_uses_tensor_cores(bool bf16, int64_t head_dim, int64_t rows_per_kv_head,
+                                             bool fixed_splits) {
+  return bf16 && head_dim % kTcTile == 0 && head_dim <= kTcMaxHeadDim && (fixed_splits || rows_per_kv_head >= kTcTile);
 }
 
 struct TcSmemLayout {  // byte offsets into the dynamic shared memory
-  size_t q, k, v, s, p, row_id, col_id, state, flag, total;
+  size_t q, k, v, s, p, row_id, col_id, state, flag, run, total;
   JAKIRO_HOST_DEVICE explicit TcSmemLayout(int64_t head_dim) {
     const size_t ld = static_cast<size_t>(head_dim) + kTcPad;
     q = 0;                                                                 // bf16 [kTcRows][ld]
@@ -49,7 +60,8 @@ struct TcSmemLayout {  // byte offsets into the dynamic shared memory
     col_id = row_id + sizeof(float) * kTcTile * kTcTile;                   // float [16][16]
     state = col_id + sizeof(float) * kTcTile * kTcTile;                    // float [warps][16]: factor, then 1/sum
     flag = state + sizeof(float) * kTcWarps * kTcTile;                     // int [2]: a non-finite value in the chunk
-    total = flag + 16;
+    run = flag + 16;                                                       // fixed splits: RunKeys of the block's rows
+    total = run + run_keys_smem_bytes(kTcRows);
   }
 };
 
@@ -78,6 +90,18 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   float* state_w = reinterpret_cast<float*>(smem + L.state) + warp * kTcTile;
   int* nonfinite_flags = reinterpret_cast<int*>(smem + L.flag);  // by chunk parity: reset while the next is staged
 
+  const bool in_run_order = p.split_len > 0;
+  const SplitKeys<bf16> keys = split_keys(p, b, kvh, split);
+  const int64_t prefix = keys.prefix, lo = keys.lo, hi = keys.hi;  // (plain variables: lambdas capture them)
+  const bf16 *k_base = keys.k, *v_base = keys.v;
+  if (in_run_order && lo >= hi) {  // a split past the run: empty (lse -inf), its output not read by the merge
+    for (int64_t row = block_row0 + threadIdx.x; row < rows && row < block_row0 + kTcRows; row += blockDim.x)
+      p.lse_partial[((b * p.tree_len + row / group) * p.q_heads + kvh * group + row % group) * p.splits + split] =
+          neg_inf();
+    return;
+  }
+  const RunKeys run(smem + L.run, kTcRows);
+
   // Query row r of the block: tree token t = row / group, query head kvh * group + row % group
   // (unscaled: the scale is applied to the float scores). Rows past the end are zeros.
   for (int64_t i = threadIdx.x; i < kTcRows * D; i += blockDim.x) {
@@ -91,6 +115,7 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
     col_id_s[i] = static_cast<float>(i % kTcTile);
   }
   if (threadIdx.x == 0) nonfinite_flags[0] = nonfinite_flags[1] = 0;
+  if (in_run_order) gather_run_keys(p, b, block_row0, rows, kTcRows, run);
   __syncthreads();
 
   TcFragC row_of, col_of, acc[kDims];
@@ -100,26 +125,68 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   TcFragA q_frag[kDims];
   for (int k = 0; k < kDims; ++k) wmma::load_matrix_sync(q_frag[k], tc_ptr(q_s + warp * kTcTile * ld + k * kTcTile), ld);
 
-  const SplitKeys<bf16> keys = split_keys(p, b, kvh, split);
-  const int64_t prefix = keys.prefix, lo = keys.lo, hi = keys.hi;  // (plain variables: `sees` captures prefix)
-  const bf16 *k_base = keys.k, *v_base = keys.v;
-
-  // Does query row `row` (< rows) see key `key` (< hi)?
+  // Does query row `row` (< rows) see key `key` (< hi)? (Even parts: the tree keys in place.)
   auto sees = [&](int64_t row, int64_t key) {
     return key < prefix || mask_bit(p.tree_mask + (b * p.tree_len + row / group) * p.mask_stride, key - prefix);
   };
+  // Fixed splits: block row r's run length and where its near run starts (module comment).
+  auto run_len = [&](int64_t r) { return prefix + run.count[r]; };
+  auto near_start = [&](int64_t r) {
+    const int64_t far = run_len(r) - kFixedSplitMaxTree;
+    return far > 0 ? far / kTcTile * kTcTile : int64_t{0};
+  };
+  // Does block row r see position pos of the split through the tiles (the far keys)?
+  auto far_sees = [&](int64_t r, int64_t pos) {
+    return in_run_order ? pos < near_start(r) : sees(block_row0 + r, pos);
+  };
+  int64_t far_hi = hi, near_lo = hi, near_hi = hi;  // fixed splits: the block's far keys end, its near runs' span
+  if (in_run_order) {
+    int64_t most_far = 0, least_near = hi, longest = 0;
+    for (int64_t r = 0; r < kTcRows && block_row0 + r < rows; ++r) {
+      most_far = near_start(r) > most_far ? near_start(r) : most_far;
+      least_near = near_start(r) < least_near ? near_start(r) : least_near;
+      longest = run_len(r) > longest ? run_len(r) : longest;
+    }
+    far_hi = most_far < hi ? most_far : hi;
+    near_lo = least_near > lo ? least_near : lo;
+    near_hi = longest < hi ? longest : hi;
+  }
 
   OnlineSoftmax state;  // lane r < 16: the state of row row0 + r
   const int64_t my_row = row0 + lane;
   const bool owns_row = lane < kTcTile && my_row < rows;
+  const bool warp_has_rows = row0 < rows;  // a warp of padding rows only stages
 
-  for (int64_t key0 = lo, chunk_index = 0; key0 < hi; key0 += kTcTile, ++chunk_index) {  // block-uniform loop
+  // Lane r's online softmax over a chunk of its row's 16 scores (-inf: not seen): replaces them
+  // by their probabilities (0 once poisoned by a NaN or +inf score) and returns the factor that
+  // rescales what the row accumulated; the sum (hence the log-sum-exp) stays in float.
+  auto fold = [&](float (&sc)[kTcTile]) {
+    float chunk_max = neg_inf();
+    bool poisoned = false;
+    for (int j = 0; j < kTcTile; ++j) {
+      poisoned |= poisons(sc[j]);
+      chunk_max = fmaxf(chunk_max, sc[j]);
+    }
+    if (poisoned || state.poisoned()) {
+      state.poison();
+      for (int j = 0; j < kTcTile; ++j) sc[j] = 0.f;
+      return 1.f;
+    }
+    const float factor = state.rescale_for(chunk_max);
+    for (int j = 0; j < kTcTile; ++j) {
+      sc[j] = sc[j] == neg_inf() ? 0.f : expf(sc[j] - state.max);
+      state.sum += sc[j];
+    }
+    return factor;
+  };
+
+  for (int64_t key0 = lo, chunk_index = 0; key0 < far_hi; key0 += kTcTile, ++chunk_index) {  // block-uniform loop
     int* nonfinite_s = nonfinite_flags + (chunk_index & 1);
-    // Stage 16 keys of K and V (zeros past hi); a non-finite value is staged as 0 and flagged.
+    // Stage 16 keys of K and V (zeros past far_hi); a non-finite value is staged as 0 and flagged.
     for (int64_t i = threadIdx.x; i < kTcTile * D; i += blockDim.x) {
       const int64_t j = i / D, d = i % D, key = key0 + j;
       bf16 kv{0}, vv{0};
-      if (key < hi) {
+      if (key < far_hi) {
         kv = k_base[key * D + d];
         vv = v_base[key * D + d];
         if (!(fabsf(to_float(vv)) < INFINITY)) {
@@ -132,66 +199,97 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
     }
     __syncthreads();
 
-    // S = Q K^T for this warp's 16 rows and the chunk's 16 keys.
-    TcFragC score;
-    wmma::fill_fragment(score, 0.f);
-    for (int k = 0; k < kDims; ++k) {
-      TcFragBCol k_frag;  // K^T: element (dim, key) at k_s[key * ld + dim]
-      wmma::load_matrix_sync(k_frag, tc_ptr(k_s + k * kTcTile), ld);
-      wmma::mma_sync(score, q_frag[k], k_frag, score);
-    }
-    wmma::store_matrix_sync(s_w, score, kTcTile, wmma::mem_row_major);
-    warp_sync();
-
-    // Online softmax: lane r takes row r (mask, poison, running max and sum); P to shared memory.
-    if (lane < kTcTile) {
-      float s[kTcTile], chunk_max = neg_inf();
-      bool poisoned = false;
-      for (int j = 0; j < kTcTile; ++j) {
-        const int64_t key = key0 + j;
-        s[j] = owns_row && key < hi && sees(my_row, key) ? s_w[lane * kTcTile + j] * p.scale : neg_inf();
-        poisoned |= poisons(s[j]);
-        chunk_max = fmaxf(chunk_max, s[j]);
+    if (warp_has_rows) {
+      // S = Q K^T for this warp's 16 rows and the chunk's 16 keys.
+      TcFragC score;
+      wmma::fill_fragment(score, 0.f);
+      for (int k = 0; k < kDims; ++k) {
+        TcFragBCol k_frag;  // K^T: element (dim, key) at k_s[key * ld + dim]
+        wmma::load_matrix_sync(k_frag, tc_ptr(k_s + k * kTcTile), ld);
+        wmma::mma_sync(score, q_frag[k], k_frag, score);
       }
-      float factor = 1.f;
-      if (poisoned || state.poisoned()) {
-        state.poison();
-        for (int j = 0; j < kTcTile; ++j) p_w[lane * ldp + j] = bf16{0};
-      } else {
-        factor = state.rescale_for(chunk_max);
+      wmma::store_matrix_sync(s_w, score, kTcTile, wmma::mem_row_major);
+      warp_sync();
+
+      // Online softmax: lane r takes row r (mask, poison, running max and sum); P to shared memory.
+      if (lane < kTcTile) {
+        float sc[kTcTile];
         for (int j = 0; j < kTcTile; ++j) {
-          const float pj = s[j] == neg_inf() ? 0.f : expf(s[j] - state.max);
-          p_w[lane * ldp + j] = from_float<bf16>(pj);  // the product rounds P to bf16; the sum (lse) does not
-          state.sum += pj;
+          const int64_t key = key0 + j;
+          sc[j] = owns_row && key < far_hi && far_sees(my_row - block_row0, key) ? s_w[lane * kTcTile + j] * p.scale
+                                                                                : neg_inf();
         }
+        state_w[lane] = fold(sc);
+        for (int j = 0; j < kTcTile; ++j) p_w[lane * ldp + j] = from_float<bf16>(sc[j]);  // the product rounds P to bf16
       }
-      state_w[lane] = factor;
-    }
-    warp_sync();
+      warp_sync();
 
-    // O = O * factor + P V.
-    TcFragA p_frag;
-    wmma::load_matrix_sync(p_frag, tc_ptr(p_w), ldp);
-    for (int n = 0; n < kDims; ++n) {
-      for (int i = 0; i < acc[n].num_elements; ++i) acc[n].x[i] *= state_w[static_cast<int>(row_of.x[i])];
-      TcFragBRow v_frag;  // V: element (key, dim) at v_s[key * ld + dim]
-      wmma::load_matrix_sync(v_frag, tc_ptr(v_s + n * kTcTile), ld);
-      wmma::mma_sync(acc[n], p_frag, v_frag, acc[n]);
-    }
-    if (*nonfinite_s) {  // rare: add p * v of the non-finite values for the rows that see them
-      for (int n = 0; n < kDims; ++n)
-        for (int i = 0; i < acc[n].num_elements; ++i) {
-          const int r = static_cast<int>(row_of.x[i]);
-          const int64_t row = row0 + r, d = n * kTcTile + static_cast<int>(col_of.x[i]);
-          if (row >= rows) continue;
-          for (int j = 0; j < kTcTile && key0 + j < hi; ++j) {
-            const float v = to_float(v_base[(key0 + j) * D + d]);
-            if (!(fabsf(v) < INFINITY) && sees(row, key0 + j)) acc[n].x[i] += to_float(p_w[r * ldp + j]) * v;
+      // O = O * factor + P V.
+      TcFragA p_frag;
+      wmma::load_matrix_sync(p_frag, tc_ptr(p_w), ldp);
+      for (int n = 0; n < kDims; ++n) {
+        for (int i = 0; i < acc[n].num_elements; ++i) acc[n].x[i] *= state_w[static_cast<int>(row_of.x[i])];
+        TcFragBRow v_frag;  // V: element (key, dim) at v_s[key * ld + dim]
+        wmma::load_matrix_sync(v_frag, tc_ptr(v_s + n * kTcTile), ld);
+        wmma::mma_sync(acc[n], p_frag, v_frag, acc[n]);
+      }
+      if (*nonfinite_s) {  // rare: add p * v of the non-finite values for the rows that see them
+        for (int n = 0; n < kDims; ++n)
+          for (int i = 0; i < acc[n].num_elements; ++i) {
+            const int r = static_cast<int>(row_of.x[i]);
+            const int64_t row = row0 + r, d = n * kTcTile + static_cast<int>(col_of.x[i]);
+            if (row >= rows) continue;
+            for (int j = 0; j < kTcTile && key0 + j < far_hi; ++j) {
+              const float v = to_float(v_base[(key0 + j) * D + d]);
+              if (!(fabsf(v) < INFINITY) && far_sees(row - block_row0, key0 + j)) acc[n].x[i] += to_float(p_w[r * ldp + j]) * v;
+            }
           }
-        }
+      }
     }
     __syncthreads();  // every warp is done with this chunk's K, V and flag
     if (threadIdx.x == 0) *nonfinite_s = 0;  // for the chunk after next
+  }
+
+  // Fixed splits: the near runs, 16 positions at a time, in float (module comment). Block row r's
+  // position pos is in its near run when near_start(r) <= pos < run_len(r) (and within the split).
+  auto in_near_run = [&](int64_t r, int64_t pos) {
+    return block_row0 + r < rows && pos >= near_start(r) && pos < run_len(r) && pos >= lo && pos < hi;
+  };
+  for (int64_t pos0 = near_lo; pos0 < near_hi; pos0 += kTcTile) {  // block-uniform loop (none for even parts)
+    // Scores of every (row, position) pair of the chunk, into each warp's s_w: q . k in dimension order.
+    for (int64_t e = threadIdx.x; e < kTcRows * kTcTile; e += blockDim.x) {
+      const int64_t r = e / kTcTile, pos = pos0 + e % kTcTile;
+      float sc = neg_inf();
+      if (in_near_run(r, pos)) {
+        const bf16* k_row = k_base + run_key(run, static_cast<int>(r), prefix, pos) * D;
+        float dot = 0.f;
+        for (int d = 0; d < D; ++d) dot += to_float(q_s[r * ld + d]) * to_float(k_row[d]);
+        sc = dot * p.scale;
+      }
+      reinterpret_cast<float*>(smem + L.s)[e] = sc;  // warp r / 16's s_w, row r % 16
+    }
+    __syncthreads();
+    if (warp_has_rows) {
+      if (lane < kTcTile) {
+        float sc[kTcTile];
+        for (int j = 0; j < kTcTile; ++j) sc[j] = s_w[lane * kTcTile + j];
+        state_w[lane] = fold(sc);
+        for (int j = 0; j < kTcTile; ++j) s_w[lane * kTcTile + j] = sc[j];
+      }
+      warp_sync();
+      // O = O * factor + P V, element by element over the row's own values, in position order.
+      for (int n = 0; n < kDims; ++n)
+        for (int i = 0; i < acc[n].num_elements; ++i) {
+          const int r = static_cast<int>(row_of.x[i]);
+          const int64_t d = n * kTcTile + static_cast<int>(col_of.x[i]), rb = warp * kTcTile + r;
+          float o = acc[n].x[i] * state_w[r];
+          for (int j = 0; j < kTcTile; ++j)
+            if (in_near_run(rb, pos0 + j))
+              o += s_w[r * kTcTile + j] * to_float(v_base[run_key(run, static_cast<int>(rb), prefix, pos0 + j) * D + d]);
+          acc[n].x[i] = o;
+        }
+    }
+    __syncthreads();  // every warp is done with its s_w before the next chunk's scores
   }
 
   // Normalise and write: lane r publishes row r's 1 / sum (NaN when poisoned, 0 when empty).

@@ -102,7 +102,10 @@ if build_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     define_macros.append(("JAKIRO_WITH_CUDA", "1"))
-    extra_compile_args["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr"] + (["-g", "-G"] if debug else [])
+    # 20011 (a __host__ function called from a __host__ __device__ one) is a warning to nvcc, and
+    # the device side is then undefined: ptxas emptied a whole kernel over one such call.
+    extra_compile_args["nvcc"] = ["-O3", "-std=c++20", "--expt-relaxed-constexpr", "--diag-error", "20011"] + (
+        ["-g", "-G"] if debug else [])
     extension_cls = cpp_extension.CUDAExtension
 else:
     extension_cls = cpp_extension.CppExtension

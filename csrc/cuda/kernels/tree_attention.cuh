@@ -61,7 +61,7 @@ constexpr int kAttnSlice = 32;  // head dimensions of K staged per step
 // Largest supported head dim: dims_per_lane (a template parameter) is at most 16.
 constexpr int64_t kAttnMaxHeadDim = 16 * kWarp;
 
-inline size_t run_keys_smem_bytes(int rows_per_block) {
+JAKIRO_HOST_DEVICE size_t run_keys_smem_bytes(int rows_per_block) {
   return (sizeof(int32_t) + kFixedSplitMaxTree) * static_cast<size_t>(rows_per_block);
 }
 

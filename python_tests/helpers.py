@@ -215,6 +215,44 @@ def lossy_verifier(monkeypatch, scale: float = 0.7):
 SAMPLES = 4000
 
 
+def tree_rows_off_their_paths(model, prefix_len: int, T: int) -> list:
+    """The (tree, node) pairs whose verification logits, in a tree of T tokens after a random
+    prefix of prefix_len, are not bit for bit those of decoding the node's root path one token at
+    a time after the same prefix: for a chain, and for a random branching tree (siblings between a
+    node's ancestors). Empty when greedy verification cannot disagree with plain decoding."""
+    from jakiro_ext import ops
+    from conftest import random_parents
+
+    vocab = model.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen(4))
+    tokens = torch.randint(0, vocab, (1, T), generator=gen(6))
+
+    def after_prefix():
+        cache = model.new_cache(batch=1, capacity=prefix_len + T + 1)
+        model(prefix, cache)
+        cache.commit(prefix_len)
+        return cache
+
+    off = []
+    trees = {"chain": torch.arange(-1, T - 1).unsqueeze(0), "branching": random_parents(1, T, seed=5, max_children=3)}
+    for name, parents in trees.items():
+        depth = torch.zeros(1, T, dtype=torch.int64)
+        for i in range(1, T):
+            depth[0, i] = depth[0, parents[0, i]] + 1
+        tree, _ = model(tokens, after_prefix(), ops.build_tree_mask(parents), depth)
+        for node in range(T):
+            path = [node]
+            while parents[0, path[0]] >= 0:
+                path.insert(0, int(parents[0, path[0]]))
+            cache = after_prefix()
+            for i in path:
+                logits, _ = model(tokens[:, i:i + 1], cache)
+                cache.commit(1)
+            if not torch.equal(tree[0, node], logits[0, 0]):
+                off.append((name, node))
+    return off
+
+
 # ----------------------------------------------------------------------------- shared cases
 # Prompts of several lengths (1 to 20 tokens) that the batch tests decode together.
 PROMPTS = [prompt(n, seed=s) for n, s in [(13, 2), (5, 3), (20, 4), (1, 5), (9, 6)]]

@@ -8,12 +8,14 @@ import threading
 
 import pytest
 import torch
+import transformers
 
 from jakiro_ext import ops
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.generate import speculative_generate
+from jakiro_ext.models import LlamaModel
 from helpers import (DYNAMIC_ONLY, HEAD_METHODS, PROMPTS, SAMPLED, TREES, chi_square_p, copy_head, exact_distribution,
-                     power_at_shift, random_head, same, tiny_target, verified_token_p)
+                     power_at_shift, random_head, same, tiny_target, tree_rows_off_their_paths, verified_token_p)
 
 NEW_TOKENS = 16
 # The tree shapes of test_generate with a smaller wide tree (the emulator is ~1000x slower than the
@@ -125,3 +127,21 @@ def test_a_bad_value_met_by_a_simt_kernel_ends_the_round_before_anything_is_emit
     assert len(calls) == 3 and len(seen) == 2  # the prefill's token and the first round's, nothing after
     with ops.use_backend("simt32"):
         assert ops.device_errors(torch.zeros(1)).tolist() == [0]  # the round read and cleared the word
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("prefix_len", [20, 290])
+def test_a_tree_verifies_each_token_bit_for_bit_as_decoding_its_path_on_the_gpu_kernels(dtype, prefix_len):
+    """The model's forward through the GPU kernels (the tensor-core linear and attention in
+    bf16, emulated): each node of a chain and of a branching tree gets the logits of decoding
+    its root path one token at a time, bit for bit, so greedy verification cannot disagree with
+    plain decoding even at a near tie. A prefix of 290 puts the tree across the attention's
+    256-key split and its rows' tiles before their near runs."""
+    torch.manual_seed(3)
+    cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   tie_word_embeddings=True, max_position_embeddings=1024)
+    model = LlamaModel.from_hf(transformers.LlamaForCausalLM(cfg).float().eval(), dtype=dtype)
+    with ops.use_backend("simt32"):
+        assert tree_rows_off_their_paths(model, prefix_len, T=24) == []

@@ -4,7 +4,8 @@ import pytest
 import torch
 import transformers
 
-from conftest import gen, random_parents
+from conftest import gen
+from helpers import tree_rows_off_their_paths
 from jakiro_ext import memory, ops
 from jakiro_ext.models import LlamaConfig, LlamaModel
 from jakiro_ext.models.rope import RopeTable
@@ -153,29 +154,7 @@ def test_a_tree_verifies_each_token_bit_for_bit_as_decoding_its_path(weights, pr
                 for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.gate_up_proj, layer.down_proj):
                     module._parameters["weight"] = torch.nn.Parameter(
                         quantized.from_float(module.weight, "Q8_0"), requires_grad=False)
-    prefix = torch.randint(0, 211, (1, prefix_len), generator=gen(4))
-    T = 40  # 80 query rows a KV head (BLAS's attention took over beyond 32 and was 1e-5 off)
-    tokens = torch.randint(0, 211, (1, T), generator=gen(6))
-    for parents in (torch.arange(-1, T - 1).unsqueeze(0), random_parents(1, T, seed=5, max_children=3)):
-        def after_prefix():
-            cache = model.new_cache(batch=1, capacity=prefix_len + T + 1)
-            model(prefix, cache)
-            cache.commit(prefix_len)
-            return cache
-
-        depth = torch.zeros(1, T, dtype=torch.int64)
-        for i in range(1, T):
-            depth[0, i] = depth[0, parents[0, i]] + 1
-        tree, _ = model(tokens, after_prefix(), ops.build_tree_mask(parents), depth)
-        for node in range(T):
-            path = [node]
-            while parents[0, path[0]] >= 0:
-                path.insert(0, int(parents[0, path[0]]))
-            cache = after_prefix()
-            for i in path:
-                logits, _ = model(tokens[:, i:i + 1], cache)
-                cache.commit(1)
-            assert torch.equal(tree[0, node], logits[0, 0]), (node, path)
+    assert tree_rows_off_their_paths(model, prefix_len, T=40) == []  # 80 query rows a KV head
 
 
 def test_model_config_refuses_what_it_does_not_implement():

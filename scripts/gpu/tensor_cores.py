@@ -15,6 +15,11 @@
    of T = 1, 16, 32, 64 tokens after a 512-token prefix, tensor cores on and off; relative to the
    one-token forward, and the one-token forward's weight bytes over its time against HBM (plain
    decoding's floor).
+3. ``attention``: jakiro::tree_attention alone at Llama-3-8B's heads (32 query, 8 KV, 128 dims),
+   bf16, after 512 and 4096 keys, for a decoding step and 16- and 64-token trees: the default
+   (fixed splits of each row's run; a bf16 tree and a one-token step alike on tensor cores, each
+   row's last 64-79 keys summed in float), the same on CUDA cores, even parts of the keys as they
+   lie (not batch-invariant: what the fixed splits cost against), and SDPA over the dense mask.
 
     python scripts/gpu/tensor_cores.py --device cuda --out tensor_cores.csv
     python scripts/gpu/tensor_cores.py --device cpu --dry-run      (tiny shapes: the script itself)
@@ -36,6 +41,7 @@ import common  # noqa: E402
 from common import memory_bandwidth_gbs, peak_hbm_gbs, timeit, write_csv  # noqa: E402
 from e2e import random_target  # noqa: E402
 from jakiro_ext import ops  # noqa: E402
+from jakiro_ext.ops import reference  # noqa: E402
 
 LINEAR_SHAPES = {  # name: (N out features, K in features)
     "llama3-8b qkv": (6144, 4096), "llama3-8b o": (4096, 4096), "llama3-8b gate_up": (28672, 4096),
@@ -183,10 +189,43 @@ def tree_forwards(args, rows_out: list, copy_gbs: float, rated_gbs: float) -> No
               f"{row['cuda_cores_us'] / 1e3:7.2f} ms ({row['cuda_cores_over_one_token']:.2f}x)", flush=True)
 
 
+def tree_attention_costs(args, rows_out: list) -> None:
+    device, dtype = args.device, torch.bfloat16
+    Hq, Hkv, D, prefixes, sizes = (4, 2, 16, (16, 40), (1, 4, 8)) if args.dry_run else (32, 8, 128, (512, 4096), (1, 16, 64))
+    g = torch.Generator(device=device).manual_seed(2)
+    for prefix in prefixes:
+        capacity = prefix + max(sizes)
+        k, v = (torch.randn(1, Hkv, capacity, D, generator=g, device=device).to(dtype) for _ in range(2))
+        for T in sizes:
+            parents = torch.tensor([[-1] + [(i - 1) // 3 for i in range(1, T)]])  # a 3-ary tree
+            mask = ops.build_tree_mask(parents).to(device)
+            q = torch.randn(1, T, Hq, D, generator=g, device=device).to(dtype)
+            lens = torch.tensor([prefix], device=device)
+            even = max(1, (prefix + T) // 256)
+            # SDPA's dense mask: every query row sees the prefix and its tree row's ancestors.
+            seen = torch.zeros(T, capacity, dtype=torch.bool, device=device)
+            seen[:, :prefix] = True
+            seen[:, prefix:prefix + T] = reference.unpack_tree_mask(mask, T)[0].to(device)
+            kq, vq = (x.repeat_interleave(Hq // Hkv, dim=1) for x in (k, v))
+            arms = {"fixed_splits": lambda: ops.tree_attention(q, k, v, lens, mask),
+                    "even_parts": lambda: ops.tree_attention(q, k, v, lens, mask, num_splits=even),
+                    "sdpa": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), kq, vq, attn_mask=seen)}
+            row = dict(part="attention", shape=f"{Hq}q {Hkv}kv {D}d", rows=T, prefix=prefix, even_splits=even)
+            for arm, fn in arms.items():
+                row[f"{arm}_us"] = timeit(fn, args.reps)["median_ms"] * 1e3
+            with cuda_cores():
+                row["fixed_splits_cuda_cores_us"] = timeit(arms["fixed_splits"], args.reps)["median_ms"] * 1e3
+            rows_out.append(row)
+            print(f"attention prefix {prefix:5d} T={T:2d}: fixed splits {row['fixed_splits_us']:7.1f} us (CUDA cores "
+                  f"{row['fixed_splits_cuda_cores_us']:7.1f}), even parts {row['even_parts_us']:7.1f} us, "
+                  f"SDPA {row['sdpa_us']:7.1f} us", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    ap.add_argument("--parts", nargs="+", default=["linear", "forward", "blocks"], choices=["linear", "forward", "blocks"])
+    ap.add_argument("--parts", nargs="+", default=["linear", "forward", "attention", "blocks"],
+                    choices=["linear", "forward", "attention", "blocks"])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes, two repetitions (checks the script)")
     ap.add_argument("--out", default="tensor_cores.csv")
@@ -205,6 +244,8 @@ def main():
         linear_rows(args, rows, copy_gbs, rated)
     if "forward" in args.parts:
         tree_forwards(args, rows, copy_gbs, rated)
+    if "attention" in args.parts:
+        tree_attention_costs(args, rows)
     if "blocks" in args.parts:
         block_targets(args, rows, copy_gbs, rated)
     for r in rows:

@@ -195,9 +195,10 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
     for (int64_t d0 = 0; d0 < D; d0 += kAttnSlice) {
       const int64_t width = D - d0 < kAttnSlice ? D - d0 : kAttnSlice;
       for (int r = 0; r < R; ++r) {
-        if (r == 0 || !shared) {
+        if (r == 0 || (!shared && (row0 + r) / group != (row0 + r - 1) / group)) {
           // Stage row r's keys at positions key0 .. key0 + kWarp, dims d0 .. d0 + kAttnSlice (zeros
-          // past the ends and for keys no row sees here: a shared chunk stages every position).
+          // past the ends and for keys no row sees here: a shared chunk stages every position; a
+          // token's query heads share its keys).
           warp_sync();
           for (int e = lane; e < kWarp * kAttnSlice; e += kWarp) {
             const int kk = e / kAttnSlice, dd = e % kAttnSlice;

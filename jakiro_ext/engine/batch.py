@@ -8,6 +8,7 @@ Everything that touches the batch's tensors runs in ``torch.inference_mode`` (no
 bookkeeping: a round's hundreds of small ops cost less), never across a yield to the caller."""
 from __future__ import annotations
 
+import copy
 import time
 from typing import Callable, Dict, List, NamedTuple, Optional
 
@@ -60,7 +61,7 @@ class DecodeBatch:
         # The target's layers an EAGLE-3 head reads (None: its final hidden states, as the others)
         self.feature_layers = getattr(draft, "feature_layers", None) if method.drafts else None
         if session is not None and session.parts is None:
-            session.parts = self._parts()
+            session.parts = self._parts(kept=True)
         parts = self._parts() if session is None else session.parts
         self.drafter, self.drafters, self.weights, self.rounds = parts
         # Where the caches' buffers come from: capacities by the pool's quantum either way, kept
@@ -71,14 +72,17 @@ class DecodeBatch:
         self.state: Optional[BatchState] = None
         self.root_parent = torch.tensor([[-1]], device=self.device)
 
-    def _parts(self) -> RoundParts:
+    def _parts(self, kept: bool = False) -> RoundParts:
         """The drafters (each checks the method, the head and its tree), the target's weights as
-        they are when the call starts (the call's) and the round."""
+        they are when the call starts (the call's) and the round. ``kept``: a session's, whose
+        drafters serve later calls found by the trees' values: they draft from copies of the trees
+        (a caller may change its objects after this call)."""
         draft, method, rows = self.draft, self.method, self.max_rows
+        own = copy.deepcopy if kept else (lambda t: t)
         tree = largest_tree(self.policy, method)
-        catch_up = Drafter(draft, method, tree, rows)
-        drafters = {tree_key(t): catch_up if t is tree else Drafter(draft, method, t, rows) if t is not None
-                    else Drafter(None, METHODS[BASELINE], tree) for t in self.policy.trees}
+        catch_up = Drafter(draft, method, own(tree), rows)
+        drafters = {tree_key(t): catch_up if t is tree else Drafter(draft, method, own(t), rows) if t is not None
+                    else Drafter(None, METHODS[BASELINE], catch_up.tree) for t in self.policy.trees}
         weights = self.target.prepare()
         return RoundParts(catch_up, drafters, weights,
                           Round(self.target, weights, catch_up, self.settings, self.feature_layers))

@@ -265,6 +265,24 @@ def test_a_second_graphed_call_replays_the_first_calls_captures(target, kind, me
     assert not target.__dict__["_graph_sessions"]  # an eager call keeps nothing
 
 
+def test_a_tree_changed_after_a_graphed_call_does_not_change_its_kept_session(target):
+    """A session is found by its trees' values and its drafters serve later calls, so they draft
+    from their own copies: a tree changed in place after a call (another shape: another session)
+    leaves the first session drafting the first shape for a later call of an equal tree, when its
+    longer caches are captured again (a replay runs what was recorded, not the drafter)."""
+    head = attentive_head(target, "jakiro")
+    tree = copy.deepcopy(TREES["dynamic-small"])
+    eager = speculative_generate(target, head, PROMPTS[0], 400, method="jakiro", tree=copy.deepcopy(tree))
+    speculative_generate(target, head, PROMPTS[0], 20, method="jakiro", tree=tree, graphs="recorded")
+    tree.total_tokens = 2  # (a drafter reads it when a round is captured)
+    speculative_generate(target, head, PROMPTS[0], 20, method="jakiro", tree=tree, graphs="recorded")
+    again = speculative_generate(target, head, PROMPTS[0], 400, method="jakiro", tree=copy.deepcopy(TREES["dynamic-small"]),
+                                 graphs="recorded")
+    assert _same(eager, again)
+    from jakiro_ext.engine import graph_sessions
+    graph_sessions.free_graphs(target)
+
+
 def test_a_kept_capture_is_made_again_when_a_table_it_reads_is_let_go(target, monkeypatch):
     head = attentive_head(target, "jakiro")
     made = _count_captures(monkeypatch)

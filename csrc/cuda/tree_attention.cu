@@ -2,6 +2,7 @@
 // cores, kernels/tree_attention_wmma.cuh on tensor cores for bf16 trees of >= 16 query rows per
 // KV head) and tree_attention = partial pass + merge (kernels/merge_attention_states.cuh).
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "cuda/kernels/merge_attention_states.cuh"
@@ -56,6 +57,11 @@ std::tuple<at::Tensor, at::Tensor> partial(const char* op, const at::Tensor& q, 
               ", got ", sh.head_dim);
   TORCH_CHECK(sh.batch * sh.kv_heads <= 65535, op, ": the GPU kernel supports batch x KV heads up to 65535 (a grid ",
               "dimension), got ", sh.batch, " x ", sh.kv_heads);
+  // Fixed splits gather a row's tree keys into shared memory (at most kFixedSplitMaxTree) and keep
+  // its near run's keys as int32.
+  TORCH_CHECK(split_len == 0 || (sh.tree_len <= kFixedSplitMaxTree && sh.capacity <= INT32_MAX), op,
+              ": fixed splits serve trees of at most ", kFixedSplitMaxTree, " tokens in caches of at most ", INT32_MAX,
+              " positions, got ", sh.tree_len, " tokens and ", sh.capacity, " positions");
   const DeviceScope device(q);
   auto qc = q.contiguous();
   auto lens = prefix_lens.contiguous();
@@ -109,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> tree_attention_gpu(const at::Tensor& q, const
   // The sequences' lengths live on the device, so the split count is sized by the cache capacity
   // (no device-to-host copy). A decoding step or a draft tree: fixed splits of each row's run
   // (its bits those of its one-token step); splits past a sequence's run are empty, and the
-  // merge does not read them. A prompt's chunk: even parts, shorter for shorter sequences.
+  // merge does not read them. A longer run (a prompt's chunk): even parts, shorter for shorter sequences.
   int64_t splits, split_len = 0;
   if (num_splits.has_value()) {
     splits = *num_splits;

@@ -303,6 +303,7 @@ int main(int argc, char** argv) {
   attention<float>("tree_attention float32", 0);
   attention<bf16>("tree_attention bfloat16", 0);
   attention<float>("tree_attention fixed splits", kFixedSplitLen);
+  attention<bf16>("tree_attention bf16 fixed", kFixedSplitLen);
   attention_tensor_cores("tree_attention tensor cores", 0);
   attention_tensor_cores("tensor cores fixed splits", kFixedSplitLen);
   compaction();

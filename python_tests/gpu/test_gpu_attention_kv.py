@@ -209,3 +209,15 @@ def test_a_tree_rows_attention_is_its_one_token_steps_bits(any_backend, case):
     torch.testing.assert_close(tree.float(), reference.tree_attention(q, k, v, lens, mask)[0].float(), **TOL[dtype])
     even, even_lse = any_backend.run("tree_attention", q, k, v, lens, mask, num_splits=3)
     assert not (torch.equal(even, steps) and torch.equal(even_lse, steps_lse))
+
+
+def test_gpu_tree_attention_fixed_splits_same_bits_from_an_unaligned_cache(gpu_backend):
+    """The tensor-core kernel's near runs read keys with 16-byte loads where rows are aligned and
+    one element at a time where not (a cache at an odd offset): the same sums, the same bits."""
+    q, k, v, lens, mask = make_inputs(1, 20, 8, 2, 64, [150], 200, dtype=torch.bfloat16, seed=90)
+    shifted = [torch.empty(t.numel() + 1, dtype=t.dtype)[1:].view(t.shape).copy_(t) for t in (k, v)]
+    assert shifted[0].data_ptr() % 16 != 0
+    out, lse = gpu_backend.run("tree_attention", q, k, v, lens, mask)
+    out_shifted, lse_shifted = gpu_backend.run("tree_attention", q, *shifted, lens, mask)
+    assert torch.equal(out, out_shifted) and torch.equal(lse, lse_shifted)
+    torch.testing.assert_close(out.float(), reference.tree_attention(q, k, v, lens, mask)[0].float(), **TOL[torch.bfloat16])

@@ -21,7 +21,7 @@
 //     its ancestors committed (their keys the prefix's last): the same bits, whatever the tree's
 //     size, its siblings or the cache's capacity. A chunk that reaches past the prefix gathers
 //     each row's keys (rows see different ancestors); all-prefix chunks are read once for all rows;
-//   * even parts (0; a prompt's chunk, or splits the caller chose): each sequence's prefix + T keys
+//   * even parts (0; a longer run, a prompt's chunk, or splits the caller chose): each sequence's prefix + T keys
 //     in `splits` equal parts as they lie, the tree keys masked in place.
 #pragma once
 

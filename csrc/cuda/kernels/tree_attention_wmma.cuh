@@ -48,7 +48,7 @@ inline bool tree_attention_uses_tensor_cores(bool bf16, int64_t head_dim, int64_
 }
 
 struct TcSmemLayout {  // byte offsets into the dynamic shared memory
-  size_t q, k, v, s, p, row_id, col_id, state, flag, run, total;
+  size_t q, k, v, s, p, row_id, col_id, state, flag, run, near_key, total;
   JAKIRO_HOST_DEVICE explicit TcSmemLayout(int64_t head_dim) {
     const size_t ld = static_cast<size_t>(head_dim) + kTcPad;
     q = 0;                                                                 // bf16 [kTcRows][ld]
@@ -61,9 +61,27 @@ struct TcSmemLayout {  // byte offsets into the dynamic shared memory
     state = col_id + sizeof(float) * kTcTile * kTcTile;                    // float [warps][16]: factor, then 1/sum
     flag = state + sizeof(float) * kTcWarps * kTcTile;                     // int [2]: a non-finite value in the chunk
     run = flag + 16;                                                       // fixed splits: RunKeys of the block's rows
-    total = run + run_keys_smem_bytes(kTcRows);
+    near_key = (run + run_keys_smem_bytes(kTcRows) + 15) / 16 * 16;       // int32 [kTcRows][16]: a near chunk's keys
+    total = near_key + sizeof(int32_t) * kTcRows * kTcTile;
   }
 };
+
+// a . b over D dims (a multiple of 8) in dimension order, in float: 16-byte loads where both rows
+// are 16-byte aligned, else one element at a time (the same sums either way).
+JAKIRO_DEVICE float dot_in_order(const bf16* a, const bf16* b, int64_t D) {
+  float dot = 0.f;
+  if (aligned16(a) && aligned16(b)) {
+    for (int64_t d0 = 0; d0 < D; d0 += 8) {
+      const Pack16 x = load16(a + d0), y = load16(b + d0);
+      for (int e = 0; e < 8; ++e)
+        dot += to_float(bf16{static_cast<uint16_t>(x.u[e / 2] >> (16 * (e % 2)))}) *
+               to_float(bf16{static_cast<uint16_t>(y.u[e / 2] >> (16 * (e % 2)))});
+    }
+  } else {
+    for (int64_t d = 0; d < D; ++d) dot += to_float(a[d]) * to_float(b[d]);
+  }
+  return dot;
+}
 
 template <int kDims>  // head_dim / 16
 __global__ void __launch_bounds__(kTcWarps * kWarp)
@@ -255,18 +273,15 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   auto in_near_run = [&](int64_t r, int64_t pos) {
     return block_row0 + r < rows && pos >= near_start(r) && pos < run_len(r) && pos >= lo && pos < hi;
   };
+  int32_t* near_key_s = reinterpret_cast<int32_t*>(smem + L.near_key);  // [kTcRows][16]: -1 where not in the run
   for (int64_t pos0 = near_lo; pos0 < near_hi; pos0 += kTcTile) {  // block-uniform loop (none for even parts)
-    // Scores of every (row, position) pair of the chunk, into each warp's s_w: q . k in dimension order.
+    // Each (row, position) pair of the chunk: its key, and its score q . k in dimension order,
+    // into the key table and each warp's s_w (block row r: warp r / 16's row r % 16).
     for (int64_t e = threadIdx.x; e < kTcRows * kTcTile; e += blockDim.x) {
       const int64_t r = e / kTcTile, pos = pos0 + e % kTcTile;
-      float sc = neg_inf();
-      if (in_near_run(r, pos)) {
-        const bf16* k_row = k_base + run_key(run, static_cast<int>(r), prefix, pos) * D;
-        float dot = 0.f;
-        for (int d = 0; d < D; ++d) dot += to_float(q_s[r * ld + d]) * to_float(k_row[d]);
-        sc = dot * p.scale;
-      }
-      reinterpret_cast<float*>(smem + L.s)[e] = sc;  // warp r / 16's s_w, row r % 16
+      const int64_t key = in_near_run(r, pos) ? run_key(run, static_cast<int>(r), prefix, pos) : -1;
+      near_key_s[e] = static_cast<int32_t>(key);
+      reinterpret_cast<float*>(smem + L.s)[e] = key < 0 ? neg_inf() : dot_in_order(q_s + r * ld, k_base + key * D, D) * p.scale;
     }
     __syncthreads();
     if (warp_has_rows) {
@@ -278,14 +293,16 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
       }
       warp_sync();
       // O = O * factor + P V, element by element over the row's own values, in position order.
+      const int32_t* keys_w = near_key_s + warp * kTcTile * kTcTile;
       for (int n = 0; n < kDims; ++n)
         for (int i = 0; i < acc[n].num_elements; ++i) {
           const int r = static_cast<int>(row_of.x[i]);
-          const int64_t d = n * kTcTile + static_cast<int>(col_of.x[i]), rb = warp * kTcTile + r;
+          const int64_t d = n * kTcTile + static_cast<int>(col_of.x[i]);
           float o = acc[n].x[i] * state_w[r];
-          for (int j = 0; j < kTcTile; ++j)
-            if (in_near_run(rb, pos0 + j))
-              o += s_w[r * kTcTile + j] * to_float(v_base[run_key(run, static_cast<int>(rb), prefix, pos0 + j) * D + d]);
+          for (int j = 0; j < kTcTile; ++j) {
+            const int64_t key = keys_w[r * kTcTile + j];
+            if (key >= 0) o += s_w[r * kTcTile + j] * to_float(v_base[key * D + d]);
+          }
           acc[n].x[i] = o;
         }
     }
@@ -320,7 +337,7 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
 template <int kDims>
 void launch_tree_attention_partial_wmma_with(const TreeAttentionParams<bf16>& p, cudaStream_t stream) {
   const int64_t blocks = ceil_div(p.tree_len * (p.q_heads / p.kv_heads), kTcRows);
-  const size_t smem = TcSmemLayout(kDims * kTcTile).total;  // <= 36 KB at 128 dims: no opt-in beyond 48 KB
+  const size_t smem = TcSmemLayout(kDims * kTcTile).total;  // <= 44 KB at 128 dims: no opt-in beyond 48 KB
   for (int64_t z0 = 0; z0 < blocks; z0 += kMaxGridYZ) {
     TreeAttentionParams<bf16> part = p;
     part.row_block0 = z0;

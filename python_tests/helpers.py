@@ -224,9 +224,9 @@ def tree_rows_off_their_paths(model, prefix_len: int, T: int) -> list:
     from jakiro_ext import ops
     from conftest import random_parents
 
-    vocab = model.config.vocab_size
-    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen(4))
-    tokens = torch.randint(0, vocab, (1, T), generator=gen(6))
+    vocab, device = model.config.vocab_size, model.lm_head.weight.device
+    prefix = torch.randint(0, vocab, (1, prefix_len), generator=gen(4)).to(device)
+    tokens = torch.randint(0, vocab, (1, T), generator=gen(6)).to(device)
 
     prefilled = model.new_cache(batch=1, capacity=prefix_len + T + 1)
     model(prefix, prefilled)
@@ -239,7 +239,7 @@ def tree_rows_off_their_paths(model, prefix_len: int, T: int) -> list:
         depth = torch.zeros(1, T, dtype=torch.int64)
         for i in range(1, T):
             depth[0, i] = depth[0, parents[0, i]] + 1
-        tree, _ = model(tokens, after_prefix(), ops.build_tree_mask(parents), depth)
+        tree, _ = model(tokens, after_prefix(), ops.build_tree_mask(parents).to(device), depth.to(device))
         for node in range(T):
             path = [node]
             while parents[0, path[0]] >= 0:

@@ -130,18 +130,25 @@ def test_a_bad_value_met_by_a_simt_kernel_ends_the_round_before_anything_is_emit
 
 
 
+NATIVE_CUDA = ["cuda"] if torch.cuda.is_available() and getattr(ops._C, "with_cuda", 0) else []
+
+
+@pytest.mark.parametrize("backend", ["simt32"] + NATIVE_CUDA)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("prefix_len", [20, 290])
-def test_a_tree_verifies_each_token_bit_for_bit_as_decoding_its_path_on_the_gpu_kernels(dtype, prefix_len):
+def test_a_tree_verifies_each_token_bit_for_bit_as_decoding_its_path_on_the_gpu_kernels(backend, dtype, prefix_len):
     """The model's forward through the GPU kernels (the tensor-core linear and attention in
     bf16, emulated): each node of a chain and of a branching tree gets the logits of decoding
     its root path one token at a time, bit for bit, so greedy verification cannot disagree with
     plain decoding even at a near tie. A prefix of 290 puts the tree across the attention's
-    256-key split and its rows' tiles before their near runs."""
+    256-key split and its rows' tiles before their near runs. On a GPU, natively too."""
     torch.manual_seed(3)
     cfg = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    tie_word_embeddings=True, max_position_embeddings=1024)
     model = LlamaModel.from_hf(transformers.LlamaForCausalLM(cfg).float().eval(), dtype=dtype)
-    with ops.use_backend("simt32"):
+    if backend == "cuda":
+        assert tree_rows_off_their_paths(model.to("cuda"), prefix_len, T=24) == []
+        return
+    with ops.use_backend(backend):
         assert tree_rows_off_their_paths(model, prefix_len, T=24) == []

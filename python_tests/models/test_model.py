@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import gen
+from conftest import gen, random_parents
 from helpers import tree_rows_off_their_paths
 from jakiro_ext import memory, ops
 from jakiro_ext.models import LlamaConfig, LlamaModel

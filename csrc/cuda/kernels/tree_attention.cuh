@@ -128,6 +128,18 @@ JAKIRO_DEVICE SplitKeys<kv_t> split_keys(const TreeAttentionParams<kv_t>& p, int
   return {prefix, lo, hi, p.k_cache + offset, p.v_cache + offset};
 }
 
+// Fixed splits: a split past every run of its sequence is empty: the log-sum-exp of the block's
+// query rows [row0, row0 + n) is -inf, and their outputs are left unwritten (the merge does not
+// read an empty split's).
+template <typename kv_t>
+JAKIRO_DEVICE void write_empty_split(const TreeAttentionParams<kv_t>& p, int64_t b, int64_t kvh, int64_t split,
+                                     int64_t row0, int64_t n) {
+  const int64_t group = p.q_heads / p.kv_heads, rows = p.tree_len * group;
+  for (int64_t row = row0 + threadIdx.x; row < rows && row < row0 + n; row += blockDim.x)
+    p.lse_partial[((b * p.tree_len + row / group) * p.q_heads + kvh * group + row % group) * p.splits + split] =
+        neg_inf();
+}
+
 template <typename kv_t, int R, int kDimsPerLane>
 __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(TreeAttentionParams<kv_t> p) {
   const int64_t split = blockIdx.x;
@@ -148,15 +160,7 @@ __global__ void __launch_bounds__(kAttnThreads) tree_attention_partial_kernel(Tr
   const SplitKeys<kv_t> keys_of_split = split_keys(p, b, kvh, split);
   const int64_t prefix = keys_of_split.prefix, lo = keys_of_split.lo, hi = keys_of_split.hi;  // (plain: key_of captures them)
   const kv_t *k_base = keys_of_split.k, *v_base = keys_of_split.v;
-  if (in_run_order && lo >= hi) {  // a split past the run: empty (lse -inf), its output not read by the merge
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-      const int64_t row = row0 + r;
-      if (row < rows)
-        p.lse_partial[((b * p.tree_len + row / group) * p.q_heads + kvh * group + row % group) * p.splits + split] =
-            neg_inf();
-    }
-    return;
-  }
+  if (in_run_order && lo >= hi) return write_empty_split(p, b, kvh, split, row0, R);
 
   // Query row r of the block: tree token t = row / group, query head kvh * group + row % group.
   for (int64_t i = threadIdx.x; i < R * D; i += blockDim.x) {

@@ -112,12 +112,7 @@ __global__ void __launch_bounds__(kTcWarps * kWarp)
   const SplitKeys<bf16> keys = split_keys(p, b, kvh, split);
   const int64_t prefix = keys.prefix, lo = keys.lo, hi = keys.hi;  // (plain variables: lambdas capture them)
   const bf16 *k_base = keys.k, *v_base = keys.v;
-  if (in_run_order && lo >= hi) {  // a split past the run: empty (lse -inf), its output not read by the merge
-    for (int64_t row = block_row0 + threadIdx.x; row < rows && row < block_row0 + kTcRows; row += blockDim.x)
-      p.lse_partial[((b * p.tree_len + row / group) * p.q_heads + kvh * group + row % group) * p.splits + split] =
-          neg_inf();
-    return;
-  }
+  if (in_run_order && lo >= hi) return write_empty_split(p, b, kvh, split, block_row0, kTcRows);
   const RunKeys run(smem + L.run, kTcRows);
 
   // Query row r of the block: tree token t = row / group, query head kvh * group + row % group

@@ -39,7 +39,8 @@ class TreeChooser(ChooserMemory):
     (:meth:`record`); what it keeps for the next chooser: :class:`ChooserMemory`."""
 
     def __init__(self, candidates: List[Candidate], batch: int, forget_costs: Optional[Callable[[str], None]] = None,
-                 keep: Optional[Callable[[dict], None]] = None, context: float = 0.0, context_slope: float = 0.0):
+                 keep: Optional[Callable[[dict], None]] = None, context: float = 0.0, context_slope: float = 0.0,
+                 absolute: bool = True):
         if not any(c.tree is None for c in candidates):
             raise ValueError("the candidates must include plain decoding (tree None)")
         if not (0 <= context < math.inf and 0 <= context_slope < math.inf):
@@ -50,6 +51,9 @@ class TreeChooser(ChooserMemory):
         # The committed tokens behind the cost model's seconds, and what each more costs a round.
         self.context, self.context_slope = context, context_slope
         self.forget_costs = forget_costs
+        # Whether live rounds compare with the cost model's seconds (not when replayed as graphs:
+        # the model measured eager launches), else only its ratios between trees are used.
+        self.absolute = absolute
         self.keep = keep  # called with :meth:`kept` at the end of each call (for the next chooser: :meth:`start_from`)
         self.kept_plain: Optional[tuple] = None  # (rows, plain decoding's seconds) the kept ratios were measured with
         self.last_kept: Optional[dict] = None  # what was last kept (or started from)
@@ -279,9 +283,10 @@ class TreeChooser(ChooserMemory):
     def smallest_tree(self) -> Candidate:
         return min((c for c in self.candidates if c is not self.plain), key=lambda c: c.tree.total_tokens)
 
-    def record(self, candidate: Candidate, rows: int, seconds: float, tokens_per_sequence: float,
+    def record(self, candidate: Candidate, rows: int, seconds: Optional[float], tokens_per_sequence: float,
                catch_up_seconds: float = 0.0, context: Optional[float] = None, left: Optional[float] = None) -> None:
-        """A round of ``candidate`` over ``rows`` batch rows took ``seconds`` and gave
+        """A round of ``candidate`` over ``rows`` batch rows took ``seconds`` (None: not timed, a
+        round that captured its graph: a cost paid once, kept for later calls) and gave
         ``tokens_per_sequence`` new tokens (the mean over the batch's sequences); before it, the
         draft's catch-up on what it was behind took ``catch_up_seconds`` (not the round's).
         ``context``: the mean committed tokens of its sequences (None: the cost model's);
@@ -304,7 +309,7 @@ class TreeChooser(ChooserMemory):
         else:
             probe, fresh = self.round - candidate.last_round >= candidate.probe_every, not candidate.seconds
         # Switched to from plain decoding (from a tree nothing is caught up): what that cost, against the best.
-        if switched and (candidate is self.plain or self.plain.last_round == self.round - 1):
+        if switched and seconds is not None and (candidate is self.plain or self.plain.last_round == self.round - 1):
             best = self.best(rows)
             lost = 0.0 if best is candidate else seconds - tokens_per_sequence / self.rate(best, rows)
             candidate.switch_cost = catch_up_seconds + max(0.0, lost)
@@ -349,7 +354,8 @@ class TreeChooser(ChooserMemory):
         # 1.6x their cost, a 3-token tree's 1.8x), or ran on a machine loaded now, which says
         # nothing of the idle one the costs were measured on. (The costs are greedy decoding's: a
         # sampling call's verification draws from the filtered distribution, 1.7-2.2x.)
-        if rows == self.batch and not self.costs_disagree and not self.sampling:
+        if self.absolute and rows == self.batch and not self.costs_disagree and not self.sampling \
+                and candidate.samples(rows):
             ratio = candidate.median_seconds(rows) / self.expected_seconds_at(candidate, context)
             allowed = COSTS_DISAGREE if candidate.samples(rows) >= MIN_SAMPLES else COSTS_DISAGREE ** 2  # one round: wider
             if not 1 / allowed <= ratio <= allowed:

@@ -192,7 +192,8 @@ _DOC_OPTIONS = """
         measured once per batch-size bucket and cached, and measured again when live timing
         disagrees), so speculation never runs slower than plain decoding for long; with
         sampling a seed then fixes the distribution, not the tokens (pass a tree to fix both);
-        with graphs, the tree by measured cost. Else :data:`CPU_TREE` on CPU, :data:`GPU_TREE` elsewhere.
+        with graphs too (a round that captures its graph is not timed). Else :data:`CPU_TREE` on
+        CPU, :data:`GPU_TREE` elsewhere.
     temperature, top_p, top_k : finite temperature >= 0 (0: greedy), top_p in (0, 1], int top_k >= 0 (0: off).
     eos_token_id : None, an int or a list of ints that end a generation (included in the output).
     seed : an int in [0, 2**63): seeds the draws of sampling (temperature > 0); sequence i of a

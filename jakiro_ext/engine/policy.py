@@ -8,8 +8,9 @@ the one-node tree) and observes what each round did (a :class:`RoundResult`). Th
   presets;
 - :class:`LiveTree`: chosen round by round from live timing among the cost model's best trees
   and plain decoding (:mod:`jakiro_ext.engine.adaptive`), the default for a head with an
-  acceptance profile and eager rounds, on a CPU or a GPU. Its choosers live as long as their
-  heads and keep what they measured beside the cost cache (``*.live.json``) for the next process.
+  acceptance profile, on a CPU or a GPU, eager or replayed as graphs. Its choosers live as long
+  as their heads and keep what they measured beside the cost cache (``*.live.json``; with graphs
+  ``*.live-cuda.json``, ``*.live-recorded.json``) for the next process.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Protocol
 
 from jakiro_ext import atomic
-from jakiro_ext.config import CPU_TREE, GPU_TREE, TreeConfig, brief
+from jakiro_ext.config import CPU_TREE, GPU_TREE, TreeConfig, brief, tree_key
 from jakiro_ext.engine.adaptive import TreeChooser
 from jakiro_ext.engine.candidate import CALL_KINDS, Candidate
 from jakiro_ext.engine.round import RoundResult
@@ -75,7 +76,8 @@ class LiveTree:
 
     def __init__(self, chooser: TreeChooser):
         self.chooser = chooser
-        self._candidates = {id(c.tree): c for c in chooser.candidates}  # (None: plain decoding's id)
+        # By the trees' values: a graphed call's drafters draft from copies (graph_sessions).
+        self._candidates = {tree_key(c.tree): c for c in chooser.candidates}
         self.trees = [c.tree for c in chooser.candidates]
 
     def choose(self, rows: int) -> Optional[TreeConfig]:
@@ -85,7 +87,8 @@ class LiveTree:
         return self.chooser.drafting(rows)
 
     def observe(self, result: RoundResult) -> None:
-        self.chooser.record(self._candidates[id(result.tree)], result.rows, result.seconds, progress(result),
+        seconds = None if result.captured else result.seconds  # (a capture is paid once, not by the tree)
+        self.chooser.record(self._candidates[tree_key(result.tree)], result.rows, seconds, progress(result),
                             result.catch_up_seconds, result.context, max(result.left_after))
 
     def end_call(self) -> None:
@@ -108,11 +111,12 @@ def progress(result: RoundResult) -> float:
 
 def tree_policy(target, draft, method: Method, tree: Optional[TreeConfig], batch: int, sampling: bool,
                 graphs: str = "eager") -> TreePolicy:
-    """The policy of a call: the tree given; else, for a head with an acceptance profile and eager
-    rounds (on a CPU or a GPU: a round ends with its read of the device, so its wall time is its
-    work), the live choice; else the cost model's tree or the presets (:func:`default_tree`)."""
-    if tree is None and method.drafts and graphs == "eager":
-        chooser = tree_chooser(target, draft, method.name, batch, sampling)
+    """The policy of a call: the tree given; else, for a head with an acceptance profile (on a
+    CPU or a GPU, eager or replayed as graphs: a round ends with its read of the device, so its
+    wall time is its work), the live choice; else the cost model's tree or the presets
+    (:func:`default_tree`)."""
+    if tree is None and method.drafts:
+        chooser = tree_chooser(target, draft, method.name, batch, sampling, graphs)
         if chooser is not None:
             return LiveTree(chooser)
     return FixedTree(default_tree(target, draft, method, tree, batch))
@@ -138,30 +142,35 @@ def default_tree(target, draft, method, tree: Optional[TreeConfig] = None, batch
     return tree
 
 
-# head -> {(cost file, id(target)): its TreeChooser}: a head's live measurements outlive a call.
+# head -> {(cost file, id(target), graph mode): its TreeChooser}: a head's live measurements outlive a call.
 _CHOOSERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 CANDIDATES = 3  # the cost model's best trees of distinct sizes a TreeChooser runs live, besides
 SMALL_TREE = 4  # plain decoding, and its best tree of at most this many nodes
 
 
-def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = False) -> Optional[TreeChooser]:
+def tree_chooser(target, head, method: str, batch: int = 1, sampling: bool = False,
+                 graphs: str = "eager") -> Optional[TreeChooser]:
     """The live choice among the cost model's best trees and plain decoding for ``head`` on this
     machine, ``batch`` sequences decoding together (:mod:`jakiro_ext.engine.adaptive`), for a call
-    that samples (temperature > 0) or not; None without the head's acceptance profile."""
+    that samples (temperature > 0) or not, its rounds launched as ``graphs`` says (eager or
+    replayed: each way its own chooser, as its rounds cost otherwise); None without the head's
+    acceptance profile. The costs are measured eagerly: with graphs only their ratios between
+    trees are used, and rounds faster than them do not condemn the file."""
     profile = getattr(head, "acceptance", None)
     if not profile:
         return None
     path = costs_path(target, head, method, batch)
     kept = _CHOOSERS.setdefault(head, {})
-    if (path, id(target)) in kept:
-        kept[path, id(target)].new_call(sampling)
-        return kept[path, id(target)]
+    key = (path, id(target), graphs)
+    if key in kept:
+        kept[key].new_call(sampling)
+        return kept[key]
     costs = load_costs(target, head, method, batch=batch, path=path)
     candidates = [Candidate(*spec) for spec in candidate_specs(path, costs, profile, method)]
-    live = live_path(path)
-    chooser = kept[path, id(target)] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path),
-                                                    lambda measured: keep_live(live, measured), costs["context"],
-                                                    costs["context_slope"])
+    live, eager = live_path(path, graphs), graphs == "eager"
+    chooser = kept[key] = TreeChooser(candidates, costs.get("batch", 1), forget_cost_file(path) if eager else None,
+                                      lambda measured: keep_live(live, measured), costs["context"],
+                                      costs["context_slope"], absolute=eager)
     measured = load_live(live)
     if measured is not None:
         chooser.start_from(measured)
@@ -209,9 +218,10 @@ def forget_cost_file(path: Path) -> Callable[[str], None]:
     return forget
 
 
-def live_path(costs_file: Path) -> Path:
-    """Where what the live choice measured for the costs at ``costs_file`` is kept (:meth:`TreeChooser.kept`)."""
-    return costs_file.with_name(costs_file.stem + ".live.json")
+def live_path(costs_file: Path, graphs: str = "eager") -> Path:
+    """Where what the live choice measured for the costs at ``costs_file`` is kept
+    (:meth:`TreeChooser.kept`), for rounds launched as ``graphs`` says."""
+    return costs_file.with_name(costs_file.stem + (".live.json" if graphs == "eager" else f".live-{graphs}.json"))
 
 
 def keep_live(path: Path, measured: dict) -> None:

@@ -98,7 +98,7 @@ class RoundResult:
     plain decoding); ``rows``: the batch's rows, free ones included; ``context``: the sequences'
     mean committed tokens before it; ``seconds``: its wall time, ``catch_up_seconds`` the draft's
     catch-up before it on what it was behind (not the round's); the forwards it ran, the draft's
-    catch-up included."""
+    catch-up included; ``captured``: the round captured its graph (its seconds are not its rate)."""
     tree: Optional[TreeConfig]
     rows: int
     accepted: List[int]
@@ -110,6 +110,7 @@ class RoundResult:
     catch_up_seconds: float
     target_forwards: int
     draft_forwards: int
+    captured: bool = False
 
 
 class Round:
@@ -147,6 +148,7 @@ class Round:
         state.prepare_round(nodes)
         inputs = self._inputs(state, nodes)
         work = (drafter, state.target_kv, state.draft_kv, inputs)
+        captures = 0 if self.replay is None else self.replay.captures
         if self.replay is None:
             out, drafted = self._device_work(*work)
         else:
@@ -183,7 +185,8 @@ class Round:
         return RoundResult(drafter.tree if drafter.drafts else None, B,
                            [a for seq, a in zip(seqs, back.accepted) if seq is not None], left_before,
                            [0 if seq.done else seq.budget - len(seq.out) for seq in state.seqs], draining, context,
-                           time.perf_counter() - t0, catch_up_seconds, 1, drafted)
+                           time.perf_counter() - t0, catch_up_seconds, 1, drafted,
+                           self.replay is not None and self.replay.captures > captures)
 
     def _inputs(self, state: BatchState, nodes: int) -> RoundInputs:
         """The roots, the draws with sampling (node i of a sequence's tree uses its i-th draw, the

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import BIG, FAR, SMALL, candidates, copy_head, prompt, run, tiny_target
-from jakiro_ext.config import TreeConfig
+from jakiro_ext.config import TreeConfig, tree_key
 from jakiro_ext.engine import adaptive, policy
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser
 from jakiro_ext.engine.drafter import Drafter
@@ -235,6 +235,41 @@ def test_forgets_cached_costs_that_disagree_with_live_timing():
     chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: forgotten.append(True))
     run(chooser, 30, lambda c: c.expected_seconds * (1.0 if c.tree is None else 3.0))
     assert forgotten == [True] and chooser.costs_disagree
+
+
+def test_graphed_rounds_are_not_judged_against_the_eager_costs():
+    # Replayed as graphs (absolute=False), a round launches once: on a GPU it takes a fraction of
+    # what the costs measured with eager launches. Rounds 2.5x faster than the costs, which
+    # condemn the file for eager rounds (above), neither delete it nor make the model suspect:
+    # the trees are tried by its ratios as when it was right (the first test), and then by live rates.
+    forgotten = []
+    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: forgotten.append(why), absolute=False)
+    ran = run(chooser, 30, lambda c: c.expected_seconds / 2.5)
+    assert not forgotten and not chooser.costs_disagree
+    assert ran[:3] == [None, None, BIG] and ran[3:].count(BIG) >= len(ran[3:]) - 2
+    # The control: the same rounds judged against the costs.
+    chooser = TreeChooser(candidates(), batch=1, forget_costs=lambda why: forgotten.append(why))
+    run(chooser, 30, lambda c: c.expected_seconds / 2.5)
+    assert forgotten and chooser.costs_disagree
+
+
+def test_a_round_that_captured_its_graph_is_not_timed():
+    # A round that captured its graph (seconds None: the capture is paid once, its graph kept for
+    # later rounds and calls) counts its tokens, not its seconds: plain decoding's first round
+    # captured, then it is measured on its replays; a tree's capture round after plain decoding
+    # sets no switch cost, and the tree's next round is timed as its rate.
+    small, plain = Candidate(SMALL, 1.9, 0.012), Candidate(None, 1.0, 0.010)  # (the model: 1.58x)
+    chooser = TreeChooser([small, plain], batch=1)
+    captured, ran = set(), []
+    for _ in range(6):
+        c = chooser.choose(1)
+        first = id(c) not in captured
+        captured.add(id(c))
+        chooser.record(c, 1, None if first else c.expected_seconds, c.expected_tokens)
+        ran.append(c.tree)
+    assert ran == [None, None, None, SMALL, SMALL, SMALL]  # (plain decoding: MIN_SAMPLES timed rounds)
+    assert plain.samples(1) == 2 and small.samples(1) == 2 and small.switch_cost == 0.0
+    assert small.median_seconds(1) == pytest.approx(0.012) and len(small.tokens) == 3
 
 
 def test_live_timing_is_judged_at_its_own_context():
@@ -488,11 +523,12 @@ def test_a_long_wait_then_drafting_gives_plain_decodings_tokens(tmp_path, monkey
     assert sum(a > 0 for o in outs.values() for a in o.stats.accept_lengths) >= 3  # rebuilt drafts accepted
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_live_choice_gives_plain_decodings_tokens(tmp_path, monkeypatch, temperature):
-    # Default tree on a CPU with a profiled head: chosen live. Rounds alternate between a tree and
-    # plain decoding here (whatever the timing), which must change nothing at temperature 0, and
-    # at temperature 1 give tokens only from the target's support (its top-k 5 here).
+@pytest.mark.parametrize("temperature,graphs", [(0.0, "eager"), (1.0, "eager"), (0.0, "recorded")])
+def test_the_live_choice_gives_plain_decodings_tokens(tmp_path, monkeypatch, temperature, graphs):
+    # Default tree on a CPU with a profiled head: chosen live, eager or with each round's graph
+    # replayed. Rounds alternate between a tree and plain decoding here (whatever the timing),
+    # which must change nothing at temperature 0, and at temperature 1 give tokens only from the
+    # target's support (its top-k 5 here).
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
     monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
     target = tiny_target()
@@ -509,9 +545,22 @@ def test_the_live_choice_gives_plain_decodings_tokens(tmp_path, monkeypatch, tem
         return chosen
 
     monkeypatch.setattr(adaptive.TreeChooser, "choose", alternate)
+    timed, observed = [], []
+    record, observe = adaptive.TreeChooser.record, policy.LiveTree.observe
+    monkeypatch.setattr(adaptive.TreeChooser, "record", lambda self, c, rows, seconds, *rest:
+                        (timed.append(seconds is not None), record(self, c, rows, seconds, *rest))[1])
+    monkeypatch.setattr(policy.LiveTree, "observe", lambda self, result: (observed.append(result), observe(self, result))[1])
     x = [prompt(9, seed=s) for s in range(3)]
-    outs = speculative_generate(target, head, x, 24, temperature=temperature, top_k=5)
+    outs = speculative_generate(target, head, x, 24, temperature=temperature, top_k=5, graphs=graphs)
     assert None in used and any(t is not None for t in used)
+    # A round that captured its graph is not timed: replayed, each candidate's first round.
+    captured = [r.captured for r in observed]
+    assert timed == [not c for c in captured]
+    if graphs == "eager":
+        assert not any(captured)
+    else:
+        assert {tree_key(r.tree) for r in observed if r.captured} == {tree_key(t) for t in used}
+        assert sum(captured) < len(captured) // 2  # (most rounds replayed)
     assert sum(o.stats.accept_lengths.count(0) < len(o.stats.accept_lengths) for o in outs) >= 1  # drafts accepted
     assert all(0 < o.stats.plain_rounds < len(o.stats.accept_lengths) for o in outs)  # the plain rounds counted
     if temperature == 0:

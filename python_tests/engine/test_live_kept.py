@@ -321,3 +321,35 @@ def test_the_engine_keeps_them_beside_the_costs_for_a_new_head(tmp_path, monkeyp
     second = policy.tree_chooser(target, heads[1], "jakiro", 2)
     started = {tree_key(c.tree): c.remembered_ratio for c in second.candidates if c.remembered_ratio is not None}
     assert started == pytest.approx({k: r for k, (r, _) in kept["ratios"].items()})
+
+
+def test_graphed_calls_choose_and_keep_apart_from_eager_ones(tmp_path, monkeypatch):
+    # A round replayed as a graph costs otherwise than an eager one (on a GPU a fraction of it):
+    # graphed calls have their own chooser, which judges nothing against the eagerly measured
+    # costs, and keep what it measured in their own file, which eager calls do not read.
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
+    monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
+    target = tiny_target()
+    head = copy_head(target, "jakiro")
+    head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
+                       "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+    rounds = []
+
+    def alternate(self, rows):  # (as above: plain decoding measured, every tree run and timed)
+        trees = [c for c in self.candidates if c.tree is not None]
+        chosen = self.plain if len(rounds) % 4 < 2 else trees[len(rounds) // 4 % len(trees)]
+        rounds.append(chosen)
+        return chosen
+
+    monkeypatch.setattr(adaptive.TreeChooser, "choose", alternate)
+    dict(generate_many(target, head, [prompt(9, seed=s) for s in range(2)], max_batch_size=2, max_new_tokens=30,
+                       graphs="recorded"))
+    costs = tree_cost.costs_path(target, head, "jakiro", 2)
+    assert policy.load_live(policy.live_path(costs, "recorded"))["ratios"]
+    assert policy.live_path(costs, "recorded").name == costs.stem + ".live-recorded.json"
+    assert not policy.live_path(costs).exists() and costs.exists()
+    graphed = policy.tree_chooser(target, head, "jakiro", 2, graphs="recorded")
+    eager = policy.tree_chooser(target, head, "jakiro", 2)
+    assert graphed is not eager and graphed.round > 0 and eager.round == 0
+    assert not graphed.absolute and graphed.forget_costs is None
+    assert eager.absolute and eager.forget_costs is not None

@@ -60,7 +60,7 @@ echo "== python tests (CPU build)"
 JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q python_tests
 
 echo "== the GPU kit, dry run (every stage of scripts/gpu/run.sh on the CPU, tiny shapes)"
-PYTHON="$VENV/bin/python" bash "$ROOT/scripts/gpu/run.sh" --dry-run probe build errors test tensor-cores e2e bench sanitize profile \
+PYTHON="$VENV/bin/python" bash "$ROOT/scripts/gpu/run.sh" --dry-run probe build errors test tensor-cores e2e decode bench sanitize profile \
   check-training train
 
 if [ "${JAKIRO_TEST_VLLM:-1}" = "0" ]; then

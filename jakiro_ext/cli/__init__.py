@@ -46,9 +46,11 @@ def add_generation_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jakiro-head", help="directory of a trained Jakiro head (default: the shipped one)")
     p.add_argument("--eagle2-head", help="directory of a trained EAGLE-2 head (default: the shipped one)")
     p.add_argument("--gumiho-head", help="directory of a trained Gumiho head (default: the shipped one)")
-    p.add_argument("--tree", choices=["auto", "cpu", "gpu"], default="auto",
-                   help=f"auto (default): on a CPU, chosen by this machine's measured costs and the head's acceptance "
-                        f"profile (costs measured once, cached); presets: cpu {CPU_TREE.total_tokens}/{CPU_TREE.depth}/"
+    p.add_argument("--tree", choices=["auto", "cost", "cpu", "gpu"], default="auto",
+                   help=f"auto (default): the engine's choice, for a head with an acceptance profile round by round "
+                        f"from live timing among the trees this machine's measured costs rank best and plain decoding "
+                        f"(costs measured once, cached); cost: the costs' best tree, fixed for the run; "
+                        f"presets: cpu {CPU_TREE.total_tokens}/{CPU_TREE.depth}/"
                         f"{CPU_TREE.top_k}, gpu {GPU_TREE.total_tokens}/{GPU_TREE.depth}/{GPU_TREE.top_k} (total/depth/top-k)")
     p.add_argument("--total-tokens", type=int, help="dynamic tree: nodes verified per round, root included")
     p.add_argument("--depth", type=int, help="dynamic tree: expansions (a path holds up to depth + 1 drafts)")

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 import torch
 
 from jakiro_ext import atomic
-from jakiro_ext.cli.common import Runner, activity, chat_ids, check_generation_args, tree_dict
+from jakiro_ext.cli.common import Runner, activity, chat_ids, check_generation_args
 from jakiro_ext.methods import BASELINE, METHODS
 
 
@@ -147,7 +147,7 @@ def bench_report(args, methods: List[str], runner: Runner, runs: Dict[str, List[
             s["all_same_tokens_as_ar"] = all(r.get("same_tokens_as_ar", False) for r in runs[m])
     config = dict(prompts=str(args.prompts), dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                  tree={m: tree_dict(runner.tree_for(m)) for m in methods if METHODS[m].drafts},
+                  tree={m: runner.tree_said(m) for m in methods if METHODS[m].drafts},
                   threads=torch.get_num_threads(), batch_size=size, complete=complete)
     if args.json:
         print(json.dumps(dict(config=config, methods=summary, per_prompt=per_prompt)))

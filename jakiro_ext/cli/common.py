@@ -108,8 +108,9 @@ def chat_ids(tokenizer, prompt: str, chat_template: bool = True) -> torch.Tensor
 
 
 def tree_from_args(args) -> Optional[TreeConfig]:
-    """The tree the options ask for; None for ``--tree auto`` without explicit settings (each
-    method's tree is then chosen by measured cost, see ``Runner.tree_for``)."""
+    """The tree the options ask for; None for ``--tree auto`` or ``cost`` without explicit settings
+    (each method's tree is then the engine's choice, or the one its measured costs rank best:
+    ``Runner.tree_for``)."""
     if args.static_tree:
         if any(x is not None for x in (args.total_tokens, args.depth, args.top_k_draft)):
             raise ValueError("--static-tree fixes the whole tree: drop --total-tokens, --depth and --top-k-draft")
@@ -118,7 +119,7 @@ def tree_from_args(args) -> Optional[TreeConfig]:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--static-tree must be JSON like [[0], [1], [0, 0]], got {args.static_tree!r}: {exc}") from None
     explicit = [x for x in (args.total_tokens, args.depth, args.top_k_draft) if x is not None]
-    if args.tree == "auto" and not explicit:
+    if args.tree in ("auto", "cost") and not explicit:
         return None
     base = GPU_TREE if args.tree == "gpu" else CPU_TREE  # auto with explicit settings: they override the cpu preset
     pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is an error, not a default)
@@ -183,15 +184,26 @@ class Runner:
             self.heads[kind] = load_head(kind, getattr(args, f"{kind}_head"), self.target, self.name)
         activity.now = "generating"
 
-    def tree_for(self, method: str) -> TreeConfig:
-        """The asked tree, else the one chosen by measured cost for the method's head (when it
-        has an acceptance profile and runs on the CPU), else the device's preset."""
-        if self.tree is not None:
+    def tree_for(self, method: str) -> Optional[TreeConfig]:
+        """The asked tree; with ``--tree cost`` the one the measured costs rank best for the
+        method's head (when it has an acceptance profile, else the device's preset), fixed for
+        the run; else None: the engine's choice (live for a head with an acceptance profile)."""
+        if self.tree is not None or self.args.tree != "cost":
             return self.tree
         if method not in self.trees:
             head = self.heads.get(METHODS[method].shipped_head)
             self.trees[method] = default_tree(self.target, head, method, None, getattr(self.args, "batch_size", 1))
         return self.trees[method]
+
+    def tree_said(self, method: str):
+        """The method's tree as reports give it: its settings, or "live" (chosen round by round)."""
+        tree = self.tree_for(method)
+        if tree is None and getattr(self.heads.get(METHODS[method].shipped_head), "acceptance", None):
+            return "live"
+        if tree is None:  # (the engine's choice without a profile: the cost model's tree or the preset)
+            head = self.heads.get(METHODS[method].shipped_head)
+            tree = default_tree(self.target, head, method, None, getattr(self.args, "batch_size", 1))
+        return tree_dict(tree)
 
     def run(self, method: str, prompt_ids, on_tokens=None, max_new_tokens: Optional[int] = None):
         """``speculative_generate`` with the command's options: one prompt (a GenerationOutput)

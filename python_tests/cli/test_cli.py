@@ -113,36 +113,78 @@ def test_bad_options_are_clear_errors(capsys):
     assert "demo compares greedy decodings" in capsys.readouterr().err
 
 
-def test_generate_and_bench_take_a_local_transformers_target(capsys, tmp_path):
-    # --target DIR: a transformers model directory (here a tiny random Llama with the default
-    # model's tokenizer), nothing fetched; the tokens are the engine's on that model.
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A transformers model directory: a tiny random Llama with the default model's tokenizer."""
     import torch
     import transformers
 
-    from jakiro_ext.engine.generate import speculative_generate
     from jakiro_ext.models.default import load_default_hf
-    from jakiro_ext.models.llama import LlamaModel
 
     _, tokenizer = load_default_hf(torch.float32)
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id)
-    hf = transformers.LlamaForCausalLM(cfg).eval()
-    hf.save_pretrained(tmp_path / "tiny")
-    tokenizer.save_pretrained(tmp_path / "tiny")
-    out = run_json(capsys, ["generate", "Name a fruit.", "--target", str(tmp_path / "tiny"), "--method", "ar",
+    path = tmp_path_factory.mktemp("target") / "tiny"
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_generate_and_bench_take_a_local_transformers_target(capsys, tmp_path, tiny_dir):
+    # --target DIR: a transformers model directory (here a tiny random Llama with the default
+    # model's tokenizer), nothing fetched; the tokens are the engine's on that model.
+    import transformers
+
+    from jakiro_ext.engine.generate import speculative_generate
+    from jakiro_ext.models.llama import LlamaModel
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tiny_dir)
+    out = run_json(capsys, ["generate", "Name a fruit.", "--target", str(tiny_dir), "--method", "ar",
                             "--max-new-tokens", "8", "--json"])
     from jakiro_ext.cli.common import chat_ids
 
     ids = chat_ids(tokenizer, "Name a fruit.")
     expected = speculative_generate(LlamaModel.from_hf(hf), None, ids, 8, eos_token_id=tokenizer.eos_token_id)
     assert out["token_ids"] == expected.token_ids
-    bench = run_json(capsys, ["bench", "--target", str(tmp_path / "tiny"), "--method", "ar", "--method", "eagle2",
+    bench = run_json(capsys, ["bench", "--target", str(tiny_dir), "--method", "ar", "--method", "eagle2",
                               "--limit", "1", "--max-new-tokens", "4", "--json"])
     assert bench["methods"]["eagle2"]["all_same_tokens_as_ar"] is True  # (a random head: the warning says so)
     assert main(["generate", "x", "--target", str(tmp_path / "nothing")]) == 2
     assert "not a transformers model directory (no config.json)" in capsys.readouterr().err
+
+
+def test_tree_auto_is_the_engines_live_choice_and_tree_cost_the_measured_best(capsys, tmp_path, monkeypatch, tiny_dir):
+    # A head with an acceptance profile: --tree auto (the default) leaves the tree to the engine,
+    # which chooses it round by round from live timing (as the API's default does); --tree cost
+    # runs the tree the measured costs rank best, fixed for the run. The tokens are ar's either way.
+    import transformers
+
+    from jakiro_ext.engine import generate as engine
+    from jakiro_ext.engine.policy import FixedTree, LiveTree
+    from jakiro_ext.models.heads.config import DraftConfig
+    from jakiro_ext.models.heads.draft_head import DraftHead
+
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path / "cache"))
+    made, policy_of = [], engine.tree_policy
+    monkeypatch.setattr(engine, "tree_policy", lambda *a, **k: made.append(policy_of(*a, **k)) or made[-1])
+    config = DraftConfig.for_target(transformers.AutoConfig.from_pretrained(tiny_dir), "jakiro", num_experts=4)
+    head = DraftHead(config).init_weights(seed=3)
+    head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
+                       "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+    head.save(tmp_path / "head")
+    common = ["bench", "--target", str(tiny_dir), "--method", "ar", "--method", "jakiro", "--limit", "2",
+              "--max-new-tokens", "12", "--json", "--jakiro-head", str(tmp_path / "head")]
+    live = run_json(capsys, common)
+    assert live["config"]["tree"] == {"jakiro": "live"} and live["methods"]["jakiro"]["all_same_tokens_as_ar"]
+    assert any(isinstance(p, LiveTree) for p in made)
+    made.clear()
+    fixed = run_json(capsys, common + ["--tree", "cost"])
+    assert set(fixed["config"]["tree"]["jakiro"]) == {"total_tokens", "depth", "top_k"}
+    assert fixed["methods"]["jakiro"]["all_same_tokens_as_ar"]
+    assert made and all(isinstance(p, FixedTree) for p in made)
 
 
 def test_the_training_summary_is_a_sentence():

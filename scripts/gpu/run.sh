@@ -22,6 +22,10 @@
 #                   batch 1 and 8, ar / eagle2 / jakiro / gumiho, eager against CUDA graphs:
 #                   a round's cost, host reads per round, predicted tokens/s (scripts/gpu/e2e.py;
 #                   JAKIRO_GPU_E2E_ARGS adds its arguments, e.g. to pick some rows)
+#   decode          the default model itself (bf16, from its carried GGUF file) with the shipped
+#                   heads on the packaged prompts: plain decoding against Jakiro and EAGLE-2, rounds
+#                   replayed as CUDA graphs, the tree chosen live and the measured costs' tree,
+#                   greedy, every method's tokens compared with plain decoding's (the bench command)
 #   bench           the op microbenchmarks on the GPU (benchmarks/bench_*.py --device cuda --quick):
 #                   fractions of HBM bandwidth, tree attention against SDPA
 #   sanitize        compute-sanitizer memcheck, racecheck and synccheck over op tests
@@ -61,7 +65,7 @@ case "$PY" in */*) PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")" ;; esa
 cd "$ROOT"
 DRY=0
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
-STAGES_ALL="probe build errors test tensor-cores e2e bench sanitize profile check-training train"
+STAGES_ALL="probe build errors test tensor-cores e2e decode bench sanitize profile check-training train"
 STAGES=("$@")
 [ ${#STAGES[@]} -gt 0 ] || STAGES=(probe build test e2e bench)
 for stage in "${STAGES[@]}"; do
@@ -248,6 +252,32 @@ stage_tensor_cores() {
   [ "$DRY" = 1 ] && args+=(--dry-run)
   "$PY" scripts/gpu/tensor_cores.py "${args[@]}" 2>&1 | tee "$RESULTS/tensor_cores.log" | grep -E "^(linear|forward|blocks|wrote|.*bandwidth)"
   return "${PIPESTATUS[0]}"
+}
+
+stage_decode() {
+  local graphs=cuda dtype=bfloat16 limit="${JAKIRO_GPU_DECODE_PROMPTS:-10}" tokens=128 trees=(auto cost)
+  local methods=(--method ar --method jakiro --method eagle2)
+  if [ "$DRY" = 1 ]; then  # (the model as installed here, on the CPU, replays recorded: the script itself)
+    graphs=recorded; dtype=float32; limit=1; tokens=8; trees=(auto); methods=(--method ar --method jakiro)
+  else
+    model_ready || { say "decode: the default model has not been carried whole"; return 1; }
+  fi
+  local rc=0 tree
+  for tree in "${trees[@]}"; do
+    "$PY" -m jakiro_ext bench --device "$DEVICE" --dtype "$dtype" --graphs "$graphs" --tree "$tree" "${methods[@]}" \
+      --limit "$limit" --max-new-tokens "$tokens" --json > "$RESULTS/decode_$tree.json" 2> "$RESULTS/decode_$tree.log" \
+      || { rc=1; say "decode: bench --tree $tree failed"; tail -5 "$RESULTS/decode_$tree.log"; continue; }
+    "$PY" - "$RESULTS/decode_$tree.json" "$tree" <<'EOF' || rc=1
+import json, sys
+out, tree = json.load(open(sys.argv[1])), sys.argv[2]
+for m, s in out["methods"].items():
+    print(f"decode --tree {tree}: {m} {s['tokens_per_s']:.1f} tokens/s, tau {s['tau']:.2f}, "
+          f"{s.get('speedup_vs_ar', 1.0):.2f}x ar, tree {out['config']['tree'].get(m, '-')}, "
+          f"tokens equal ar's: {s.get('all_same_tokens_as_ar', '-')}")
+sys.exit(0 if all(s.get("all_same_tokens_as_ar", True) for s in out["methods"].values()) else 1)
+EOF
+  done
+  return $rc
 }
 
 stage_bench() {

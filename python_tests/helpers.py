@@ -48,6 +48,18 @@ def random_head(target, kind, seed=1, std=0.2):
     return DraftHead(config).init_weights(seed, std=std).bind(target)
 
 
+# An acceptance profile for a Jakiro head (what the tree choice reads): the live choice's tests.
+JAKIRO_PROFILE = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
+                  "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+
+
+def profiled_head(target):
+    """A Jakiro copy head (:func:`copy_head`) with :data:`JAKIRO_PROFILE`: its tree is chosen live."""
+    head = copy_head(target, "jakiro")
+    head.acceptance = copy.deepcopy(JAKIRO_PROFILE)
+    return head
+
+
 def copy_head(target, kind, scale=300.0):
     """A head whose feature is scale * embed(its input token): with tied embeddings it proposes
     the token it was given, which tiny random models tend to repeat, so drafts get accepted. A

@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from helpers import JAKIRO_PROFILE
 from jakiro_ext.cli import main
 
 
@@ -172,8 +173,7 @@ def test_tree_auto_is_the_engines_live_choice_and_tree_cost_the_measured_best(ca
     monkeypatch.setattr(engine, "tree_policy", lambda *a, **k: made.append(policy_of(*a, **k)) or made[-1])
     config = DraftConfig.for_target(transformers.AutoConfig.from_pretrained(tiny_dir), "jakiro", num_experts=4)
     head = DraftHead(config).init_weights(seed=3)
-    head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
-                       "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+    head.acceptance = JAKIRO_PROFILE
     head.save(tmp_path / "head")
     common = ["bench", "--target", str(tiny_dir), "--method", "ar", "--method", "jakiro", "--limit", "2",
               "--max-new-tokens", "12", "--json", "--jakiro-head", str(tmp_path / "head")]

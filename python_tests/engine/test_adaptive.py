@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from helpers import BIG, FAR, SMALL, candidates, copy_head, prompt, run, tiny_target
+from helpers import BIG, FAR, SMALL, candidates, copy_head, profiled_head, prompt, run, tiny_target
 from jakiro_ext.config import TreeConfig, tree_key
 from jakiro_ext.engine import adaptive, policy
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser
@@ -503,9 +503,7 @@ def test_a_long_wait_then_drafting_gives_plain_decodings_tokens(tmp_path, monkey
     monkeypatch.setattr(draft_lag, "DRAFT_WINDOW", 4)
     monkeypatch.setattr(draft_lag, "DRAFT_PAIRS", 0)  # (the window DRAFT_WINDOW at any rows)
     target = tiny_target()
-    head = copy_head(target, "jakiro")
-    head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
-                       "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+    head = profiled_head(target)
     used = []
 
     def waits(self, rows):  # plain for 9 rounds, then trees for 3, and so on
@@ -532,9 +530,7 @@ def test_the_live_choice_gives_plain_decodings_tokens(tmp_path, monkeypatch, tem
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
     monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
     target = tiny_target()
-    head = copy_head(target, "jakiro")
-    head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
-                       "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
+    head = profiled_head(target)
     used = []
 
     def alternate(self, rows):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import copy_head, prompt, tiny_target
+from helpers import JAKIRO_PROFILE, prompt, profiled_head, tiny_target
 from jakiro_ext import atomic
 from jakiro_ext.engine import adaptive, policy, tree_cost
 from jakiro_ext.engine.adaptive import Candidate, TreeChooser, tree_key
@@ -238,7 +238,7 @@ def test_a_new_heads_candidates_are_ranked_again_only_when_the_costs_or_profile_
     costs = tree_cost.check_costs({"verify": {"1": 0.01, "2": 0.012, "4": 0.015}, "catch_up": {"1": 0.001, "2": 0.0012},
                                    "draft": {"1,1": 0.001, "1,2": 0.002, "2,2": 0.004}, "context": 256,
                                    "context_slope": 1e-6, "batch": 1})
-    profile = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]], "contrastive_depth_rank": [[0.3, 0.2]] * 3}
+    profile = JAKIRO_PROFILE
     path = Path("/nowhere/costs.json")
     first = policy.candidate_specs(path, costs, profile, "jakiro")
     assert policy.candidate_specs(path, costs, json.loads(json.dumps(profile)), "jakiro") is first and len(ranked) == 1
@@ -294,25 +294,26 @@ def test_the_file_round_trip_and_bad_files(tmp_path, monkeypatch, capsys):
     assert "could not keep" in capsys.readouterr().err
 
 
+def alternating():
+    """A ``TreeChooser.choose`` that measures plain decoding (two rounds in four) and runs every
+    tree twice in a row (a tree's first round after plain decoding is not timed), whatever the timing."""
+    rounds = [0]
+
+    def choose(self, rows):
+        trees = [c for c in self.candidates if c.tree is not None]
+        n = rounds[0]
+        rounds[0] += 1
+        return self.plain if n % 4 < 2 else trees[n // 4 % len(trees)]
+    return choose
+
+
 def test_the_engine_keeps_them_beside_the_costs_for_a_new_head(tmp_path, monkeypatch):
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
     monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
     monkeypatch.setattr(adaptive, "COSTS_DISAGREE", math.inf)  # (the same costs, the same candidates, both calls)
     target = tiny_target()
-    profile = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
-               "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
-    heads = [copy_head(target, "jakiro") for _ in range(2)]
-    for head in heads:
-        head.acceptance = profile
-    rounds = []
-
-    def alternate(self, rows):  # plain decoding measured (two rounds in four), and every tree run twice in a row
-        trees = [c for c in self.candidates if c.tree is not None]  # (a tree's first round after plain decoding is not timed)
-        chosen = self.plain if len(rounds) % 4 < 2 else trees[len(rounds) // 4 % len(trees)]
-        rounds.append(chosen)
-        return chosen
-
-    monkeypatch.setattr(adaptive.TreeChooser, "choose", alternate)
+    heads = [profiled_head(target) for _ in range(2)]
+    monkeypatch.setattr(adaptive.TreeChooser, "choose", alternating())
     x = [prompt(9, seed=s) for s in range(2)]
     dict(generate_many(target, heads[0], x, max_batch_size=2, max_new_tokens=20))
     live = policy.live_path(tree_cost.costs_path(target, heads[0], "jakiro", 2))
@@ -330,18 +331,8 @@ def test_graphed_calls_choose_and_keep_apart_from_eager_ones(tmp_path, monkeypat
     monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
     monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
     target = tiny_target()
-    head = copy_head(target, "jakiro")
-    head.acceptance = {"depth_rank": [[0.6, 0.2], [0.5, 0.2], [0.4, 0.2]],
-                       "contrastive_depth_rank": [[0.3, 0.2], [0.3, 0.2], [0.3, 0.2]]}
-    rounds = []
-
-    def alternate(self, rows):  # (as above: plain decoding measured, every tree run and timed)
-        trees = [c for c in self.candidates if c.tree is not None]
-        chosen = self.plain if len(rounds) % 4 < 2 else trees[len(rounds) // 4 % len(trees)]
-        rounds.append(chosen)
-        return chosen
-
-    monkeypatch.setattr(adaptive.TreeChooser, "choose", alternate)
+    head = profiled_head(target)
+    monkeypatch.setattr(adaptive.TreeChooser, "choose", alternating())
     dict(generate_many(target, head, [prompt(9, seed=s) for s in range(2)], max_batch_size=2, max_new_tokens=30,
                        graphs="recorded"))
     costs = tree_cost.costs_path(target, head, "jakiro", 2)

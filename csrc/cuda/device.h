@@ -158,6 +158,27 @@ JAKIRO_DEVICE Pack16 load16(const void* p) {
 }
 JAKIRO_DEVICE bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
+// Full unrolling of a fixed-trip loop keeps its small arrays in registers (nvcc otherwise leaves
+// some bf16 unpacking in local memory). Nothing to ask g++ under the emulator.
+#if defined(SIMT_EMU)
+#define JAKIRO_UNROLL
+#else
+#define JAKIRO_UNROLL _Pragma("unroll")
+#endif
+
+// The elements of a 16-byte load as floats, into out[at, at + 16 / sizeof(T)) (T: the pointer's
+// element type, float or bf16).
+template <int N>
+JAKIRO_DEVICE void unpack_to(const Pack16& v, float (&out)[N], int at, const float*) {
+  JAKIRO_UNROLL
+  for (int e = 0; e < 4; ++e) memcpy(&out[at + e], &v.u[e], sizeof(float));
+}
+template <int N>
+JAKIRO_DEVICE void unpack_to(const Pack16& v, float (&out)[N], int at, const bf16*) {
+  JAKIRO_UNROLL
+  for (int e = 0; e < 8; ++e) out[at + e] = to_float(bf16{static_cast<uint16_t>(v.u[e / 2] >> (16 * (e % 2)))});
+}
+
 JAKIRO_HOST_DEVICE int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Bits of the device's error word (read and cleared by jakiro::device_errors). A kernel that

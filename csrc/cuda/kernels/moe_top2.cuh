@@ -62,7 +62,7 @@ __global__ void moe_router_kernel(MoeParams p) {
     } else {
       skinny_detail::load_run_scalar(x + c * V, H - c * V, xv);
     }
-    JAKIRO_SKINNY_UNROLL
+    JAKIRO_UNROLL
     for (int e = 0; e < kMoeMaxExperts + 2; ++e) {
       if (e < L) {
         float wv[V];
@@ -71,7 +71,7 @@ __global__ void moe_router_kernel(MoeParams p) {
         } else {
           skinny_detail::load_run_scalar(w + e * H + c * V, H - c * V, wv);
         }
-        JAKIRO_SKINNY_UNROLL
+        JAKIRO_UNROLL
         for (int i = 0; i < V; ++i) logit[e] += xv[i] * wv[i];
       }
     }

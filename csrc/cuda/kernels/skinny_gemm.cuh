@@ -15,14 +15,6 @@
 
 #include "cuda/device.h"
 
-// Full unrolling of the fixed-trip loops below keeps their small arrays in registers (nvcc
-// otherwise leaves some bf16 unpacking in local memory). Nothing to ask g++ under the emulator.
-#if defined(SIMT_EMU)
-#define JAKIRO_SKINNY_UNROLL
-#else
-#define JAKIRO_SKINNY_UNROLL _Pragma("unroll")
-#endif
-
 namespace jakiro::gpu {
 
 constexpr int kSkinnyRows = 8;      // input rows per pass (accumulators per lane and weight matrix)
@@ -59,10 +51,10 @@ template <int NP>
 JAKIRO_DEVICE float reduce_transposed(float (&a)[kSkinnyRows]) {
   const int lane = lane_id();
   int o = kWarp / 2;
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int c = NP / 2; c >= 1; c /= 2, o /= 2) {
     const bool upper = (lane & o) != 0;
-    JAKIRO_SKINNY_UNROLL
+    JAKIRO_UNROLL
     for (int i = 0; i < c; ++i) {
       const float send = upper ? a[i] : a[i + c];
       const float keep = upper ? a[i + c] : a[i];
@@ -74,29 +66,18 @@ JAKIRO_DEVICE float reduce_transposed(float (&a)[kSkinnyRows]) {
   return v;
 }
 
-// The elements of a load as floats, into out[at, at + 16 / sizeof(T)).
-template <int N>
-JAKIRO_DEVICE void unpack_to(const Pack16& v, float (&out)[N], int at, const float*) {
-  JAKIRO_SKINNY_UNROLL
-  for (int e = 0; e < 4; ++e) memcpy(&out[at + e], &v.u[e], sizeof(float));
-}
-template <int N>
-JAKIRO_DEVICE void unpack_to(const Pack16& v, float (&out)[N], int at, const bf16*) {
-  JAKIRO_SKINNY_UNROLL
-  for (int e = 0; e < 8; ++e) out[at + e] = to_float(bf16{static_cast<uint16_t>(v.u[e / 2] >> (16 * (e % 2)))});
-}
 // Elements [0, V) of a 16-byte-aligned row as floats, in 16-byte loads.
 template <int V, typename T>
 JAKIRO_DEVICE void load_run_aligned(const T* p, float (&out)[V]) {
   constexpr int per_load = static_cast<int>(16 / sizeof(T));
   static_assert(V % per_load == 0, "a run is whole 16-byte loads");
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int i = 0; i < V / per_load; ++i) unpack_to(load16(p + i * per_load), out, i * per_load, p);
 }
 // The same elements one at a time, those at or past `limit` read as 0 (any alignment).
 template <int V, typename T>
 JAKIRO_DEVICE void load_run_scalar(const T* p, int64_t limit, float (&out)[V]) {
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int e = 0; e < V; ++e) out[e] = e < limit ? to_float(p[e]) : 0.f;
 }
 
@@ -116,17 +97,17 @@ JAKIRO_DEVICE void pass(const w_t* (&wr)[R * NW], const int64_t (&js)[R], int64_
   using x_ptr = decltype(row_ptr(r0));
   x_ptr xr[NP];
   bool vec = K % V == 0;
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int p = 0; p < NP; ++p) {
     xr[p] = row_ptr(r0 + p);
     vec = vec && aligned16(xr[p]);
   }
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int q = 0; q < NR; ++q) vec = vec && aligned16(wr[q]);
   float acc[NR][kSkinnyRows];
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int q = 0; q < NR; ++q)
-    JAKIRO_SKINNY_UNROLL
+    JAKIRO_UNROLL
     for (int p = 0; p < NP; ++p) acc[q][p] = 0.f;
   const int64_t runs = (K + V - 1) / V;
   int64_t c = lane_id();
@@ -134,34 +115,34 @@ JAKIRO_DEVICE void pass(const w_t* (&wr)[R * NW], const int64_t (&js)[R], int64_
     // kSkinnyUnroll runs per weight row loaded before the FMAs, for memory-level parallelism.
     for (; c + (kSkinnyUnroll - 1) * kWarp < runs; c += kSkinnyUnroll * kWarp) {
       float w[NR][kSkinnyUnroll][V];
-      JAKIRO_SKINNY_UNROLL
+      JAKIRO_UNROLL
       for (int q = 0; q < NR; ++q)
-        JAKIRO_SKINNY_UNROLL
+        JAKIRO_UNROLL
         for (int u = 0; u < kSkinnyUnroll; ++u) load_run_aligned(wr[q] + (c + u * kWarp) * V, w[q][u]);
-      JAKIRO_SKINNY_UNROLL
+      JAKIRO_UNROLL
       for (int u = 0; u < kSkinnyUnroll; ++u) {
-        JAKIRO_SKINNY_UNROLL
+        JAKIRO_UNROLL
         for (int p = 0; p < NP; ++p) {
           float xv[V];
           load_run_aligned(xr[p] + (c + u * kWarp) * V, xv);
-          JAKIRO_SKINNY_UNROLL
+          JAKIRO_UNROLL
           for (int e = 0; e < V; ++e)
-            JAKIRO_SKINNY_UNROLL
+            JAKIRO_UNROLL
             for (int q = 0; q < NR; ++q) acc[q][p] += w[q][u][e] * xv[e];
         }
       }
     }
     for (; c < runs; c += kWarp) {
       float w[NR][V];
-      JAKIRO_SKINNY_UNROLL
+      JAKIRO_UNROLL
       for (int q = 0; q < NR; ++q) load_run_aligned(wr[q] + c * V, w[q]);
-      JAKIRO_SKINNY_UNROLL
+      JAKIRO_UNROLL
       for (int p = 0; p < NP; ++p) {
         float xv[V];
         load_run_aligned(xr[p] + c * V, xv);
-        JAKIRO_SKINNY_UNROLL
+        JAKIRO_UNROLL
         for (int e = 0; e < V; ++e)
-          JAKIRO_SKINNY_UNROLL
+          JAKIRO_UNROLL
           for (int q = 0; q < NR; ++q) acc[q][p] += w[q][e] * xv[e];
       }
     }
@@ -169,29 +150,29 @@ JAKIRO_DEVICE void pass(const w_t* (&wr)[R * NW], const int64_t (&js)[R], int64_
     for (; c < runs; c += kWarp) {
       const int64_t limit = K - c * V;
       float w[NR][V];
-      JAKIRO_SKINNY_UNROLL
+      JAKIRO_UNROLL
       for (int q = 0; q < NR; ++q) load_run_scalar(wr[q] + c * V, limit, w[q]);
-      JAKIRO_SKINNY_UNROLL
+      JAKIRO_UNROLL
       for (int p = 0; p < NP; ++p) {
         float xv[V];
         load_run_scalar(xr[p] + c * V, limit, xv);
-        JAKIRO_SKINNY_UNROLL
+        JAKIRO_UNROLL
         for (int e = 0; e < V; ++e)
-          JAKIRO_SKINNY_UNROLL
+          JAKIRO_UNROLL
           for (int q = 0; q < NR; ++q) acc[q][p] += w[q][e] * xv[e];
       }
     }
   }
   float sums[NR];
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int q = 0; q < NR; ++q) sums[q] = reduce_transposed<NP>(acc[q]);
   constexpr int spread = kWarp / NP;
   const int lane = lane_id();
   if (lane % spread == 0) {
-    JAKIRO_SKINNY_UNROLL
+    JAKIRO_UNROLL
     for (int i = 0; i < R; ++i) {
       float v[NW];
-      JAKIRO_SKINNY_UNROLL
+      JAKIRO_UNROLL
       for (int q = 0; q < NW; ++q) v[q] = sums[i * NW + q];
       epilogue(r0 + lane / spread, js[i], static_cast<const float*>(v));
     }
@@ -204,9 +185,9 @@ template <int R, int NW, typename w_t, typename RowPtr, typename Epilogue>
 JAKIRO_DEVICE void columns(const WeightSet<w_t, NW>& W, const int64_t (&js)[R], int64_t K, int64_t rows,
                            RowPtr& row_ptr, Epilogue& epilogue) {
   const w_t* wr[R * NW];
-  JAKIRO_SKINNY_UNROLL
+  JAKIRO_UNROLL
   for (int i = 0; i < R; ++i)
-    JAKIRO_SKINNY_UNROLL
+    JAKIRO_UNROLL
     for (int q = 0; q < NW; ++q) wr[i * NW + q] = W.w[q] + js[i] * W.ld;
   int64_t r0 = 0;
   for (; r0 + 8 <= rows; r0 += 8) pass<8, NW, R>(wr, js, K, r0, row_ptr, epilogue);

@@ -72,10 +72,11 @@ JAKIRO_DEVICE float dot_in_order(const bf16* a, const bf16* b, int64_t D) {
   float dot = 0.f;
   if (aligned16(a) && aligned16(b)) {
     for (int64_t d0 = 0; d0 < D; d0 += 8) {
-      const Pack16 x = load16(a + d0), y = load16(b + d0);
-      for (int e = 0; e < 8; ++e)
-        dot += to_float(bf16{static_cast<uint16_t>(x.u[e / 2] >> (16 * (e % 2)))}) *
-               to_float(bf16{static_cast<uint16_t>(y.u[e / 2] >> (16 * (e % 2)))});
+      float x[8], y[8];
+      unpack_to(load16(a + d0), x, 0, a);
+      unpack_to(load16(b + d0), y, 0, b);
+      JAKIRO_UNROLL
+      for (int e = 0; e < 8; ++e) dot += x[e] * y[e];
     }
   } else {
     for (int64_t d = 0; d < D; ++d) dot += to_float(a[d]) * to_float(b[d]);

@@ -191,26 +191,30 @@ class Runner:
         if self.tree is not None or self.args.tree != "cost":
             return self.tree
         if method not in self.trees:
-            head = self.heads.get(METHODS[method].shipped_head)
-            self.trees[method] = default_tree(self.target, head, method, None, getattr(self.args, "batch_size", 1))
+            self.trees[method] = self.default_tree(method)
         return self.trees[method]
+
+    def default_tree(self, method: str) -> TreeConfig:
+        """The tree the measured costs rank best for the method's head (else the device's preset)."""
+        return default_tree(self.target, self.head_for(method), method, None, getattr(self.args, "batch_size", 1))
+
+    def head_for(self, method: str):
+        """The head the method drafts with (None for ``ar``)."""
+        return self.heads.get(METHODS[method].shipped_head)
 
     def tree_said(self, method: str):
         """The method's tree as reports give it: its settings, or "live" (chosen round by round)."""
         tree = self.tree_for(method)
-        if tree is None and getattr(self.heads.get(METHODS[method].shipped_head), "acceptance", None):
+        if tree is None and getattr(self.head_for(method), "acceptance", None):
             return "live"
-        if tree is None:  # (the engine's choice without a profile: the cost model's tree or the preset)
-            head = self.heads.get(METHODS[method].shipped_head)
-            tree = default_tree(self.target, head, method, None, getattr(self.args, "batch_size", 1))
-        return tree_dict(tree)
+        # (the engine's choice without a profile: the preset, as the engine's FixedTree takes it)
+        return tree_dict(tree if tree is not None else self.default_tree(method))
 
     def run(self, method: str, prompt_ids, on_tokens=None, max_new_tokens: Optional[int] = None):
         """``speculative_generate`` with the command's options: one prompt (a GenerationOutput)
         or a list of prompts decoded as one batch (a list of them)."""
         a = self.args
-        head = self.heads.get(METHODS[method].shipped_head)
-        return speculative_generate(self.target, head, prompt_ids, max_new_tokens or a.max_new_tokens, method=method,
+        return speculative_generate(self.target, self.head_for(method), prompt_ids, max_new_tokens or a.max_new_tokens, method=method,
                                     tree=self.tree_for(method),
                                     temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                                     eos_token_id=self.tokenizer.eos_token_id, seed=a.seed, on_tokens=on_tokens,

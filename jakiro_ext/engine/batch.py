@@ -85,7 +85,8 @@ class DecodeBatch:
                     else Drafter(None, METHODS[BASELINE], catch_up.tree) for t in self.policy.trees}
         weights = self.target.prepare()
         return RoundParts(catch_up, drafters, weights,
-                          Round(self.target, weights, catch_up, self.settings, self.feature_layers))
+                          Round(self.target, weights, catch_up, self.settings, self.feature_layers,
+                                len(self.policy.trees)))
 
     @property
     def seqs(self) -> List[DecodeSequence]:

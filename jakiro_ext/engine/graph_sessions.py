@@ -20,7 +20,7 @@ eager round). Whatever else a capture reads (rotary tables, masks) makes it stal
 
 A session serves one call at a time (another call meanwhile makes one it does not keep). Bounded:
 KEPT_SESSIONS sessions a target, the least recently used let go, each with at most KEPT_CAPTURES
-captures and KEPT_BUFFERS buffers; :func:`free_graphs` lets a target's go at once (else they go
+captures for each tree it may run and KEPT_BUFFERS buffers; :func:`free_graphs` lets a target's go at once (else they go
 with the target; a round holds the target weakly). Eager calls keep nothing.
 """
 from __future__ import annotations

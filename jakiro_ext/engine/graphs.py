@@ -23,7 +23,8 @@ tables, masks kept per shape): its *externals*, found while it is made (every te
 it reads that no op of it made). It holds them weakly, as a CUDA graph holds their addresses: one
 let go (a rotary table made again larger, a mask dropped from its cache, a cache grown) makes
 the capture stale, and it is made again rather than replayed (a graph would read freed memory).
-A :class:`Replay` keeps up to KEPT_CAPTURES captures, the least recently used let go.
+A :class:`Replay` keeps a bounded number of captures (KEPT_CAPTURES for each tree a call may run:
+the live choice captures each of its candidates), the least recently used let go.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 MODES = ("cuda", "recorded")
-KEPT_CAPTURES = 8  # captures a Replay keeps (batch sizes, cache buffers), the least recently used let go
+KEPT_CAPTURES = 8  # captures a Replay keeps per tree it may run (batch sizes, cache buffers), the least recently used let go
 
 
 class _Recorder(TorchDispatchMode):
@@ -184,10 +185,10 @@ class Replay:
     constants of the capture, part of its key with ``key`` (:func:`_constant_key`). Returns the
     outputs (static: valid until the next call) and the host value the capture returned (e.g. how
     many forwards it ran).
-    A new key captures anew; up to KEPT_CAPTURES captures are kept (the least recently used let
+    A new key captures anew; up to ``most`` captures are kept (the least recently used let
     go first), a stale one (an external let go) is let go when found."""
 
-    def __init__(self, fn: Callable[..., Tuple[Tuple[torch.Tensor, ...], Any]], mode: str):
+    def __init__(self, fn: Callable[..., Tuple[Tuple[torch.Tensor, ...], Any]], mode: str, most: int = KEPT_CAPTURES):
         if mode not in MODES:
             raise ValueError(f"graph mode must be one of {MODES}, got {mode!r}")
         if mode == "cuda" and not torch.cuda.is_available():
@@ -195,7 +196,7 @@ class Replay:
         # A method held weakly (its object, a round, owns this replay: no cycle to wait for the
         # cycle collector with the target's weights), another function as it is.
         self._fn = weakref.WeakMethod(fn) if hasattr(fn, "__self__") else (lambda: fn)
-        self.mode = mode
+        self.mode, self.most = mode, most
         self.kept: "OrderedDict[Hashable, _Capture]" = OrderedDict()  # key -> capture, least recently used first
         self.captures = 0  # how many times it captured (tests, statistics)
 
@@ -207,7 +208,7 @@ class Replay:
             del self.kept[stale]
         captured = self.kept.get(key)
         if captured is None:
-            while len(self.kept) >= KEPT_CAPTURES:  # (frees the old captures' memory first)
+            while len(self.kept) >= self.most:  # (frees the old captures' memory first)
                 self.kept.popitem(last=False)
             static = [x.clone() if isinstance(x, torch.Tensor) else x for x in leaves]
             made = _CudaGraph if self.mode == "cuda" else _Recorded

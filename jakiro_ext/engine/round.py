@@ -27,7 +27,7 @@ import torch
 from jakiro_ext import ops
 from jakiro_ext.config import TreeConfig
 from jakiro_ext.engine.drafter import DRAFT_ERRORS, Drafter
-from jakiro_ext.engine.graphs import Replay
+from jakiro_ext.engine.graphs import KEPT_CAPTURES, Replay
 from jakiro_ext.engine.sequence import DecodeSettings, no_distribution_error
 from jakiro_ext.engine.state import BatchState
 from jakiro_ext.kv_cache import KVCache
@@ -116,16 +116,19 @@ class RoundResult:
 class Round:
     """A batch's rounds: the target and its prepared weights (the call's), the settings and the
     drafter that catches the draft up (``catch_up``: the largest tree's, whose scratch the caches
-    are sized by) are fixed; the state and the round's drafter come with each :meth:`run`."""
+    are sized by) are fixed; the state and the round's drafter come with each :meth:`run`.
+    ``trees``: how many trees the rounds may run (plain decoding counted), each captured apart
+    when graphed."""
 
     def __init__(self, target: LlamaModel, weights: TargetWeights, catch_up: Drafter, s: DecodeSettings,
-                 feature_layers=None):
+                 feature_layers=None, trees: int = 1):
         # The target held weakly: a graphed call's round is kept with the target (graph_sessions),
         # and a cycle would keep the target's memory until Python's cycle collector ran.
         self._target = weakref.ref(target)
         self.weights, self.catch_up, self.settings = weights, catch_up, s
         self.feature_layers = feature_layers
-        self.replay = None if s.graphs == "eager" else Replay(self._device_work, s.graphs)
+        # (graphed: KEPT_CAPTURES captures for each of the ``trees`` the rounds may run)
+        self.replay = None if s.graphs == "eager" else Replay(self._device_work, s.graphs, KEPT_CAPTURES * trees)
 
     @property
     def target(self) -> LlamaModel:

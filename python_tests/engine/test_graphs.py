@@ -15,7 +15,7 @@ from jakiro_ext.engine import graphs
 from jakiro_ext.engine.generate import generate_many, speculative_generate
 from jakiro_ext.models import llama
 from helpers import PROMPTS
-from helpers import DYNAMIC_ONLY, HEAD_METHODS, TREES, copy_head, sharp_target, tiny_target
+from helpers import DYNAMIC_ONLY, HEAD_METHODS, JAKIRO_PROFILE, TREES, copy_head, sharp_target, tiny_target
 
 MODES = ["recorded"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -263,6 +263,38 @@ def test_a_second_graphed_call_replays_the_first_calls_captures(target, kind, me
     assert not target.__dict__["_graph_sessions"]
     speculative_generate(target, head, PROMPTS[1], 8, **kwargs)
     assert not target.__dict__["_graph_sessions"]  # an eager call keeps nothing
+
+
+def test_a_second_graphed_call_with_the_tree_chosen_live_captures_nothing(target, tmp_path, monkeypatch):
+    # The live choice runs each candidate (trees and plain decoding) as a capture of its own, at
+    # each batch size a draining batch passes through: a session keeps KEPT_CAPTURES captures a
+    # candidate, so the next such call replays every one of them.
+    from jakiro_ext.engine import adaptive, policy
+    monkeypatch.setenv("JAKIRO_CACHE", str(tmp_path))
+    monkeypatch.setattr(policy, "_CHOOSERS", type(policy._CHOOSERS)())
+    monkeypatch.setattr(policy, "CANDIDATES", 5)  # (trees of 5 sizes and plain decoding: 12 captures at 2 batch sizes)
+    head = attentive_head(target, "jakiro")
+    head.acceptance = JAKIRO_PROFILE
+    ran = []
+
+    def every_candidate(self, rows):  # (by the round within the call: the same choices in each call)
+        ran.append((len(ran), rows))
+        return self.candidates[len(ran) % len(self.candidates)]
+    monkeypatch.setattr(adaptive.TreeChooser, "choose", every_candidate)
+    made = _count_captures(monkeypatch)
+    ends = [197, 208]  # (the first two prompts' answers end early, at different rounds: 3 rows, then 1)
+    outs, captured = [], []
+    for _ in range(2):
+        ran.clear()
+        made.clear()
+        outs.append(speculative_generate(target, head, PROMPTS[:3], 40, method="jakiro", graphs="recorded",
+                                         eos_token_id=ends))
+        captured.append(sum(made))
+    candidates = len(policy.tree_chooser(target, head, "jakiro", 3, graphs="recorded").candidates)
+    assert {rows for _, rows in ran} == {3, 1} and captured[0] == 2 * candidates > graphs.KEPT_CAPTURES
+    assert captured[1] == 0 and len(made) == len(ran)
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]] == \
+        [o.token_ids for o in speculative_generate(target, None, PROMPTS[:3], 40, eos_token_id=ends)]
 
 
 def test_a_tree_changed_after_a_graphed_call_does_not_change_its_kept_session(target):

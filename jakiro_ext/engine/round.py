@@ -151,12 +151,12 @@ class Round:
         state.prepare_round(nodes)
         inputs = self._inputs(state, nodes)
         work = (drafter, state.target_kv, state.draft_kv, inputs)
-        captures = 0 if self.replay is None else self.replay.captures
         if self.replay is None:
-            out, drafted = self._device_work(*work)
+            (out, drafted), captured = self._device_work(*work), False
         else:
+            before = self.replay.captures
             out, drafted = self.replay(B, work)  # (and the caches' buffers: graphs._constant_key)
-            out = RoundOutputs(*out)
+            out, captured = RoundOutputs(*out), self.replay.captures > before
         back = RoundReadback.read(out.packed, B)
         counts = [a + 1 for a in back.accepted]
         # The target's hidden states at the root and the accepted nodes are the draft's catch-up:
@@ -188,8 +188,7 @@ class Round:
         return RoundResult(drafter.tree if drafter.drafts else None, B,
                            [a for seq, a in zip(seqs, back.accepted) if seq is not None], left_before,
                            [0 if seq.done else seq.budget - len(seq.out) for seq in state.seqs], draining, context,
-                           time.perf_counter() - t0, catch_up_seconds, 1, drafted,
-                           self.replay is not None and self.replay.captures > captures)
+                           time.perf_counter() - t0, catch_up_seconds, 1, drafted, captured)
 
     def _inputs(self, state: BatchState, nodes: int) -> RoundInputs:
         """The roots, the draws with sampling (node i of a sequence's tree uses its i-th draw, the

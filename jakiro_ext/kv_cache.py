@@ -159,20 +159,38 @@ class KVCache(nn.Module):
         if isinstance(n, torch.Tensor):
             if host is None or len(host) != self.batch:
                 raise ValueError(f"commit of a [B] tensor needs its {self.batch} values on the host, got {host!r}")
-            self.host_lengths = [a + b for a, b in zip(self.host_lengths, host)]
+            self.commit_on_host(host)
         else:
-            self.host_lengths = [a + n for a in self.host_lengths]
-        if min(self.host_lengths) < 0:
-            raise ValueError(f"a sequence's committed length would fall below 0: {self.host_lengths}")
+            self.commit_on_host([n] * self.batch)
         self.lengths += n
 
     def commit_path(self, path: torch.Tensor, path_len: torch.Tensor, host_path_len: List[int]) -> None:
         """Keep each sequence's accepted path of the tree last written: the keys/values of nodes
         path[b, :path_len[b]] move right after the prefix (``jakiro::compact_kv``, every layer
         in one call) and are committed. ``host_path_len``: path_len's values, known on the host."""
+        self._compact(path, path_len)
+        self.commit(path_len, host_path_len)
+
+    def _compact(self, path: torch.Tensor, path_len: torch.Tensor) -> None:
         if path.shape[1] > 1:  # (node 0, the root, is always the path's first: already in place)
             ops.compact_kv(self.kv, self.lengths, path, path_len)
-        self.commit(path_len, host_path_len)
+
+    # A captured round (jakiro_ext.engine.round) commits in two halves: the device's in its
+    # capture, where a replay runs no host code, and the host's once it has read the counts.
+    # Between them the two lengths differ: nothing else may read or change them.
+    def commit_on_device(self, n: torch.Tensor, path: Optional[torch.Tensor] = None) -> None:
+        """The device's half of :meth:`commit` of a [B] tensor ``n`` (with ``path``: of
+        :meth:`commit_path`), with no read of the device and no host-side change."""
+        if path is not None:
+            self._compact(path, n)
+        self.lengths += n
+
+    def commit_on_host(self, host: List[int]) -> None:
+        """The host's half of a commit: each sequence's length grows by ``host[b]``."""
+        lengths = [a + b for a, b in zip(self.host_lengths, host)]
+        if min(lengths) < 0:
+            raise ValueError(f"a sequence's committed length would fall below 0: {lengths}")
+        self.host_lengths = lengths
 
     def clear(self, rows: List[int]) -> None:
         """The sequences ``rows`` become empty (length 0)."""

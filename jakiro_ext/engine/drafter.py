@@ -91,6 +91,12 @@ class Drafter:
         return True
 
     @property
+    def longest_path(self) -> int:
+        """The most new tokens a round of its trees can give a sequence (its longest path: the
+        root, one node for each layer of the schedule; 1 when nothing is drafted)."""
+        return min(self.max_nodes, len(self.schedule) + 1)
+
+    @property
     def width(self) -> int:
         """Candidates asked of the LM head per node (per expert for Jakiro*)."""
         return _width(self.tree)

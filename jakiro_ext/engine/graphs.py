@@ -137,7 +137,7 @@ class _Recorded(_Capture):
             for old, value in zip(tree_flatten(out)[0], tree_flatten(result)[0]):
                 if isinstance(old, torch.Tensor):  # (an op's output that is an external: itself, in place)
                     new[id(old)] = value
-        return tuple(current(t) for t in self.outputs)
+        return tuple(tree_map(current, self.outputs))  # (a pytree: each tensor its new value)
 
 
 class _CudaGraph(_Capture):
@@ -179,11 +179,12 @@ def _constant_key(x) -> Hashable:
 
 
 class Replay:
-    """``fn(*inputs) -> (tuple of output tensors, host value)`` captured for a key and replayed:
+    """``fn(*inputs) -> (tuple of outputs, host value)`` captured for a key and replayed (an output:
+    a tensor, None or a named tuple of them):
     ``inputs`` are pytrees (tuples, named tuples, lists, None) whose tensors are copied into the
     capture's static buffers on each call and whose other leaves (objects: caches, a drafter) are
     constants of the capture, part of its key with ``key`` (:func:`_constant_key`). Returns the
-    outputs (static: valid until the next call) and the host value the capture returned (e.g. how
+    outputs (static: valid until the capture's next replay) and the host value the capture returned (e.g. how
     many forwards it ran).
     A new key captures anew; up to ``most`` captures are kept (the least recently used let
     go first), a stale one (an external let go) is let go when found."""

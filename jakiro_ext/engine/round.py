@@ -48,11 +48,13 @@ class RoundInputs(NamedTuple):
 class RoundOutputs(NamedTuple):
     """What a round's device work gives back: each row's accepted ``path`` (tree nodes, the root
     first), its new ``tokens`` [B, width] (the accepted drafts, then the bonus), the target's
-    ``hidden`` states over the tree and the ``packed`` readback (:meth:`RoundReadback.pack`)."""
+    ``hidden`` states over the tree, the ``packed`` readback (:meth:`RoundReadback.pack`) and, a
+    captured round that drafted (which commits in its capture), the draft's new ``root_step``."""
     path: torch.Tensor
     tokens: torch.Tensor
     hidden: torch.Tensor
     packed: torch.Tensor
+    root_step: Optional[DraftStep] = None
 
 
 @dataclass
@@ -160,20 +162,26 @@ class Round:
         back = RoundReadback.read(out.packed, B)
         counts = [a + 1 for a in back.accepted]
         # The target's hidden states at the root and the accepted nodes are the draft's catch-up:
-        # now, or (a round that drafted nothing) with the next round that drafts.
+        # now (a captured round: done in its capture), or (a round that drafted nothing) with the
+        # next round that drafts.
         n, features = max(counts), None
-        if self.catch_up.drafts or s.keep_features:
+        deferred = self.catch_up.drafts and not drafter.drafts
+        if s.keep_features or deferred or (drafter.drafts and self.replay is None):
             if out.hidden.shape[1] == 1 and self.replay is None:  # (a replay's outputs are its buffers)
                 features = out.hidden  # a one-node tree's: the root's, as they are
             else:
                 index = out.path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1])
                 features = out.hidden.gather(1, index)
-        forwards = self.catch_up.forwards
-        step = self.catch_up.catch_up(state.draft_kv, out.tokens[:, :n], features) if drafter.drafts else None
-        state.commit(out.path, counts, step)
-        if self.catch_up.drafts and not drafter.drafts:  # (kept as they are: a replay's buffers copied)
+        if self.replay is None:
+            forwards = self.catch_up.forwards
+            step = self.catch_up.catch_up(state.draft_kv, out.tokens[:, :n], features) if drafter.drafts else None
+            state.commit(out.path, counts, step)
+            drafted += self.catch_up.forwards - forwards
+        else:
+            state.committed(counts, out.root_step)
+        if deferred:  # (kept as they are: a replay's buffers copied)
             state.defer_catch_up(out.tokens[:, :1] if self.replay is None else out.tokens[:, :1].clone(), features)
-        drafted += self.catch_up.forwards - forwards + caught_up
+        drafted += caught_up
         for b, (seq, a, new) in enumerate(zip(seqs, back.accepted, back.tokens)):
             if seq is None:
                 continue
@@ -228,5 +236,29 @@ class Round:
             tokens.scatter_(1, accepted.clamp(min=0).unsqueeze(1), bonus.unsqueeze(1))
         errors = tree.errors if tree.errors is not None else torch.zeros(len(DRAFT_ERRORS), dtype=torch.bool,
                                                                          device=inputs.roots.device)
-        return RoundOutputs(path, tokens, hidden, RoundReadback.pack(logits, errors, accepted, tokens)), \
-            drafter.forwards - forwards
+        packed = RoundReadback.pack(logits, errors, accepted, tokens)
+        root_step = None
+        if self.replay is not None:  # (captured: the commit too, and the draft's catch-up)
+            root_step = self._commit_captured(drafter, target_kv, draft_kv, path, accepted, tokens, hidden)
+        return RoundOutputs(path, tokens, hidden, packed, root_step), drafter.forwards - forwards
+
+    @staticmethod
+    def _commit_captured(drafter: Drafter, target_kv: KVCache, draft_kv: Optional[KVCache], path: torch.Tensor,
+                         accepted: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor) -> Optional[DraftStep]:
+        """A captured round's commit, the device's half (:meth:`BatchState.committed` is the
+        host's), and the draft's catch-up, in the capture, so that a round is one replay: row b
+        keeps its ``accepted[b] + 1`` new positions in both caches, the target's its path's, the
+        draft's the first of a catch-up forward over the round's new tokens with the target's
+        hidden states at the path's nodes. That forward's width is fixed, the tree's longest path
+        (a row's rows past its own computed, not kept, as a tree's padding is); the eager round's
+        is the longest accepted path, which only the host knows. Returns the new root step: each
+        row's last kept row of it (None when nothing is drafted)."""
+        counts = (accepted + 1).clamp(min=0)  # (-1: a logit row with no distribution; the readback raises)
+        target_kv.commit_on_device(counts, path)
+        if not drafter.drafts:
+            return None
+        width = min(path.shape[1], drafter.longest_path)
+        index = path[:, :width].clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+        step = drafter.catch_up(draft_kv, tokens[:, :width], hidden.gather(1, index))
+        draft_kv.commit_on_device(counts)
+        return step.rows((counts - 1).clamp(min=0).view(-1, 1))

@@ -151,6 +151,16 @@ class BatchState:
         if draft_step is not None:
             self._commit_draft(draft_step, on_device, counts)
 
+    def committed(self, counts: List[int], root_step: Optional[DraftStep]) -> None:
+        """A captured round's end, its device's half done in its capture (:class:`~jakiro_ext.engine.round.Round`):
+        row b kept ``counts[b]`` new positions in both caches (in the draft's, with a draft step)
+        and ``root_step`` [B, 1, ...] is the root step (a capture's output: rewritten by its next
+        replay, when it is the next round's)."""
+        self.target_kv.commit_on_host(counts)
+        if root_step is not None:
+            self.draft_kv.commit_on_host(counts)
+            self.root_step = root_step
+
     def _commit_draft(self, step: DraftStep, on_device: torch.Tensor, counts: List[int]) -> None:
         """The draft's cache keeps the first ``counts[b]`` rows of a catch-up forward's ``step``
         (``on_device``: the counts on the device); the last kept row becomes the row's root step

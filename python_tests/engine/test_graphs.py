@@ -98,6 +98,33 @@ def test_replayed_rounds_give_the_eager_tokens(target, mode, kind, method, tree,
             assert sum(sum(out.stats.accept_lengths) for out in eager.values()) > 0
 
 
+def test_a_captured_round_commits_and_catches_the_draft_up_in_its_capture(target, monkeypatch):
+    """A graphed round is one replay: its commit and the draft's catch-up (padded to the tree's
+    longest path) are in its capture, so no draft forward runs outside the captures but the
+    prompts' (the tokens and accept lengths equal the eager ones: test above), and after every
+    round each cache's lengths on the host equal those on the device."""
+    from jakiro_ext.engine.drafter import Drafter
+    from jakiro_ext.engine.round import Round
+    forwards, agree = [], []
+    catch_up, run = Drafter.catch_up, Round.run
+    monkeypatch.setattr(Drafter, "catch_up", lambda self, *args: (forwards.append(1), catch_up(self, *args))[1])
+
+    def checked(self, state, *args, **kwargs):
+        result = run(self, state, *args, **kwargs)
+        agree.extend(cache.lengths.tolist() == cache.host_lengths for cache in (state.target_kv, state.draft_kv)
+                     if cache is not None)
+        return result
+    monkeypatch.setattr(Round, "run", checked)
+    made = _count_captures(monkeypatch)
+    head = attentive_head(target, "jakiro")
+    kwargs = dict(method="jakiro", tree=TREES["dynamic-small"])
+    replayed = speculative_generate(target, head, PROMPTS[:3], 40, graphs="recorded", **kwargs)
+    assert len(made) > 5 and sum(made) >= 1 and all(agree) and len(agree) == 2 * len(made)
+    assert len(forwards) == len(PROMPTS[:3]) + sum(made)  # (a prompt of up to PREFILL_CHUNK tokens: one forward)
+    monkeypatch.undo()
+    assert [r.token_ids for r in replayed] == [speculative_generate(target, None, p, 40).token_ids for p in PROMPTS[:3]]
+
+
 def test_a_draft_position_baked_into_the_capture_changes_the_drafts(target, monkeypatch):
     """Negative control of the draft side: the draft's positions taken from its cache's host
     lengths (fixed at the capture) instead of the device's. Eager drafting does not see the

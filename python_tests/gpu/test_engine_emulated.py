@@ -57,6 +57,19 @@ def test_greedy_tokens_equal_the_cpu_engine(target, backend, kind, method, tree)
     assert ops.backend() == "native"
 
 
+def test_replayed_rounds_through_the_simt32_kernels_give_the_eager_tokens(target):
+    # A round captured with a CUDA graph's rules (graphs="recorded"; the commit and the draft's
+    # catch-up in the capture) on the GPU kernels: what a capture bakes in (a kernel's sizing by
+    # the host's lengths) would change the replayed rounds.
+    head = copy_head(target, "jakiro")
+    kwargs = dict(method="jakiro", tree=EMULATED_TREES["dynamic-small"])
+    with ops.use_backend("simt32"):
+        eager = speculative_generate(target, head, PROMPTS[:3], 2 * NEW_TOKENS, **kwargs)
+        replayed = speculative_generate(target, head, PROMPTS[:3], 2 * NEW_TOKENS, graphs="recorded", **kwargs)
+    assert all(same(r, e) for r, e in zip(replayed, eager, strict=True))
+    assert max(max(e.stats.accept_lengths) for e in eager) >= 2 and sum(len(e.stats.accept_lengths) for e in eager) > 6
+
+
 def test_sampling_through_the_simt32_kernels_follows_the_target_distribution():
     """At warp width 32 (the verification kernel's sampling at 64 lanes is checked against the
     reference in test_gpu_head_verify). A sample costs ~85 ms under the emulator, so 600 of them:

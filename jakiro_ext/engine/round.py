@@ -167,8 +167,8 @@ class Round:
         n, features = max(counts), None
         deferred = self.catch_up.drafts and not drafter.drafts
         if s.keep_features or deferred or (drafter.drafts and self.replay is None):
-            if out.hidden.shape[1] == 1 and self.replay is None:  # (a replay's outputs are its buffers)
-                features = out.hidden  # a one-node tree's: the root's, as they are
+            if out.hidden.shape[1] == 1:  # a one-node tree's: the root's (a replay's outputs are its buffers)
+                features = out.hidden if self.replay is None else out.hidden.clone()
             else:
                 index = out.path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1])
                 features = out.hidden.gather(1, index)

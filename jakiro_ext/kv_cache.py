@@ -156,12 +156,7 @@ class KVCache(nn.Module):
         """The first n of the tokens last written become part of each sequence's prefix: n an
         int (every sequence; negative: the last -n committed are dropped), or a [B] tensor whose
         values the caller knows on the host as ``host``."""
-        if isinstance(n, torch.Tensor):
-            if host is None or len(host) != self.batch:
-                raise ValueError(f"commit of a [B] tensor needs its {self.batch} values on the host, got {host!r}")
-            self.commit_on_host(host)
-        else:
-            self.commit_on_host([n] * self.batch)
+        self.commit_on_host(host if isinstance(n, torch.Tensor) else [n] * self.batch)
         self.lengths += n
 
     def commit_path(self, path: torch.Tensor, path_len: torch.Tensor, host_path_len: List[int]) -> None:
@@ -187,6 +182,8 @@ class KVCache(nn.Module):
 
     def commit_on_host(self, host: List[int]) -> None:
         """The host's half of a commit: each sequence's length grows by ``host[b]``."""
+        if host is None or len(host) != self.batch:
+            raise ValueError(f"commit of a [B] tensor needs its {self.batch} values on the host, got {host!r}")
         lengths = [a + b for a, b in zip(self.host_lengths, host)]
         if min(lengths) < 0:
             raise ValueError(f"a sequence's committed length would fall below 0: {lengths}")

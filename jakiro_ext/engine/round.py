@@ -170,8 +170,7 @@ class Round:
             if out.hidden.shape[1] == 1:  # a one-node tree's: the root's (a replay's outputs are its buffers)
                 features = out.hidden if self.replay is None else out.hidden.clone()
             else:
-                index = out.path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, out.hidden.shape[-1])
-                features = out.hidden.gather(1, index)
+                features = path_features(out.hidden, out.path, n)
         if self.replay is None:
             forwards = self.catch_up.forwards
             step = self.catch_up.catch_up(state.draft_kv, out.tokens[:, :n], features) if drafter.drafts else None
@@ -258,7 +257,13 @@ class Round:
         if not drafter.drafts:
             return None
         width = min(path.shape[1], drafter.longest_path)
-        index = path[:, :width].clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
-        step = drafter.catch_up(draft_kv, tokens[:, :width], hidden.gather(1, index))
+        step = drafter.catch_up(draft_kv, tokens[:, :width], path_features(hidden, path, width))
         draft_kv.commit_on_device(counts)
-        return step.rows((counts - 1).clamp(min=0).view(-1, 1))
+        return step.last_kept(counts)
+
+
+def path_features(hidden: torch.Tensor, path: torch.Tensor, n: int) -> torch.Tensor:
+    """The target's hidden states [B, n, H] at each row's first ``n`` path nodes (``hidden`` [B,
+    T, H] over the tree; a path's -1 padding reads the root's): what the draft catches up on."""
+    index = path[:, :n].clamp(min=0).unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+    return hidden.gather(1, index)

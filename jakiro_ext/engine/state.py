@@ -166,7 +166,7 @@ class BatchState:
         (``on_device``: the counts on the device); the last kept row becomes the row's root step
         (a row keeping none keeps its root step)."""
         self.draft_kv.commit(on_device, counts)
-        last = step.rows((on_device - 1).clamp(min=0).view(-1, 1))
+        last = step.last_kept(on_device)
         if self.root_step is None or min(counts) > 0:
             self.root_step = last
         else:

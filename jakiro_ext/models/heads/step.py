@@ -40,6 +40,10 @@ class DraftStep(NamedTuple):
         """Every field at rows [B, R] of each sequence: [B, R, ...]."""
         return DraftStep(*(None if t is None else take_rows(t, rows) for t in self))
 
+    def last_kept(self, counts: torch.Tensor) -> "DraftStep":
+        """Every field at each sequence's row ``counts[b] - 1`` (row 0 where it keeps none): [B, 1, ...]."""
+        return self.rows((counts - 1).clamp(min=0).view(-1, 1))
+
     def of_sequences(self, index: torch.Tensor) -> "DraftStep":
         """Every field for the sequences ``index`` [B'] (in that order)."""
         return DraftStep(*(None if t is None else t[index] for t in self))

@@ -14,7 +14,7 @@
 // Two ways to run the threads of a block:
 //   * default: cooperative fibers on the calling thread, switched only at barriers and shuffles:
 //     deterministic and fast, for the normal tests;
-//   * -DSIMT_EMU_THREADS: one OS thread per CUDA thread. Built with -fsanitize=thread, a missing
+//   * -DSIMT_EMU_THREADS: one OS thread per CUDA thread of a block (kept for the next blocks). Built with -fsanitize=thread, a missing
 //     __syncthreads or a non-atomic shared update is reported as a data race, which result
 //     comparisons alone can miss (csrc/simt/race_check.cpp).
 // Errors that a GPU would turn into hangs or undefined behaviour end the process with a message: a barrier
@@ -315,6 +315,58 @@ inline int linear_thread_index() {
 
 inline void* dynamic_shared_memory() { return block().shared.data(); }
 
+#if defined(SIMT_EMU_THREADS)
+// The OS threads that run a block's CUDA threads, kept across blocks and launches (one made per
+// CUDA thread of every block was most of the race check's time under ThreadSanitizer). Each
+// worker's lock is taken only by the worker and the launching thread: the launch happens before
+// every worker's body and every body before the launch's end, as with threads made and joined,
+// and no worker's body is ordered before another's, which would hide a race between them.
+class Workers {
+ public:
+  void run(int threads, const std::function<void(int)>& body) {
+    while (static_cast<int>(workers_.size()) < threads)
+      workers_.push_back(std::make_unique<Worker>(static_cast<int>(workers_.size())));
+    for (int t = 0; t < threads; ++t) workers_[t]->start(&body);
+    for (int t = 0; t < threads; ++t) workers_[t]->wait();
+  }
+
+ private:
+  struct Worker {
+    std::mutex mutex;
+    std::condition_variable cv;
+    const std::function<void(int)>* task = nullptr;  // guarded by `mutex`: set to run, cleared when run
+    explicit Worker(int index) { std::thread([this, index] { loop(index); }).detach(); }
+    void start(const std::function<void(int)>* body) {
+      std::lock_guard<std::mutex> lock(mutex);
+      task = body;
+      cv.notify_all();
+    }
+    void wait() {
+      std::unique_lock<std::mutex> lock(mutex);
+      cv.wait(lock, [this] { return task == nullptr; });
+    }
+    [[noreturn]] void loop(int index) {
+      std::unique_lock<std::mutex> lock(mutex);
+      for (;;) {
+        cv.wait(lock, [this] { return task != nullptr; });
+        const auto* body = task;
+        lock.unlock();
+        (*body)(index);
+        lock.lock();
+        task = nullptr;
+        cv.notify_all();
+      }
+    }
+  };
+  std::vector<std::unique_ptr<Worker>> workers_;
+};
+
+inline Workers& workers() {
+  static Workers* pool = new Workers;  // never destroyed: its detached threads wait in it until the process ends
+  return *pool;
+}
+#endif
+
 inline void syncthreads() { block().block_barrier.arrive_and_wait(); }
 inline void syncwarp() { block().warp_barriers[linear_thread_index() / SIMT_WARP_SIZE].arrive_and_wait(); }
 
@@ -355,16 +407,13 @@ inline void run_grid(dim3 grid, dim3 block_dims, size_t shared_bytes, const std:
         b.reset(static_cast<int>(threads), shared_bytes);
         const dim3 block_index(x, y, z);
 #if defined(SIMT_EMU_THREADS)
-        auto thread_body = [&](int t) {
+        const std::function<void(int)> thread_body = [&](int t) {
           blockIdx = block_index;
           threadIdx = dim3(t % block_dims.x, (t / block_dims.x) % block_dims.y, t / (block_dims.x * block_dims.y));
           body();
           b.thread_exited(t);
         };
-        std::vector<std::thread> workers;
-        workers.reserve(threads);
-        for (int t = 0; t < threads; ++t) workers.emplace_back(thread_body, t);
-        for (auto& w : workers) w.join();
+        workers().run(static_cast<int>(threads), thread_body);
 #else
         blockIdx = block_index;
         std::function<void()> fiber_body = [&] {

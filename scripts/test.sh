@@ -15,14 +15,11 @@
 # 3-5 build and run apart from the Python tests and need none of their results: they run in the
 # background at the lowest priority (nice 19) while 1, 2 and 6 run, on the CPU time the Python
 # tests leave (on 2 cores about half of one: much of a test is one Python thread); their logs
-# are shown when they end, and any that failed fails the run.
+# are shown when they end, and any that failed fails the run. The C++ tests and the CUDA build
+# check (its own environment) need nothing of .venv: they start before it is made, and the CUDA
+# build check, the longest, ends the run all the same.
 set -euo pipefail
-source "$(dirname "${BASH_SOURCE[0]}")/env.sh" pytest scipy sentencepiece  # (sentencepiece: llama.cpp's converter, in a test)
-# EAGLE's and Medusa's reference code, whose loops the integration tests run with this package's
-# ops (their pins are stale and none of them is needed for their loops: --no-deps).
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps eagle-llm==1.2.1 medusa-llm==0.1
-cd "$ROOT"
-
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 LOGS="$ROOT/build/test-logs"
 mkdir -p "$LOGS"
 NAMES=() TITLES=() PIDS=()
@@ -44,17 +41,24 @@ background cpp "C++ tests: kernel headers; GPU kernels under the SIMT emulator (
   cmake -S '$ROOT' -B '$ROOT/build/cmake' -DCMAKE_BUILD_TYPE=Release -DJAKIRO_WITH_TORCH=OFF > /dev/null
   cmake --build '$ROOT/build/cmake' -j 2 > /dev/null
   ctest --test-dir '$ROOT/build/cmake' --output-on-failure -j 2  # the two race checks (warp widths 32, 64) side by side"
-if [ "${JAKIRO_TEST_HIP_BUILD:-1}" = "0" ]; then
-  echo "== HIP compile check: left out (JAKIRO_TEST_HIP_BUILD=0)"
-else
-  background hip "HIP compile check" "PYTHON='$VENV/bin/python' bash '$ROOT/scripts/check_hip_build.sh'"
-fi
 if [ "${JAKIRO_TEST_CUDA_BUILD:-1}" = "0" ]; then
   echo "== CUDA build check: left out (JAKIRO_TEST_CUDA_BUILD=0)"
 else
   background cuda "CUDA build check" "bash '$ROOT/scripts/check_cuda_build.sh'"
 fi
 for title in "${TITLES[@]}"; do echo "== started in the background: $title"; done
+
+source "$ROOT/scripts/env.sh" pytest scipy sentencepiece  # (sentencepiece: llama.cpp's converter, in a test)
+# EAGLE's and Medusa's reference code, whose loops the integration tests run with this package's
+# ops (their pins are stale and none of them is needed for their loops: --no-deps).
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps eagle-llm==1.2.1 medusa-llm==0.1
+cd "$ROOT"
+if [ "${JAKIRO_TEST_HIP_BUILD:-1}" = "0" ]; then
+  echo "== HIP compile check: left out (JAKIRO_TEST_HIP_BUILD=0)"
+else  # (hipify comes with .venv's torch)
+  background hip "HIP compile check" "PYTHON='$VENV/bin/python' bash '$ROOT/scripts/check_hip_build.sh'"
+  echo "== started in the background: ${TITLES[-1]}"
+fi
 
 echo "== python tests (CPU build)"
 JAKIRO_EXPECT_CUDA=0 "$VENV/bin/pytest" -q python_tests

@@ -29,7 +29,8 @@ from jakiro_ext.training.loss import batch_loss, evaluate
 TREES = {"dynamic-small": TreeConfig(16, 4, 4), "dynamic-60-5-10": TreeConfig(60, 5, 10),
          "static": TreeConfig(choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]])}
 HEAD_METHODS = [("eagle2", "eagle2"), ("jakiro", "eagle2"), ("jakiro", "jakiro"), ("jakiro", "jakiro_star"),
-                ("gumiho", "eagle2"), ("gumiho", "gumiho"), ("jakiro_gumiho", "gumiho")]
+                ("gumiho", "eagle2"), ("gumiho", "gumiho"), ("jakiro_gumiho", "gumiho"),
+                ("eagle3", "eagle2")]  # (an EAGLE-3 head drafts as a dense head, on three of the target's layers)
 DYNAMIC_ONLY = ("jakiro", "gumiho")  # methods refused on a static tree (tested below)
 
 
@@ -44,6 +45,8 @@ def tiny_target(vocab: int = 211, embed_std: float = 0.02, seed: int = 0) -> Lla
 
 
 def random_head(target, kind, seed=1, std=0.2):
+    if kind == "eagle3":
+        return _eagle3_head(target, seed, std).bind(target)
     config = DraftConfig.for_target(target.config, kind, num_experts=4)
     return DraftHead(config).init_weights(seed, std=std).bind(target)
 
@@ -64,7 +67,10 @@ def copy_head(target, kind, scale=300.0):
     """A head whose feature is scale * embed(its input token): with tied embeddings it proposes
     the token it was given, which tiny random models tend to repeat, so drafts get accepted. A
     Gumiho head's later layers run the same: its serial layers add nothing, and its MLP heads
-    give SiLU of their leaf's ``fc`` output, close to it where the embedding is positive."""
+    give SiLU of their leaf's ``fc`` output, close to it where the embedding is positive. An
+    EAGLE-3 head: :func:`eagle3_copy_head`."""
+    if kind == "eagle3":
+        return eagle3_copy_head(target, scale)
     head = random_head(target, kind)
     H = target.config.hidden_size
     with torch.no_grad():
@@ -342,6 +348,37 @@ def make_examples(target, count=6):
 
 
 # ----------------------------------------------------------------------------- EAGLE-3
+def _eagle3_head(target, seed=1, std=0.2):
+    """A random EAGLE-3 head (unbound) on the streams entering the tiny target's layers 0, 1, 2,
+    its draft vocabulary the target's."""
+    from jakiro_ext.models.heads.eagle3 import Eagle3Config, Eagle3Head
+    from jakiro_ext.training import eagle3
+
+    c = target.config
+    config = Eagle3Config(hidden_size=c.hidden_size, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
+                          num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                          intermediate_size=c.intermediate_size, feature_layers=[0, 1, 2])
+    return eagle3.init_weights(Eagle3Head(config), seed=seed, std=std)
+
+
+def eagle3_copy_head(target, scale=300.0):
+    """An EAGLE-3 head that proposes a committed token again: it reads the streams entering the
+    target's layers 0, 1 and 2 (layer 0's is the token's embedding) and ``fc`` keeps
+    scale * embed(token); its attention and MLP add nothing (``o_proj`` and ``down_proj`` zero),
+    so a drafted row's feature is its parent's. Its draft vocabulary is the target's, reversed
+    (``d2t`` not the identity): its LM head is the tied embedding's rows in that order."""
+    head, V, H = _eagle3_head(target), target.config.vocab_size, target.config.hidden_size
+    order = torch.arange(V - 1, -1, -1)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :H] = torch.eye(H) * scale
+        head.o_proj.weight.zero_()
+        head.down_proj.weight.zero_()
+        head.lm_head.weight.copy_(target.embed_tokens.weight[order])
+        head.draft_to_target.copy_(order)
+    return head.bind(target)
+
+
 def six_layer_target():
     """A transformers Llama deep enough for EAGLE-3's default layers (2, L / 2, L - 3 = 2, 3, 3)."""
     torch.manual_seed(5)

@@ -31,7 +31,7 @@ def attentive_head(target, kind):
     them in changes the drafts, and the accept lengths the tests compare."""
     head = copy_head(target, kind)
     with torch.no_grad():
-        for i, layer in enumerate([head, *(head.layers if head.config.num_layers > 1 else ())]):
+        for i, layer in enumerate([head, *(head.layers if getattr(head.config, "num_layers", 1) > 1 else ())]):
             layer.o_proj.weight.normal_(0, 0.1, generator=torch.Generator().manual_seed(i))
     return head
 

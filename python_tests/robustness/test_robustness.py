@@ -332,7 +332,10 @@ def test_a_killed_emulator_build_does_not_hold_up_the_next():
     build.mkdir(parents=True, exist_ok=True)
     (build / "lock").touch()
     code = "from jakiro_ext.ops import emulator; print(emulator.emulated_ops(32).linear)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, cwd="/")
+    # (the build directory named: a subprocess that imports another copy of the package, as with
+    # a relative PYTHONPATH from "/", would otherwise build in that copy's own)
+    env = {**os.environ, "JAKIRO_SIMT_BUILD_DIR": str(emulator.build_root().resolve())}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, cwd="/", env=env)
     assert out.returncode == 0 and "jakiro_simt32.linear" in out.stdout, out.stderr[-2000:]
     assert not (build / "lock").exists()
 

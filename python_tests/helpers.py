@@ -23,6 +23,8 @@ from jakiro_ext.models import LlamaModel
 from jakiro_ext.models.default import default_model_dir
 from jakiro_ext.models.heads.config import DraftConfig
 from jakiro_ext.models.heads.draft_head import DraftHead
+from jakiro_ext.models.heads.eagle3 import Eagle3Config, Eagle3Head
+from jakiro_ext.training import eagle3
 from jakiro_ext.training.examples import collate, make_example
 from jakiro_ext.training.loss import batch_loss, evaluate
 
@@ -351,9 +353,6 @@ def make_examples(target, count=6):
 def _eagle3_head(target, seed=1, std=0.2):
     """A random EAGLE-3 head (unbound) on the streams entering the tiny target's layers 0, 1, 2,
     its draft vocabulary the target's."""
-    from jakiro_ext.models.heads.eagle3 import Eagle3Config, Eagle3Head
-    from jakiro_ext.training import eagle3
-
     c = target.config
     config = Eagle3Config(hidden_size=c.hidden_size, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
                           num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,

@@ -361,11 +361,13 @@ def _eagle3_head(target, seed=1, std=0.2):
 
 
 def eagle3_copy_head(target, scale=300.0):
-    """An EAGLE-3 head that proposes a committed token again: it reads the streams entering the
-    target's layers 0, 1 and 2 (layer 0's is the token's embedding) and ``fc`` keeps
-    scale * embed(token); its attention and MLP add nothing (``o_proj`` and ``down_proj`` zero),
-    so a drafted row's feature is its parent's. Its draft vocabulary is the target's, reversed
-    (``d2t`` not the identity): its LM head is the tied embedding's rows in that order."""
+    """An EAGLE-3 head that proposes the token before the one it is given, again and again: it
+    reads the streams entering the target's layers 0, 1 and 2, and ``fc`` keeps scale * the
+    first, the embedding of the committed token whose features they are (the token before the
+    row's input); its attention and MLP add nothing (``o_proj`` and ``down_proj`` zero), so a
+    drafted row's feature is its parent's. Runs of a repeated token, which tiny random models
+    tend to produce, get accepted. Its draft vocabulary is the target's, reversed (``d2t`` not
+    the identity): its LM head is the tied embedding's rows in that order."""
     head, V, H = _eagle3_head(target), target.config.vocab_size, target.config.hidden_size
     order = torch.arange(V - 1, -1, -1)
     with torch.no_grad():

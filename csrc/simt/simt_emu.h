@@ -14,9 +14,9 @@
 // Two ways to run the threads of a block:
 //   * default: cooperative fibers on the calling thread, switched only at barriers and shuffles:
 //     deterministic and fast, for the normal tests;
-//   * -DSIMT_EMU_THREADS: one OS thread per CUDA thread of a block (kept for the next blocks). Built with -fsanitize=thread, a missing
-//     __syncthreads or a non-atomic shared update is reported as a data race, which result
-//     comparisons alone can miss (csrc/simt/race_check.cpp).
+//   * -DSIMT_EMU_THREADS: one OS thread per CUDA thread of a block (kept for the next blocks).
+//     Built with -fsanitize=thread, a missing __syncthreads or a non-atomic shared update is
+//     reported as a data race, which result comparisons alone can miss (csrc/simt/race_check.cpp).
 // Errors that a GPU would turn into hangs or undefined behaviour end the process with a message: a barrier
 // or shuffle that some threads of the block (warp) never reach, blocks over 1024 threads,
 // shared memory requests over 228 KiB.
@@ -47,6 +47,7 @@
 #include <thread>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifndef SIMT_WARP_SIZE
@@ -317,10 +318,12 @@ inline void* dynamic_shared_memory() { return block().shared.data(); }
 
 #if defined(SIMT_EMU_THREADS)
 // The OS threads that run a block's CUDA threads, kept across blocks and launches (one made per
-// CUDA thread of every block was most of the race check's time under ThreadSanitizer). Each
-// worker's lock is taken only by the worker and the launching thread: the launch happens before
-// every worker's body and every body before the launch's end, as with threads made and joined,
-// and no worker's body is ordered before another's, which would hide a race between them.
+// CUDA thread of every block was most of the race check's time under ThreadSanitizer). The pool
+// must order no worker's body before another's, which would hide a race between them: each
+// worker has a lock the launching thread takes only to hand it a task (all tasks are handed out
+// before it waits for any), and another it waits at for the worker's end, which the worker takes
+// only after its body. So, as with threads made and joined, the launch happens before every body
+// and every body before the launch's end, and nothing else.
 class Workers {
  public:
   void run(int threads, const std::function<void(int)>& body) {
@@ -332,29 +335,33 @@ class Workers {
 
  private:
   struct Worker {
-    std::mutex mutex;
-    std::condition_variable cv;
-    const std::function<void(int)>* task = nullptr;  // guarded by `mutex`: set to run, cleared when run
+    std::mutex start_mutex, done_mutex;
+    std::condition_variable started, done;
+    const std::function<void(int)>* task = nullptr;  // guarded by start_mutex
+    bool finished = false;                           // guarded by done_mutex
     explicit Worker(int index) { std::thread([this, index] { loop(index); }).detach(); }
     void start(const std::function<void(int)>* body) {
-      std::lock_guard<std::mutex> lock(mutex);
+      std::lock_guard<std::mutex> lock(start_mutex);
       task = body;
-      cv.notify_all();
+      started.notify_one();
     }
     void wait() {
-      std::unique_lock<std::mutex> lock(mutex);
-      cv.wait(lock, [this] { return task == nullptr; });
+      std::unique_lock<std::mutex> lock(done_mutex);
+      done.wait(lock, [this] { return finished; });
+      finished = false;
     }
     [[noreturn]] void loop(int index) {
-      std::unique_lock<std::mutex> lock(mutex);
       for (;;) {
-        cv.wait(lock, [this] { return task != nullptr; });
-        const auto* body = task;
-        lock.unlock();
+        const std::function<void(int)>* body;
+        {
+          std::unique_lock<std::mutex> lock(start_mutex);
+          started.wait(lock, [this] { return task != nullptr; });
+          body = std::exchange(task, nullptr);
+        }
         (*body)(index);
-        lock.lock();
-        task = nullptr;
-        cv.notify_all();
+        std::lock_guard<std::mutex> lock(done_mutex);
+        finished = true;
+        done.notify_one();
       }
     }
   };
